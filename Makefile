@@ -1,0 +1,62 @@
+# One-command set-up and runs. Every target creates .venv if needed, installs
+# what is missing (a second run reuses everything) and builds the Rust
+# extension in release mode.
+#
+#   make demo       the main job (see README)
+#   make test       the whole test suite (what .ci/run calls)
+#   make test-all   the test suite plus the slow tests
+#   make bench      the side-by-side benchmarks (run alone on the machine)
+
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+PYTHON ?= python3.11
+VENV ?= .venv
+PY := $(abspath $(VENV))/bin/python
+EXTRAS ?= train,actor,dev,bench
+DEPS_STAMP := $(VENV)/.deps-$(shell cat pyproject.toml scripts/deps.py | sha1sum | cut -c1-12)
+export PYO3_PYTHON := $(PY)
+export VIRTUAL_ENV := $(abspath $(VENV))
+export PATH := $(abspath $(VENV))/bin:$(PATH)
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.PHONY: setup build demo test test-all lint rust-test py-test bench clean
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(DEPS_STAMP): pyproject.toml scripts/deps.py | $(VENV)/bin/python
+	$(PY) scripts/deps.py $(EXTRAS) > $(VENV)/requirements.txt
+	$(PY) -m pip install -q -r $(VENV)/requirements.txt
+	rm -f $(VENV)/.deps-* && touch $@
+
+# maturin develop: incremental cargo build in release mode, installs arpo editable.
+build: $(DEPS_STAMP)
+	maturin develop --release -q
+
+setup: build
+
+demo: setup
+	$(PY) -m arpo.cli demo
+
+lint: setup
+	ruff check .
+	ruff format --check .
+	cargo fmt --all --check
+	cargo clippy --workspace --all-targets -- -D warnings
+
+rust-test: setup
+	cargo test --workspace
+
+py-test: setup
+	$(PY) -m pytest -q
+
+test: lint rust-test py-test
+
+test-all: lint rust-test
+	$(PY) -m pytest -q -m "slow or not slow"
+
+bench: setup
+	$(PY) benchmarks/bench_wire.py
+
+clean:
+	rm -rf $(VENV) target

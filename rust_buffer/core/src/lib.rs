@@ -1,0 +1,1 @@
+//! arpo-buffer: the replay store keyed by task (work in progress).
