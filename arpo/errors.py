@@ -21,7 +21,7 @@ class RecordError(ArpoError, ValueError):
     """A trajectory record is inconsistent (array lengths, dtypes, unknown status)."""
 
 
-class BufferError(ArpoError):  # noqa: A001 - shadows the builtin on purpose inside arpo.errors
+class BufferError(ArpoError):
     """Base class of the replay store's errors."""
 
 

@@ -1,0 +1,356 @@
+"""One small config system for every arpo command.
+
+A component's configuration is one dataclass whose fields are declared with
+`option(default, "what it means")`, so every field carries its documentation.
+Configurations load from a TOML file (nested dataclasses are TOML tables) and
+are overridden from the command line with `section.field=value` (the value is
+TOML: `lr=1e-6`, `tasks=["a","b"]`, `name="x"`; a bare word is taken as a string
+where the field is a string).
+
+Every error is a `ConfigError` that names the field by its dotted path and says
+how to fix it: an unknown name (with the closest known names), a value of the
+wrong type, an unparsable override, or an invalid combination reported by the
+dataclass's own `validate()` (call `fail(field, reason)` there).
+
+    @dataclass
+    class LearnerConfig:
+        lr: float = option(1e-6, "AdamW learning rate.")
+        group_size: int = option(8, "Episodes per task group.")
+
+        def validate(self) -> None:
+            if self.group_size < 2:
+                fail("group_size", "must be at least 2 (GRPO needs a group to compare)")
+
+    cfg = load_config(LearnerConfig, "run.toml", ["lr=3e-6"])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import enum
+import sys
+import tomllib
+import types
+import typing
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
+
+from arpo.errors import ConfigError
+
+T = TypeVar("T")
+
+_MISSING = dataclasses.MISSING
+
+
+def option(default: Any = _MISSING, doc: str = "", *, factory: Callable[[], Any] | None = None):
+    """Declare a documented config field. Mutable defaults go through `factory`."""
+    if not doc:
+        raise TypeError("option() needs a documentation string for the field")
+    if factory is not None:
+        return dataclasses.field(default_factory=factory, metadata={"doc": doc})
+    if isinstance(default, list | dict | set):
+        raise TypeError("use option(factory=...) for list, dict or set defaults")
+    if dataclasses.is_dataclass(default) and not isinstance(default, type):
+        # A nested config's default instance: build a fresh one for every parent.
+        return dataclasses.field(
+            default_factory=lambda d=default: dataclasses.replace(d), metadata={"doc": doc}
+        )
+    return dataclasses.field(default=default, metadata={"doc": doc})
+
+
+class _FieldFailure(Exception):
+    def __init__(self, field: str, reason: str):
+        super().__init__(field, reason)
+        self.field = field
+        self.reason = reason
+
+
+def fail(field: str, reason: str) -> typing.NoReturn:
+    """Raise from a config's `validate()`: `field` is the field's name, `reason` the fix."""
+    raise _FieldFailure(field, reason)
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The documentation of every field of a config dataclass, by dotted path."""
+    out: dict[str, str] = {}
+    hints = get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        out[f.name] = f.metadata.get("doc", "")
+        sub = hints[f.name]
+        if dataclasses.is_dataclass(sub):
+            for k, v in field_docs(sub).items():
+                out[f"{f.name}.{k}"] = v
+    return out
+
+
+def describe(cls: type) -> str:
+    """A plain-text listing of every field, its type, default and documentation."""
+    lines = []
+    defaults = to_dict(cls())
+    hints = get_type_hints(cls)
+
+    def walk(c: type, prefix: str, values: Mapping[str, Any]) -> None:
+        h = get_type_hints(c)
+        for f in dataclasses.fields(c):
+            t = h[f.name]
+            if dataclasses.is_dataclass(t):
+                lines.append(f"[{prefix}{f.name}]  {f.metadata.get('doc', '')}")
+                walk(t, f"{prefix}{f.name}.", values[f.name])
+            else:
+                lines.append(
+                    f"  {prefix}{f.name}: {_type_name(t)} = {values[f.name]!r}\n"
+                    f"      {f.metadata.get('doc', '')}"
+                )
+
+    del hints
+    walk(cls, "", defaults)
+    return "\n".join(lines)
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """A config as plain data (enums by value, paths as strings), TOML-serialisable."""
+
+    def conv(v: Any) -> Any:
+        if dataclasses.is_dataclass(v) and not isinstance(v, type):
+            return {f.name: conv(getattr(v, f.name)) for f in dataclasses.fields(v)}
+        if isinstance(v, enum.Enum):
+            return v.value
+        if isinstance(v, Path):
+            return str(v)
+        if isinstance(v, tuple | list):
+            return [conv(x) for x in v]
+        if isinstance(v, dict):
+            return {k: conv(x) for k, x in v.items()}
+        return v
+
+    return conv(cfg)
+
+
+def from_dict(cls: type[T], data: Mapping[str, Any], *, prefix: str = "") -> T:
+    """Build a config dataclass from plain data, checking every name and type."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(
+            f"{prefix.rstrip('.') or 'config'}: expected a table of fields, "
+            f"got {type(data).__name__}"
+        )
+    hints = get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        path = f"{prefix}{key}"
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), fields, n=3)
+            hint = f"; did you mean {', '.join(repr(prefix + c) for c in close)}?" if close else ""
+            known = ", ".join(sorted(fields))
+            raise ConfigError(
+                f"unknown config field {path!r}{hint} (known fields of "
+                f"{prefix.rstrip('.') or cls.__name__}: {known})"
+            )
+        t = hints[key]
+        if dataclasses.is_dataclass(t):
+            kwargs[key] = from_dict(t, value, prefix=f"{path}.")
+        else:
+            kwargs[key] = _coerce(value, t, path)
+    try:
+        cfg = cls(**kwargs)
+    except TypeError as e:  # a required field without a default
+        raise ConfigError(f"{prefix.rstrip('.') or cls.__name__}: {e}") from None
+    _validate(cfg, prefix)
+    return cfg
+
+
+def _validate(cfg: Any, prefix: str) -> None:
+    hints = get_type_hints(type(cfg))
+    for f in dataclasses.fields(cfg):
+        if dataclasses.is_dataclass(hints[f.name]):
+            _validate(getattr(cfg, f.name), f"{prefix}{f.name}.")
+    check = getattr(cfg, "validate", None)
+    if check is not None:
+        try:
+            check()
+        except _FieldFailure as e:
+            raise ConfigError(f"config field {prefix}{e.field!s}: {e.reason}") from None
+
+
+def validate(cfg: Any) -> Any:
+    """Run the type checks and `validate()` of a config built in code; returns it."""
+    return from_dict(type(cfg), to_dict(cfg))
+
+
+def parse_override(text: str) -> tuple[list[str], str]:
+    """Split `a.b=value` into (["a", "b"], "value")."""
+    if "=" not in text:
+        raise ConfigError(
+            f"override {text!r} is not of the form field=value (e.g. learner.lr=1e-6)"
+        )
+    key, value = text.split("=", 1)
+    key = key.strip().removeprefix("--")
+    if not key or any(not part.strip() for part in key.split(".")):
+        raise ConfigError(f"override {text!r} has an empty field name")
+    return [p.strip() for p in key.split(".")], value.strip()
+
+
+def load_config(cls: type[T], path: str | Path | None = None, overrides: Sequence[str] = ()) -> T:
+    """Defaults, then the TOML file at `path` (if any), then `field=value` overrides."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        try:
+            data = tomllib.loads(p.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {str(p)!r} does not exist") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from None
+    hints_cache: dict[type, dict[str, Any]] = {}
+    for text in overrides:
+        keys, raw = parse_override(text)
+        # Walk the dataclass to find the target type, so a bare word can be a string.
+        cur: type = cls
+        target: Any = None
+        for i, k in enumerate(keys):
+            hints = hints_cache.setdefault(cur, get_type_hints(cur))
+            if k not in hints:
+                dotted = ".".join(keys[: i + 1])
+                close = difflib.get_close_matches(k, list(hints), n=3)
+                prefix = ".".join(keys[:i]) + "." if i else ""
+                hint = (
+                    f"; did you mean {', '.join(repr(prefix + c) for c in close)}?" if close else ""
+                )
+                raise ConfigError(f"unknown config field {dotted!r} in override {text!r}{hint}")
+            target = hints[k]
+            if i < len(keys) - 1:
+                if not dataclasses.is_dataclass(target):
+                    raise ConfigError(
+                        f"override {text!r}: {'.'.join(keys[: i + 1])!r} is a "
+                        f"{_type_name(target)}, not a table"
+                    )
+                cur = target
+        value = _parse_value(raw, target, ".".join(keys))
+        node = data
+        for k in keys[:-1]:
+            nxt = node.setdefault(k, {})
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"override {text!r}: {k!r} is not a table in the config file")
+            node = nxt
+        node[keys[-1]] = value
+    return from_dict(cls, data)
+
+
+def _parse_value(raw: str, target: Any, path: str) -> Any:
+    if dataclasses.is_dataclass(target):
+        raise ConfigError(f"override of {path!r}: it is a table; set its fields ({path}.NAME=...)")
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        if _accepts_str(target):
+            return raw
+        raise ConfigError(
+            f"config field {path!r}: cannot parse {raw!r} as a {_type_name(target)} "
+            f"(write the value in TOML syntax, strings in quotes)"
+        ) from None
+
+
+def _accepts_str(t: Any) -> bool:
+    if t is str or t is Path or (isinstance(t, type) and issubclass(t, enum.Enum)):
+        return True
+    if get_origin(t) is Literal:
+        return any(isinstance(a, str) for a in get_args(t))
+    if get_origin(t) in (typing.Union, types.UnionType):
+        return any(_accepts_str(a) for a in get_args(t))
+    return False
+
+
+def _type_name(t: Any) -> str:
+    if get_origin(t) is Literal:
+        return "one of " + ", ".join(repr(a) for a in get_args(t))
+    if isinstance(t, type):
+        return t.__name__
+    return str(t).replace("typing.", "")
+
+
+def _coerce(value: Any, t: Any, path: str) -> Any:
+    """Check `value` against the annotation `t`; convert int->float and str->Path/enum."""
+    origin = get_origin(t)
+
+    def bad(expected: str | None = None) -> ConfigError:
+        return ConfigError(
+            f"config field {path!r} must be {expected or _type_name(t)}, "
+            f"got {value!r} ({type(value).__name__})"
+        )
+
+    if t is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = get_args(t)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(value, a, path)
+            except ConfigError as e:
+                errors.append(e)
+        raise bad()
+    if origin is Literal:
+        if value in get_args(t) and type(value) in {type(a) for a in get_args(t)}:
+            return value
+        raise bad()
+    if t is bool:
+        if isinstance(value, bool):
+            return value
+        raise bad("true or false")
+    if t is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise bad("an integer")
+    if t is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        raise bad("a number")
+    if t is str:
+        if isinstance(value, str):
+            return value
+        raise bad("a string")
+    if t is Path:
+        if isinstance(value, str | Path):
+            return Path(value)
+        raise bad("a path (string)")
+    if isinstance(t, type) and issubclass(t, enum.Enum):
+        try:
+            return t(value)
+        except ValueError:
+            raise bad("one of " + ", ".join(repr(m.value) for m in t)) from None
+    if origin in (list, tuple, Sequence) or t in (list, tuple):
+        if not isinstance(value, list | tuple):
+            raise bad("a list")
+        args = get_args(t)
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            if len(args) != len(value):
+                raise bad(f"a list of {len(args)} items")
+            items = [
+                _coerce(v, a, f"{path}[{i}]")
+                for i, (v, a) in enumerate(zip(value, args, strict=True))
+            ]
+        else:
+            a = args[0] if args else Any
+            items = [_coerce(v, a, f"{path}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple or t is tuple else items
+    if origin in (dict, Mapping) or t is dict:
+        if not isinstance(value, Mapping):
+            raise bad("a table")
+        args = get_args(t) or (str, Any)
+        return {
+            _coerce(k, args[0], f"{path}.<key>"): _coerce(v, args[1], f"{path}.{k}")
+            for k, v in value.items()
+        }
+    if isinstance(t, type) and isinstance(value, t):
+        return value
+    raise bad()
+
+
+def main_help(cls: type) -> None:  # pragma: no cover - convenience for CLIs
+    sys.stdout.write(describe(cls) + "\n")

@@ -1,0 +1,318 @@
+"""The trajectory record: one episode of one task, token-in / token-out.
+
+Everything needed to rebuild the exact training sequence without tokenising text
+again (DESIGN section 3):
+
+- per turn: the prompt token ids added at this turn (the user message with its
+  image placeholder tokens), the PNG bytes of the screenshot shown, the sampled
+  response token ids, the behaviour log-probability of every sampled token, the
+  policy version that generated the turn, the parsed action and whether it parsed;
+- outcome: checker score, format reward, total reward, status, wall times;
+- ids: trajectory (uuid hex), task, group (the task grant), slot in the group, actor.
+
+The training sequence is `prompt_0 + response_0 + prompt_1 + response_1 + ...`;
+the loss mask covers the response tokens only (`Trajectory.sequence()`).
+
+Records cross process boundaries, so they are frozen, slotted dataclasses and
+validate on construction: dtypes (int32 ids, float32 log-probs, 1-D), equal
+lengths of response ids and log-probs, PNG signature, finite rewards, a known
+status. Lists are accepted and converted; numpy arrays of the right dtype are
+kept as they are (views from the wire decoder stay views).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from arpo.errors import RecordError
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+Bytes = bytes | bytearray | memoryview
+
+
+class Status(enum.StrEnum):
+    """How an episode ended. Only `ok` episodes are trained on."""
+
+    OK = "ok"
+    """The episode ran and was evaluated; the checker score is meaningful."""
+    ENV_ERROR = "env_error"
+    """The environment failed (reset, setup, screenshot, execute): not the agent's fault."""
+    EVAL_ERROR = "eval_error"
+    """The evaluator raised: the score is unknown, never 0."""
+    TIMEOUT = "timeout"
+    """The episode exceeded its wall-clock budget."""
+
+
+def _array(value: Any, dtype: np.dtype, name: str) -> np.ndarray:
+    if isinstance(value, np.ndarray):
+        if value.dtype != dtype:
+            raise RecordError(
+                f"{name} must have dtype {dtype.name}, got {value.dtype.name} "
+                f"(convert with .astype(np.{dtype.name}))"
+            )
+        if value.ndim != 1:
+            raise RecordError(f"{name} must be 1-D, got shape {value.shape}")
+        return value
+    if isinstance(value, str | bytes | bytearray | memoryview) or not isinstance(value, Sequence):
+        raise RecordError(
+            f"{name} must be a 1-D array or list of numbers, got {type(value).__name__}"
+        )
+    try:
+        raw = np.asarray(value)
+    except (TypeError, ValueError) as e:
+        raise RecordError(f"{name} cannot be converted to {dtype.name}: {e}") from None
+    if raw.ndim != 1:
+        raise RecordError(f"{name} must be 1-D, got shape {raw.shape}")
+    if raw.size:
+        allowed = "iu" if dtype.kind == "i" else "iuf"
+        if raw.dtype.kind not in allowed:
+            kind = "integers" if dtype.kind == "i" else "numbers"
+            raise RecordError(f"{name} must contain {kind}, got {raw.dtype.name} values")
+        if dtype.kind == "i":
+            info = np.iinfo(dtype)
+            if int(raw.min()) < info.min or int(raw.max()) > info.max:
+                raise RecordError(f"{name} has values outside the {dtype.name} range")
+    arr = raw.astype(dtype)
+    return arr
+
+
+_I32 = np.dtype(np.int32)
+_F32 = np.dtype(np.float32)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Turn:
+    """One step of an episode: what the model saw, what it sampled, what it did."""
+
+    prompt_ids: np.ndarray
+    """Token ids (int32) appended to the context at this turn, before the response."""
+    screenshot: Bytes
+    """PNG bytes of the screenshot shown at this turn (empty if none was shown)."""
+    response_ids: np.ndarray
+    """Sampled token ids (int32) of the model's response."""
+    logprobs: np.ndarray
+    """Behaviour log-probability (float32) of every sampled token; same length as response_ids."""
+    policy_version: int
+    """Version of the policy weights that sampled this turn."""
+    action: str = ""
+    """The parsed action: pyautogui code, or WAIT / DONE / FAIL; empty when not parsed."""
+    parsed: bool = True
+    """Whether the response parsed into an action."""
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        set_(self, "prompt_ids", _array(self.prompt_ids, _I32, "turn.prompt_ids"))
+        set_(self, "response_ids", _array(self.response_ids, _I32, "turn.response_ids"))
+        set_(self, "logprobs", _array(self.logprobs, _F32, "turn.logprobs"))
+        if self.logprobs.size and not np.isfinite(self.logprobs).all():
+            raise RecordError("turn.logprobs must be finite (no NaN or inf)")
+        if len(self.logprobs) != len(self.response_ids):
+            raise RecordError(
+                f"turn.logprobs has {len(self.logprobs)} entries but turn.response_ids has "
+                f"{len(self.response_ids)}: there must be one log-prob per sampled token"
+            )
+        if not isinstance(self.screenshot, bytes | bytearray | memoryview):
+            raise RecordError(
+                f"turn.screenshot must be PNG bytes, got {type(self.screenshot).__name__}"
+            )
+        if len(self.screenshot) and bytes(self.screenshot[:8]) != PNG_SIGNATURE:
+            raise RecordError("turn.screenshot is not a PNG (missing the PNG signature)")
+        if not isinstance(self.policy_version, int) or isinstance(self.policy_version, bool):
+            raise RecordError(
+                f"turn.policy_version must be an int, got {type(self.policy_version).__name__}"
+            )
+        if self.policy_version < 0:
+            raise RecordError(f"turn.policy_version must be >= 0, got {self.policy_version}")
+        if not isinstance(self.action, str):
+            raise RecordError(f"turn.action must be a str, got {type(self.action).__name__}")
+        if not isinstance(self.parsed, bool):
+            raise RecordError(f"turn.parsed must be a bool, got {type(self.parsed).__name__}")
+
+    @classmethod
+    def trusted(
+        cls,
+        prompt_ids: np.ndarray,
+        screenshot: Bytes,
+        response_ids: np.ndarray,
+        logprobs: np.ndarray,
+        policy_version: int,
+        action: str,
+        parsed: bool,
+    ) -> Turn:
+        """Build a Turn from values the caller has already validated (the wire decoder
+        checks whole frames at once); skips the per-field checks of the constructor."""
+        t = object.__new__(cls)
+        set_ = object.__setattr__
+        set_(t, "prompt_ids", prompt_ids)
+        set_(t, "screenshot", screenshot)
+        set_(t, "response_ids", response_ids)
+        set_(t, "logprobs", logprobs)
+        set_(t, "policy_version", policy_version)
+        set_(t, "action", action)
+        set_(t, "parsed", parsed)
+        return t
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Turn):
+            return NotImplemented
+        return (
+            np.array_equal(self.prompt_ids, other.prompt_ids)
+            and bytes(self.screenshot) == bytes(other.screenshot)
+            and np.array_equal(self.response_ids, other.response_ids)
+            and np.array_equal(self.logprobs, other.logprobs, equal_nan=True)
+            and self.policy_version == other.policy_version
+            and self.action == other.action
+            and self.parsed == other.parsed
+        )
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def _finite(value: Any, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise RecordError(f"{name} must be a number, got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise RecordError(f"{name} must be finite, got {value}")
+    return value
+
+
+def _ident(value: Any, name: str, *, allow_empty: bool = False) -> str:
+    if not isinstance(value, str):
+        raise RecordError(f"{name} must be a str, got {type(value).__name__}")
+    if not value and not allow_empty:
+        raise RecordError(f"{name} must not be empty")
+    if len(value.encode("utf-8", "surrogatepass")) > 1024:
+        raise RecordError(f"{name} is longer than 1024 bytes")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise RecordError(f"{name} is not valid unicode (lone surrogate)") from None
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class Trajectory:
+    """One episode of one task, as sent by an actor and stored for training."""
+
+    task_id: str
+    """The task's id (OSWorld task ids are uuids; any non-empty string)."""
+    turns: tuple[Turn, ...]
+    """The episode's turns in order."""
+    checker_score: float
+    """The task checker's score in [0, 1] (0 when status is not ok)."""
+    format_reward: float = 0.0
+    """0, or -1 when a response could not be parsed (which also ends the episode)."""
+    reward: float = 0.0
+    """The total reward used for advantages: checker_score + 0.5 * format_reward by default."""
+    status: Status = Status.OK
+    """How the episode ended; only `ok` episodes are trained on."""
+    trajectory_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    """Unique id of the episode; the learner ignores an id it has already stored."""
+    group_id: str = ""
+    """The task grant this episode fills (GRPO groups are formed by group id)."""
+    slot: int = 0
+    """The position of this episode in its group."""
+    actor_id: str = ""
+    """The actor process that ran the episode."""
+    timings: Mapping[str, float] = field(default_factory=dict)
+    """Wall times in seconds by stage (e.g. reset, setup, policy, env, evaluate, total)."""
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        _ident(self.task_id, "trajectory.task_id")
+        _ident(self.trajectory_id, "trajectory.trajectory_id")
+        _ident(self.group_id, "trajectory.group_id", allow_empty=True)
+        _ident(self.actor_id, "trajectory.actor_id", allow_empty=True)
+        if isinstance(self.turns, Turn) or not isinstance(self.turns, Sequence):
+            raise RecordError(
+                f"trajectory.turns must be a sequence of Turn, got {type(self.turns).__name__}"
+            )
+        turns = tuple(self.turns)
+        for i, t in enumerate(turns):
+            if not isinstance(t, Turn):
+                raise RecordError(f"trajectory.turns[{i}] must be a Turn, got {type(t).__name__}")
+        set_(self, "turns", turns)
+        set_(self, "checker_score", _finite(self.checker_score, "trajectory.checker_score"))
+        set_(self, "format_reward", _finite(self.format_reward, "trajectory.format_reward"))
+        set_(self, "reward", _finite(self.reward, "trajectory.reward"))
+        try:
+            set_(self, "status", Status(self.status))
+        except ValueError:
+            known = ", ".join(s.value for s in Status)
+            raise RecordError(f"trajectory.status {self.status!r} is not one of {known}") from None
+        if isinstance(self.slot, bool) or not isinstance(self.slot, int) or self.slot < 0:
+            raise RecordError(f"trajectory.slot must be an int >= 0, got {self.slot!r}")
+        if not isinstance(self.timings, Mapping):
+            raise RecordError(
+                f"trajectory.timings must be a mapping, got {type(self.timings).__name__}"
+            )
+        timings = {}
+        for k, v in self.timings.items():
+            _ident(k, "trajectory.timings key")
+            timings[k] = _finite(v, f"trajectory.timings[{k!r}]")
+        set_(self, "timings", timings)
+
+    @property
+    def steps(self) -> int:
+        """Number of turns (actions sampled) in the episode."""
+        return len(self.turns)
+
+    @property
+    def min_version(self) -> int:
+        """Oldest policy version among the turns (-1 for an episode without turns)."""
+        return min((t.policy_version for t in self.turns), default=-1)
+
+    @property
+    def max_version(self) -> int:
+        """Newest policy version among the turns (-1 for an episode without turns)."""
+        return max((t.policy_version for t in self.turns), default=-1)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(t.prompt_ids) + len(t.response_ids) for t in self.turns)
+
+    @property
+    def png_bytes(self) -> int:
+        return sum(len(t.screenshot) for t in self.turns)
+
+    def sequence(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The training sequence: (token ids int32, loss mask bool, behaviour log-probs float32).
+
+        Log-probs are 0 where the mask is False (prompt tokens).
+        """
+        ids, mask, lps = [], [], []
+        for t in self.turns:
+            ids += [t.prompt_ids, t.response_ids]
+            mask += [np.zeros(len(t.prompt_ids), bool), np.ones(len(t.response_ids), bool)]
+            lps += [np.zeros(len(t.prompt_ids), np.float32), t.logprobs]
+        if not ids:
+            return np.zeros(0, np.int32), np.zeros(0, bool), np.zeros(0, np.float32)
+        return np.concatenate(ids), np.concatenate(mask), np.concatenate(lps)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Trajectory):
+            return NotImplemented
+        return (
+            self.task_id == other.task_id
+            and self.trajectory_id == other.trajectory_id
+            and self.group_id == other.group_id
+            and self.slot == other.slot
+            and self.actor_id == other.actor_id
+            and self.checker_score == other.checker_score
+            and self.format_reward == other.format_reward
+            and self.reward == other.reward
+            and self.status == other.status
+            and dict(self.timings) == dict(other.timings)
+            and self.turns == other.turns
+        )
+
+    __hash__ = None  # type: ignore[assignment]

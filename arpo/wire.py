@@ -1,0 +1,353 @@
+"""The wire format: the one encoder and decoder for everything that crosses a socket.
+
+A message is a list of frames (a ZeroMQ multipart message):
+
+    frame 0   preamble, 8 bytes: b"ARPO", wire version (u8), message kind (u8), 2 zero bytes
+    frame 1   header: a msgpack map with exactly the keys of the kind (no ext types)
+    frame 2.. payload frames declared by the header (raw little-endian arrays, PNG bytes)
+
+Trajectory (kind 1): header keys `tid task group slot actor score fmt reward
+status timings turns`, where `turns` is a list of
+`[n_prompt, n_response, n_png, policy_version, parsed, action]`; then three frames
+holding every turn's prompt ids (int32), response ids (int32) and log-probs
+(float32) concatenated in turn order, then one frame per turn with its PNG.
+
+Ack (kind 2): header `{"ids": [trajectory ids]}`, no payload frames.
+
+Nothing large is copied or pickled: `encode` hands out the record's own PNG
+buffers as frames (the three token frames are one concatenation, a few tens of
+KB), and `decode` returns numpy views and memoryviews into the received frames
+(keep the frames alive as long as the record; the views do that themselves).
+
+Any malformed input (wrong magic or version, unknown kind, truncated or extra or
+missing frames, lengths that disagree, wrong types in the header, garbage bytes,
+declared sizes beyond the limits below) raises `WireError` with the reason, and
+nothing else. Memory use is bounded by the size of the frames received: the
+decoder never allocates from a declared size.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from arpo.errors import RecordError, WireError
+from arpo.record import PNG_SIGNATURE, Status, Trajectory, Turn
+
+WIRE_VERSION = 1
+MAGIC = b"ARPO"
+_PREAMBLE = struct.Struct("<4sBBH")
+
+KIND_TRAJECTORY = 1
+KIND_ACK = 2
+
+MAX_HEADER_BYTES = 4 << 20
+"""Largest accepted header frame (a 15-turn trajectory's header is about 1 KB)."""
+MAX_TURNS = 4096
+"""Most turns accepted in one trajectory."""
+MAX_ACK_IDS = 65536
+"""Most trajectory ids in one acknowledgement."""
+MAX_STR_BYTES = 1 << 20
+"""Longest string accepted in a header (actions can hold typed text)."""
+
+_I32 = np.dtype("<i4")
+_F32 = np.dtype("<f4")
+
+_TRAJ_KEYS = frozenset(
+    (
+        "tid",
+        "task",
+        "group",
+        "slot",
+        "actor",
+        "score",
+        "fmt",
+        "reward",
+        "status",
+        "timings",
+        "turns",
+    )
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Ack:
+    """The learner's acknowledgement: these trajectories are safely in the store."""
+
+    ids: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ids", tuple(self.ids))
+        for i in self.ids:
+            if not isinstance(i, str) or not i:
+                raise WireError(f"ack ids must be non-empty strings, got {i!r}")
+
+
+Message = Trajectory | Ack
+Frame = bytes | bytearray | memoryview
+
+
+def _preamble(kind: int) -> bytes:
+    return _PREAMBLE.pack(MAGIC, WIRE_VERSION, kind, 0)
+
+
+def _pack(header: dict[str, Any]) -> bytes:
+    return msgpack.packb(header, use_bin_type=True)
+
+
+def encode(msg: Message) -> list[Frame]:
+    """Encode a message into frames. PNG frames are the record's own buffers (no copy)."""
+    if isinstance(msg, Trajectory):
+        return _encode_trajectory(msg)
+    if isinstance(msg, Ack):
+        return [_preamble(KIND_ACK), _pack({"ids": list(msg.ids)})]
+    raise TypeError(f"cannot encode {type(msg).__name__}; expected Trajectory or Ack")
+
+
+def trajectory_header(traj: Trajectory) -> dict[str, Any]:
+    """The header map of a trajectory (also used as the replay store's metadata)."""
+    return {
+        "tid": traj.trajectory_id,
+        "task": traj.task_id,
+        "group": traj.group_id,
+        "slot": traj.slot,
+        "actor": traj.actor_id,
+        "score": traj.checker_score,
+        "fmt": traj.format_reward,
+        "reward": traj.reward,
+        "status": traj.status.value,
+        "timings": dict(traj.timings),
+        "turns": [
+            [
+                len(t.prompt_ids),
+                len(t.response_ids),
+                len(t.screenshot),
+                t.policy_version,
+                t.parsed,
+                t.action,
+            ]
+            for t in traj.turns
+        ],
+    }
+
+
+def _concat(arrays: list[np.ndarray], dtype: np.dtype) -> bytes | memoryview:
+    if not arrays:
+        return b""
+    if len(arrays) == 1:
+        return memoryview(np.ascontiguousarray(arrays[0], dtype=dtype)).cast("B")
+    return np.concatenate(arrays).astype(dtype, copy=False).tobytes()
+
+
+def _encode_trajectory(traj: Trajectory) -> list[Frame]:
+    turns = traj.turns
+    frames: list[Frame] = [
+        _preamble(KIND_TRAJECTORY),
+        _pack(trajectory_header(traj)),
+        _concat([t.prompt_ids for t in turns], _I32),
+        _concat([t.response_ids for t in turns], _I32),
+        _concat([t.logprobs for t in turns], _F32),
+    ]
+    frames.extend(t.screenshot for t in turns)
+    return frames
+
+
+# ---------------------------------------------------------------------------- decoding
+
+
+def _view(frame: Any, index: int) -> memoryview:
+    buf = getattr(frame, "buffer", frame)  # a zmq.Frame exposes its bytes as .buffer
+    try:
+        mv = memoryview(buf)
+    except TypeError:
+        raise WireError(
+            f"frame {index} is a {type(frame).__name__}, not a bytes-like object"
+        ) from None
+    if not mv.c_contiguous:
+        raise WireError(f"frame {index} is not contiguous")
+    if mv.format != "B" or mv.ndim != 1:
+        try:
+            mv = mv.cast("B")
+        except TypeError as e:
+            raise WireError(f"frame {index} cannot be read as bytes: {e}") from None
+    return mv
+
+
+def _reject_ext(code: int, data: bytes) -> Any:
+    raise WireError(f"header contains a msgpack extension type ({code}), which is not allowed")
+
+
+def _unpack(mv: memoryview) -> dict[str, Any]:
+    if len(mv) > MAX_HEADER_BYTES:
+        raise WireError(f"header frame is {len(mv)} bytes, above the limit of {MAX_HEADER_BYTES}")
+    try:
+        header = msgpack.unpackb(
+            mv,
+            raw=False,
+            strict_map_key=True,
+            ext_hook=_reject_ext,
+            max_str_len=MAX_STR_BYTES,
+            max_bin_len=0,
+        )
+    except WireError:
+        raise
+    except Exception as e:  # msgpack raises many types for garbage; all are malformed input
+        raise WireError(f"header is not valid msgpack: {type(e).__name__}: {e}") from None
+    if not isinstance(header, dict):
+        raise WireError(f"header must be a map, got {type(header).__name__}")
+    return header
+
+
+def peek_kind(frames: Sequence[Any]) -> int:
+    """The message kind from the preamble (validated), without decoding the rest."""
+    if not isinstance(frames, Sequence) or isinstance(frames, bytes | bytearray | memoryview | str):
+        raise WireError(f"a message is a sequence of frames, got {type(frames).__name__}")
+    if len(frames) < 2:
+        raise WireError(f"a message has at least 2 frames (preamble, header), got {len(frames)}")
+    pre = _view(frames[0], 0)
+    if len(pre) != _PREAMBLE.size:
+        raise WireError(f"preamble must be {_PREAMBLE.size} bytes, got {len(pre)}")
+    magic, version, kind, reserved = _PREAMBLE.unpack(pre)
+    if magic != MAGIC:
+        raise WireError(f"bad magic {bytes(magic)!r}: not an arpo message")
+    if version != WIRE_VERSION:
+        raise WireError(
+            f"wire version {version} is not supported (this side speaks {WIRE_VERSION})"
+        )
+    if reserved != 0:
+        raise WireError("preamble reserved bytes must be zero")
+    if kind not in (KIND_TRAJECTORY, KIND_ACK):
+        raise WireError(f"unknown message kind {kind}")
+    return kind
+
+
+def decode(frames: Sequence[Any]) -> Message:
+    """Decode frames into a message; raises only WireError on malformed input."""
+    kind = peek_kind(frames)
+    header = _unpack(_view(frames[1], 1))
+    if kind == KIND_ACK:
+        if len(frames) != 2:
+            raise WireError(f"ack has 2 frames, got {len(frames)}")
+        if set(header) != {"ids"}:
+            raise WireError(f"ack header must have exactly the key 'ids', got {sorted(header)}")
+        ids = header["ids"]
+        if not isinstance(ids, list) or len(ids) > MAX_ACK_IDS:
+            raise WireError(f"ack 'ids' must be a list of at most {MAX_ACK_IDS} strings")
+        return Ack(tuple(ids))
+    return decode_trajectory_parts(header, frames[2:], first_index=2)
+
+
+def _get(header: dict[str, Any], key: str, types: type | tuple[type, ...], what: str) -> Any:
+    v = header[key]
+    if isinstance(v, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
+        raise WireError(f"header field {key!r} must be {what}, got a bool")
+    if not isinstance(v, types):
+        raise WireError(f"header field {key!r} must be {what}, got {type(v).__name__}")
+    return v
+
+
+def _array(mv: memoryview, dtype: np.dtype, n: int, name: str) -> np.ndarray:
+    if len(mv) != n * dtype.itemsize:
+        raise WireError(
+            f"{name} frame has {len(mv)} bytes but the header declares {n} values "
+            f"({n * dtype.itemsize} bytes)"
+        )
+    return np.frombuffer(mv, dtype=dtype)
+
+
+def decode_trajectory_parts(
+    header: dict[str, Any], payload: Sequence[Any], *, first_index: int = 0
+) -> Trajectory:
+    """Build a Trajectory from a header map and its payload frames (zero-copy views)."""
+    keys = set(header)
+    if keys != _TRAJ_KEYS:
+        missing, extra = sorted(_TRAJ_KEYS - keys), sorted(keys - _TRAJ_KEYS)
+        raise WireError(f"trajectory header keys wrong: missing {missing}, unexpected {extra}")
+    turns_h = _get(header, "turns", list, "a list")
+    if len(turns_h) > MAX_TURNS:
+        raise WireError(f"trajectory has {len(turns_h)} turns, above the limit of {MAX_TURNS}")
+    n_turns = len(turns_h)
+    if len(payload) != 3 + n_turns:
+        raise WireError(
+            f"trajectory with {n_turns} turns needs {3 + n_turns} payload frames "
+            f"(3 arrays + 1 PNG per turn), got {len(payload)}"
+        )
+    specs = []
+    for i, t in enumerate(turns_h):
+        # `type(x) is int` also rejects bools (a bool is an int subclass).
+        if (
+            type(t) is not list
+            or len(t) != 6
+            or type(t[0]) is not int
+            or type(t[1]) is not int
+            or type(t[2]) is not int
+            or type(t[3]) is not int
+            or type(t[4]) is not bool
+            or type(t[5]) is not str
+            or t[0] < 0
+            or t[1] < 0
+            or t[2] < 0
+            or t[3] < 0
+        ):
+            raise WireError(
+                f"turns[{i}] must be [n_prompt, n_response, n_png, version, parsed, action] "
+                f"with ints >= 0, a bool and a str; got {t!r:.200}"
+            )
+        specs.append(t)
+
+    views = [_view(f, first_index + j) for j, f in enumerate(payload)]
+    total_p = sum(s[0] for s in specs)
+    total_r = sum(s[1] for s in specs)
+    prompt = _array(views[0], _I32, total_p, "prompt ids")
+    response = _array(views[1], _I32, total_r, "response ids")
+    logprobs = _array(views[2], _F32, total_r, "log-probs")
+
+    timings = _get(header, "timings", dict, "a map")
+    if logprobs.size and not np.isfinite(logprobs).all():
+        raise WireError("log-probs frame holds NaN or inf")
+    try:
+        turns = []
+        op = orr = 0
+        for i, (n_p, n_r, n_png, ver, parsed, action) in enumerate(specs):
+            png = views[3 + i]
+            if len(png) != n_png:
+                raise WireError(f"turns[{i}] PNG frame has {len(png)} bytes, header says {n_png}")
+            if n_png and png[:8] != PNG_SIGNATURE:
+                raise WireError(f"turns[{i}] screenshot frame is not a PNG (bad signature)")
+            # Every field was checked above, frame-wide: skip the per-turn constructor checks.
+            turns.append(
+                Turn.trusted(
+                    prompt[op : op + n_p],
+                    png,
+                    response[orr : orr + n_r],
+                    logprobs[orr : orr + n_r],
+                    ver,
+                    action,
+                    parsed,
+                )
+            )
+            op += n_p
+            orr += n_r
+        status = _get(header, "status", str, "a string")
+        if status not in Status._value2member_map_:
+            raise WireError(f"unknown status {status!r}")
+        return Trajectory(
+            task_id=_get(header, "task", str, "a string"),
+            turns=tuple(turns),
+            checker_score=_get(header, "score", (int, float), "a number"),
+            format_reward=_get(header, "fmt", (int, float), "a number"),
+            reward=_get(header, "reward", (int, float), "a number"),
+            status=Status(status),
+            trajectory_id=_get(header, "tid", str, "a string"),
+            group_id=_get(header, "group", str, "a string"),
+            slot=_get(header, "slot", int, "an int"),
+            actor_id=_get(header, "actor", str, "a string"),
+            timings=timings,
+        )
+    except RecordError as e:
+        raise WireError(f"invalid trajectory: {e}") from None

@@ -1,0 +1,74 @@
+"""Shared fixtures: realistic trajectory records built from real PNG screenshots."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+
+from arpo.record import Status, Trajectory, Turn
+
+
+def make_png(rng: np.random.Generator, approx_bytes: int = 90_000) -> bytes:
+    """A real PNG of random pixels of about `approx_bytes` (noise does not compress)."""
+    from PIL import Image
+
+    side = max(1, int((approx_bytes / 3) ** 0.5))
+    pixels = rng.integers(0, 256, size=(side, side, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG", compress_level=1)
+    return buf.getvalue()
+
+
+def make_trajectory(
+    rng: np.random.Generator,
+    *,
+    turns: int = 15,
+    tokens: int = 20_000,
+    png_bytes: int = 90_000,
+    pngs: list[bytes] | None = None,
+    task_id: str = "0b17a146-2934-46c7-8727-73ff6b6483e8",
+    version: int = 3,
+) -> Trajectory:
+    """A record shaped like a real ARPO episode: `turns` turns, ~`tokens` tokens in all."""
+    per_turn = tokens // max(turns, 1)
+    out = []
+    for i in range(turns):
+        n_resp = per_turn // 6
+        n_prompt = per_turn - n_resp
+        png = pngs[i % len(pngs)] if pngs else make_png(rng, png_bytes)
+        out.append(
+            Turn(
+                prompt_ids=rng.integers(0, 151_000, n_prompt, dtype=np.int32),
+                screenshot=png,
+                response_ids=rng.integers(0, 151_000, n_resp, dtype=np.int32),
+                logprobs=-rng.random(n_resp, dtype=np.float32) * 5,
+                policy_version=version + (i // 8),
+                action=f"pyautogui.click({i * 10}, {i * 7})" if i < turns - 1 else "DONE",
+                parsed=True,
+            )
+        )
+    return Trajectory(
+        task_id=task_id,
+        turns=tuple(out),
+        checker_score=1.0,
+        format_reward=0.0,
+        reward=1.0,
+        status=Status.OK,
+        group_id="g-17",
+        slot=5,
+        actor_id="actor-0",
+        timings={"reset": 0.41, "total": 23.5},
+    )
+
+
+@pytest.fixture(scope="session")
+def png_pool() -> list[bytes]:
+    rng = np.random.default_rng(0)
+    return [make_png(rng) for _ in range(4)]
+
+
+@pytest.fixture
+def realistic(png_pool: list[bytes]) -> Trajectory:
+    return make_trajectory(np.random.default_rng(1), pngs=png_pool)

@@ -1,0 +1,323 @@
+"""The wire format: round trips, zero-copy decoding, and every malformed input."""
+
+from __future__ import annotations
+
+import struct
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+from conftest import make_png, make_trajectory
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from arpo import wire
+from arpo.errors import WireError
+from arpo.record import PNG_SIGNATURE, Status, Trajectory, Turn
+
+
+def roundtrip(t: Trajectory) -> Trajectory:
+    out = wire.decode(wire.encode(t))
+    assert isinstance(out, Trajectory)
+    return out
+
+
+def test_realistic_roundtrip(realistic: Trajectory) -> None:
+    assert realistic.steps == 15
+    assert 19_000 <= realistic.num_tokens <= 20_000
+    assert realistic.png_bytes > 15 * 80_000
+    frames = wire.encode(realistic)
+    assert len(frames) == 5 + 15
+    # The PNGs are handed to the socket as the record's own objects: no copy.
+    assert all(f is t.screenshot for f, t in zip(frames[5:], realistic.turns, strict=True))
+    out = wire.decode(frames)
+    assert out == realistic
+    assert out.turns[3].policy_version == realistic.turns[3].policy_version
+    assert out.turns[-1].action == "DONE"
+    assert out.timings == {"reset": 0.41, "total": 23.5}
+    ids, mask, lps = out.sequence()
+    assert len(ids) == out.num_tokens and mask.sum() == sum(len(t.response_ids) for t in out.turns)
+    assert np.array_equal(lps[mask], np.concatenate([t.logprobs for t in realistic.turns]))
+
+
+def test_decode_returns_views_not_copies(realistic: Trajectory) -> None:
+    frames = [bytearray(bytes(f)) for f in wire.encode(realistic)]
+    out = wire.decode(frames)
+    t0 = out.turns[0]
+    # Mutating the received frame shows through the decoded record: it is a view.
+    frames[2][0:4] = struct.pack("<i", 123456)
+    assert t0.prompt_ids[0] == 123456
+    frames[5][20] ^= 0xFF
+    assert t0.screenshot[20] == frames[5][20]
+    assert np.shares_memory(out.turns[1].response_ids, np.frombuffer(frames[3], np.int32))
+
+
+def test_roundtrip_over_a_real_zmq_socket(realistic: Trajectory) -> None:
+    ctx = zmq.Context()
+    try:
+        pull = ctx.socket(zmq.PULL)
+        port = pull.bind_to_random_port("tcp://127.0.0.1")
+        push = ctx.socket(zmq.PUSH)
+        push.connect(f"tcp://127.0.0.1:{port}")
+        push.send_multipart(wire.encode(realistic), copy=False)
+        assert pull.poll(10_000)
+        frames = pull.recv_multipart(copy=False)
+        out = wire.decode(frames)
+        assert out == realistic
+        ack = wire.Ack((out.trajectory_id,))
+        push.send_multipart(wire.encode(ack))
+        assert pull.poll(10_000)
+        assert wire.decode(pull.recv_multipart()) == ack
+        push.close(0)
+        pull.close(0)
+    finally:
+        ctx.term()
+
+
+def _turn(
+    version: int = 0, *, png: bytes = b"", n_prompt: int = 3, n_resp: int = 2, action: str = ""
+) -> Turn:
+    return Turn(
+        prompt_ids=np.arange(n_prompt, dtype=np.int32),
+        screenshot=png,
+        response_ids=np.arange(n_resp, dtype=np.int32) + 7,
+        logprobs=np.full(n_resp, -0.5, np.float32),
+        policy_version=version,
+        action=action,
+        parsed=bool(action),
+    )
+
+
+@pytest.mark.parametrize(
+    "traj",
+    [
+        Trajectory(task_id="t", turns=(), checker_score=0.0),
+        Trajectory(task_id="t", turns=(_turn(),), checker_score=0.0, status=Status.ENV_ERROR),
+        Trajectory(
+            task_id="täsk-ü-任务-🚀", turns=(_turn(action=""),), checker_score=0.5, reward=0.5
+        ),
+        Trajectory(task_id="t", turns=(_turn(n_prompt=0, n_resp=0),), checker_score=0.0),
+        Trajectory(
+            task_id="t",
+            turns=(_turn(1, action="pyautogui.typewrite('héllo\\n')"), _turn(2, action="FAIL")),
+            checker_score=0.0,
+            format_reward=-1.0,
+            reward=-0.5,
+            status=Status.TIMEOUT,
+            timings={},
+        ),
+    ],
+    ids=["zero-turns", "env-error", "unicode-task", "empty-arrays", "timeout"],
+)
+def test_edge_case_roundtrips(traj: Trajectory) -> None:
+    assert roundtrip(traj) == traj
+
+
+def test_ack_roundtrip() -> None:
+    ack = wire.Ack(("a", "b" * 64, "ü"))
+    assert wire.decode(wire.encode(ack)) == ack
+    assert wire.decode(wire.encode(wire.Ack(()))) == wire.Ack(())
+
+
+# ------------------------------------------------------------------ property tests
+
+_text = st.text(max_size=60, alphabet=st.characters(exclude_categories=("Cs",)))
+_name = st.text(min_size=1, max_size=40, alphabet=st.characters(exclude_categories=("Cs",)))
+
+
+@st.composite
+def turns(draw: st.DrawFn) -> Turn:
+    n_p = draw(st.integers(0, 40))
+    n_r = draw(st.integers(0, 40))
+    i32 = st.integers(-(2**31), 2**31 - 1)
+    png = draw(st.one_of(st.just(b""), st.binary(max_size=64).map(lambda b: PNG_SIGNATURE + b)))
+    return Turn(
+        prompt_ids=np.array(draw(st.lists(i32, min_size=n_p, max_size=n_p)), dtype=np.int32),
+        screenshot=png,
+        response_ids=np.array(draw(st.lists(i32, min_size=n_r, max_size=n_r)), dtype=np.int32),
+        logprobs=np.array(
+            draw(st.lists(st.floats(-1e9, 0.0, width=32), min_size=n_r, max_size=n_r)),
+            dtype=np.float32,
+        ),
+        policy_version=draw(st.integers(0, 2**62)),
+        action=draw(_text),
+        parsed=draw(st.booleans()),
+    )
+
+
+@st.composite
+def trajectories(draw: st.DrawFn) -> Trajectory:
+    num = st.floats(allow_nan=False, allow_infinity=False)
+    return Trajectory(
+        task_id=draw(_name),
+        turns=tuple(draw(st.lists(turns(), max_size=6))),
+        checker_score=draw(num),
+        format_reward=draw(num),
+        reward=draw(num),
+        status=draw(st.sampled_from(list(Status))),
+        trajectory_id=draw(_name),
+        group_id=draw(_text),
+        slot=draw(st.integers(0, 2**31)),
+        actor_id=draw(_text),
+        timings=draw(st.dictionaries(_name, num, max_size=4)),
+    )
+
+
+@settings(max_examples=300, deadline=None)
+@given(trajectories())
+def test_roundtrip_property(traj: Trajectory) -> None:
+    assert roundtrip(traj) == traj
+
+
+# ------------------------------------------------------------------ malformed input
+
+
+def _small() -> Trajectory:
+    rng = np.random.default_rng(5)
+    return make_trajectory(rng, turns=3, tokens=60, pngs=[make_png(rng, 300)])
+
+
+def _header(frames: list) -> dict:
+    return msgpack.unpackb(frames[1])
+
+
+def _with_header(frames: list, **changes: object) -> list:
+    h = _header(frames)
+    h.update(changes)
+    return [frames[0], msgpack.packb(h), *frames[2:]]
+
+
+def _cases() -> list[tuple[str, object, str]]:
+    f = [bytes(x) for x in wire.encode(_small())]
+    h = _header(f)
+    big_turn = list(h["turns"][0])
+    big_turn[0] = 2**60
+    bad_ver = struct.pack("<4sBBH", b"ARPO", 99, 1, 0)
+    return [
+        ("not-a-list", b"ARPO", "sequence of frames"),
+        ("empty", [], "at least 2 frames"),
+        ("one-frame", f[:1], "at least 2 frames"),
+        ("bad-magic", [b"XXXX" + f[0][4:], *f[1:]], "bad magic"),
+        ("short-preamble", [f[0][:5], *f[1:]], "preamble must be"),
+        ("wrong-version", [bad_ver, *f[1:]], "wire version 99"),
+        (
+            "unknown-kind",
+            [struct.pack("<4sBBH", b"ARPO", 1, 77, 0), *f[1:]],
+            "unknown message kind",
+        ),
+        ("reserved", [struct.pack("<4sBBH", b"ARPO", 1, 1, 5), *f[1:]], "reserved"),
+        ("garbage-header", [f[0], b"\xc1\xc1\xc1", *f[2:]], "not valid msgpack"),
+        ("truncated-header", [f[0], f[1][: len(f[1]) // 2], *f[2:]], "not valid msgpack"),
+        ("header-not-map", [f[0], msgpack.packb([1, 2]), *f[2:]], "must be a map"),
+        ("missing-frame", f[:-1], "payload frames"),
+        ("extra-frame", [*f, b"x"], "payload frames"),
+        (
+            "missing-key",
+            [f[0], msgpack.packb({k: v for k, v in h.items() if k != "task"}), *f[2:]],
+            "missing ['task']",
+        ),
+        ("extra-key", _with_header(f, evil=1), "unexpected ['evil']"),
+        ("wrong-type-task", _with_header(f, task=5), "'task' must be a string"),
+        ("bool-slot", _with_header(f, slot=True), "'slot' must be an int"),
+        ("unknown-status", _with_header(f, status="great"), "unknown status"),
+        ("nan-score", _with_header(f, score=float("nan")), "must be finite"),
+        ("turn-shape", _with_header(f, turns=[[1, 2], *h["turns"][1:]]), "turns[0] must be"),
+        (
+            "negative-len",
+            _with_header(f, turns=[[-1, *h["turns"][0][1:]], *h["turns"][1:]]),
+            "turns[0] must be",
+        ),
+        ("huge-declared", _with_header(f, turns=[big_turn, *h["turns"][1:]]), "header declares"),
+        ("lengths-disagree", [*f[:2], f[2][:-4], *f[3:]], "prompt ids frame has"),
+        (
+            "int64-tokens",
+            [*f[:2], np.frombuffer(f[2], np.int32).astype(np.int64).tobytes(), *f[3:]],
+            "prompt ids frame has",
+        ),
+        ("png-length", [*f[:5], f[5] + b"x", *f[6:]], "PNG frame has"),
+        ("not-png", _with_header([*f[:5], b"GIF89a" + f[5][6:], *f[6:]]), "not a PNG"),
+        (
+            "nan-logprob",
+            [*f[:4], np.full(len(f[4]) // 4, np.nan, np.float32).tobytes(), *f[5:]],
+            "NaN",
+        ),
+        ("frame-not-bytes", [f[0], f[1], 12345, *f[3:]], "not a bytes-like"),
+        (
+            "ext-type",
+            [f[0], msgpack.packb({"x": msgpack.ExtType(3, b"")}), *f[2:]],
+            "extension type",
+        ),
+        (
+            "too-many-turns",
+            _with_header(f, turns=[h["turns"][0]] * (wire.MAX_TURNS + 1)),
+            "above the limit",
+        ),
+        (
+            "ack-extra",
+            [struct.pack("<4sBBH", b"ARPO", 1, 2, 0), msgpack.packb({"ids": []}), b""],
+            "ack has 2 frames",
+        ),
+        (
+            "ack-bad-ids",
+            [struct.pack("<4sBBH", b"ARPO", 1, 2, 0), msgpack.packb({"ids": [1]})],
+            "non-empty strings",
+        ),
+        ("deep-nesting", [f[0], b"\x91" * 100_000 + b"\x90", *f[2:]], "not valid msgpack"),
+    ]
+
+
+@pytest.mark.parametrize(("name", "frames", "reason"), _cases(), ids=[c[0] for c in _cases()])
+def test_malformed_input_names_the_reason(name: str, frames: object, reason: str) -> None:
+    with pytest.raises(WireError) as e:
+        wire.decode(frames)  # type: ignore[arg-type]
+    assert reason in str(e.value), (name, str(e.value))
+
+
+def test_fuzz_only_wire_error_is_ever_raised() -> None:
+    """100,000 mutated and random messages: only WireError, never anything else."""
+    rng = np.random.default_rng(1234)
+    seeds = [
+        [bytes(x) for x in wire.encode(_small())],
+        [bytes(x) for x in wire.encode(wire.Ack(("a", "b")))],
+    ]
+    seeds.append(
+        [bytes(x) for x in wire.encode(Trajectory(task_id="t", turns=(), checker_score=0.0))]
+    )
+    ok = errors = 0
+    for i in range(100_000):
+        frames = [bytearray(x) for x in seeds[i % len(seeds)]]
+        op = rng.integers(0, 8)
+        if op == 0:  # flip random bits in a random frame
+            j = rng.integers(0, len(frames))
+            for _ in range(rng.integers(1, 4)):
+                if frames[j]:
+                    k = rng.integers(0, len(frames[j]))
+                    frames[j][k] ^= 1 << rng.integers(0, 8)
+        elif op == 1:  # overwrite header bytes with random values
+            h = frames[1]
+            for _ in range(rng.integers(1, 6)):
+                if h:
+                    h[rng.integers(0, len(h))] = rng.integers(0, 256)
+        elif op == 2:  # truncate a frame
+            j = rng.integers(0, len(frames))
+            frames[j] = frames[j][: rng.integers(0, len(frames[j]) + 1)]
+        elif op == 3:  # drop a frame
+            del frames[rng.integers(0, len(frames))]
+        elif op == 4:  # duplicate a frame
+            j = rng.integers(0, len(frames))
+            frames.insert(j, frames[j])
+        elif op == 5:  # random garbage frames
+            frames = [bytearray(rng.bytes(rng.integers(0, 64))) for _ in range(rng.integers(0, 8))]
+        elif op == 6:  # valid preamble, random header
+            frames = [frames[0], bytearray(rng.bytes(rng.integers(0, 200))), *frames[2:]]
+        else:  # swap two frames
+            a, b = rng.integers(0, len(frames), 2)
+            frames[a], frames[b] = frames[b], frames[a]
+        try:
+            wire.decode(frames)
+            ok += 1
+        except WireError:
+            errors += 1
+    assert ok + errors == 100_000
+    assert errors > 50_000  # the mutations really did break most messages
