@@ -232,7 +232,7 @@ class Trajectory:
         _ident(self.trajectory_id, "trajectory.trajectory_id")
         _ident(self.group_id, "trajectory.group_id", allow_empty=True)
         _ident(self.actor_id, "trajectory.actor_id", allow_empty=True)
-        if isinstance(self.turns, Turn) or not isinstance(self.turns, Sequence):
+        if isinstance(self.turns, Turn | str | bytes) or not isinstance(self.turns, Sequence):
             raise RecordError(
                 f"trajectory.turns must be a sequence of Turn, got {type(self.turns).__name__}"
             )
