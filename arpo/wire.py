@@ -260,10 +260,8 @@ def _array(mv: memoryview, dtype: np.dtype, n: int, name: str) -> np.ndarray:
     return np.frombuffer(mv, dtype=dtype)
 
 
-def decode_trajectory_parts(
-    header: dict[str, Any], payload: Sequence[Any], *, first_index: int = 0
-) -> Trajectory:
-    """Build a Trajectory from a header map and its payload frames (zero-copy views)."""
+def _turn_specs(header: dict[str, Any]) -> list[list[Any]]:
+    """Check the trajectory header's keys and per-turn entries; return the turn specs."""
     keys = set(header)
     if keys != _TRAJ_KEYS:
         missing, extra = sorted(_TRAJ_KEYS - keys), sorted(keys - _TRAJ_KEYS)
@@ -271,13 +269,6 @@ def decode_trajectory_parts(
     turns_h = _get(header, "turns", list, "a list")
     if len(turns_h) > MAX_TURNS:
         raise WireError(f"trajectory has {len(turns_h)} turns, above the limit of {MAX_TURNS}")
-    n_turns = len(turns_h)
-    if len(payload) != 3 + n_turns:
-        raise WireError(
-            f"trajectory with {n_turns} turns needs {3 + n_turns} payload frames "
-            f"(3 arrays + 1 PNG per turn), got {len(payload)}"
-        )
-    specs = []
     for i, t in enumerate(turns_h):
         # `type(x) is int` also rejects bools (a bool is an int subclass).
         if (
@@ -298,41 +289,59 @@ def decode_trajectory_parts(
                 f"turns[{i}] must be [n_prompt, n_response, n_png, version, parsed, action] "
                 f"with ints >= 0, a bool and a str; got {t!r:.200}"
             )
-        specs.append(t)
+    return turns_h
 
+
+def decode_trajectory_parts(
+    header: dict[str, Any], payload: Sequence[Any], *, first_index: int = 0
+) -> Trajectory:
+    """Build a Trajectory from a header map and its payload frames (zero-copy views)."""
+    specs = _turn_specs(header)
+    n_turns = len(specs)
+    if len(payload) != 3 + n_turns:
+        raise WireError(
+            f"trajectory with {n_turns} turns needs {3 + n_turns} payload frames "
+            f"(3 arrays + 1 PNG per turn), got {len(payload)}"
+        )
     views = [_view(f, first_index + j) for j, f in enumerate(payload)]
     total_p = sum(s[0] for s in specs)
     total_r = sum(s[1] for s in specs)
     prompt = _array(views[0], _I32, total_p, "prompt ids")
     response = _array(views[1], _I32, total_r, "response ids")
     logprobs = _array(views[2], _F32, total_r, "log-probs")
+    prompts, responses, lps = [], [], []
+    op = orr = 0
+    for n_p, n_r, *_ in specs:
+        prompts.append(prompt[op : op + n_p])
+        responses.append(response[orr : orr + n_r])
+        lps.append(logprobs[orr : orr + n_r])
+        op += n_p
+        orr += n_r
+    return _assemble(header, specs, prompts, responses, lps, logprobs, views[3:])
 
+
+def _assemble(
+    header: dict[str, Any],
+    specs: list[list[Any]],
+    prompts: list[np.ndarray],
+    responses: list[np.ndarray],
+    lps: list[np.ndarray],
+    all_logprobs: np.ndarray,
+    pngs: Sequence[memoryview],
+) -> Trajectory:
     timings = _get(header, "timings", dict, "a map")
-    if logprobs.size and not np.isfinite(logprobs).all():
+    if all_logprobs.size and not np.isfinite(all_logprobs).all():
         raise WireError("log-probs frame holds NaN or inf")
     try:
         turns = []
-        op = orr = 0
-        for i, (n_p, n_r, n_png, ver, parsed, action) in enumerate(specs):
-            png = views[3 + i]
+        for i, (_, _, n_png, ver, parsed, action) in enumerate(specs):
+            png = pngs[i]
             if len(png) != n_png:
                 raise WireError(f"turns[{i}] PNG frame has {len(png)} bytes, header says {n_png}")
             if n_png and png[:8] != PNG_SIGNATURE:
                 raise WireError(f"turns[{i}] screenshot frame is not a PNG (bad signature)")
             # Every field was checked above, frame-wide: skip the per-turn constructor checks.
-            turns.append(
-                Turn.trusted(
-                    prompt[op : op + n_p],
-                    png,
-                    response[orr : orr + n_r],
-                    logprobs[orr : orr + n_r],
-                    ver,
-                    action,
-                    parsed,
-                )
-            )
-            op += n_p
-            orr += n_r
+            turns.append(Turn.trusted(prompts[i], png, responses[i], lps[i], ver, action, parsed))
         status = _get(header, "status", str, "a string")
         if status not in Status._value2member_map_:
             raise WireError(f"unknown status {status!r}")
@@ -351,3 +360,66 @@ def decode_trajectory_parts(
         )
     except RecordError as e:
         raise WireError(f"invalid trajectory: {e}") from None
+
+
+# ---------------------------------------------------------------------------- replay store items
+
+
+def to_item(traj: Trajectory) -> Any:
+    """A trajectory as an item of the replay store (`arpo.buffer.Item`).
+
+    Layout: `tokens` is the training sequence (prompt_0, response_0, prompt_1, ...),
+    `offsets` the per-turn lengths [n_prompt_0, n_response_0, n_prompt_1, ...],
+    `logprobs` the behaviour log-probs of the response tokens in order, `rewards`
+    [reward, checker_score, format_reward], `version` the oldest turn's policy
+    version, `blobs` the PNGs (kept by reference), `metadata` the wire header.
+    """
+    from arpo.buffer import Item
+
+    ids: list[np.ndarray] = []
+    offsets: list[int] = []
+    for t in traj.turns:
+        ids += [t.prompt_ids, t.response_ids]
+        offsets += [len(t.prompt_ids), len(t.response_ids)]
+    tokens = np.concatenate(ids) if ids else np.zeros(0, np.int32)
+    lps = [t.logprobs for t in traj.turns]
+    return Item(
+        tokens.astype(np.int32, copy=False),
+        np.concatenate(lps).astype(np.float32, copy=False) if lps else np.zeros(0, np.float32),
+        np.asarray(offsets, dtype=np.int32),
+        np.asarray([traj.reward, traj.checker_score, traj.format_reward], dtype=np.float32),
+        max(traj.min_version, 0),
+        blobs=[
+            bytes(t.screenshot) if not isinstance(t.screenshot, bytes) else t.screenshot
+            for t in traj.turns
+        ],
+        metadata=_pack(trajectory_header(traj)),
+    )
+
+
+def from_item(item: Any) -> Trajectory:
+    """The trajectory stored as `item` (see `to_item`), as views into the item's memory."""
+    header = _unpack(memoryview(item.metadata))
+    specs = _turn_specs(header)
+    offsets = item.offsets
+    if len(offsets) != 2 * len(specs) or len(item.blobs) != len(specs):
+        raise WireError(
+            f"store item does not match its header: {len(specs)} turns, "
+            f"{len(offsets)} offsets, {len(item.blobs)} blobs"
+        )
+    tokens, logprobs = item.tokens, item.logprobs
+    prompts, responses, lps = [], [], []
+    pos = lpos = 0
+    for i, (n_p, n_r, *_) in enumerate(specs):
+        if offsets[2 * i] != n_p or offsets[2 * i + 1] != n_r:
+            raise WireError(f"store item offsets disagree with the header at turn {i}")
+        prompts.append(tokens[pos : pos + n_p])
+        responses.append(tokens[pos + n_p : pos + n_p + n_r])
+        lps.append(logprobs[lpos : lpos + n_r])
+        pos += n_p + n_r
+        lpos += n_r
+    if pos != len(tokens) or lpos != len(logprobs):
+        raise WireError("store item token or log-prob count disagrees with its header")
+    return _assemble(
+        header, specs, prompts, responses, lps, logprobs, [memoryview(b) for b in item.blobs]
+    )

@@ -1,0 +1,63 @@
+"""GRPO groups and ARPO's replay of successes.
+
+Group advantage (DESIGN section 4): A_i = (R_i - mean_g R) / (std_g R + eps), with
+eps = 1e-6 and the sample standard deviation (Bessel-corrected, as `torch.std` in
+the reference's verl code; 0 for a group of one); `norm_std=False` drops the
+division (Dr. GRPO).
+
+Replay (the reference's rule, the default here): a group whose rewards have
+std < 0.05 and mean < 0.2 (every episode failed) gets one success of the same
+task, picked uniformly from that task's replay buffer, in place of one fresh
+episode. Successes with checker score > 0.1 enter the per-task buffer (capacity
+8, FIFO, kept by the replay store). Variants: add instead of replace, k
+successes, newest first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from arpo.config import fail, option
+
+
+@dataclass
+class ReplayConfig:
+    """When and how past successes are put into a group."""
+
+    enabled: bool = option(True, "Replay stored successes into groups that have none.")
+    std_below: float = option(0.05, "Trigger only when the group's reward std is below this.")
+    mean_below: float = option(0.2, "Trigger only when the group's reward mean is below this.")
+    admit_score_above: float = option(0.1, "Checker score above which an episode enters the buffer.")
+    capacity: int = option(8, "Successes kept per task (FIFO).")
+    k: int = option(1, "Successes put into a triggered group.")
+    mode: Literal["replace", "add"] = option(
+        "replace", "'replace' swaps out fresh episodes (the reference); 'add' appends."
+    )
+    pick: Literal["uniform", "newest"] = option("uniform", "How successes are picked from the buffer.")
+
+    def validate(self) -> None:
+        if self.capacity < 1:
+            fail("capacity", "must be at least 1")
+        if self.k < 1:
+            fail("k", "must be at least 1 (disable replay with enabled = false)")
+
+
+def advantages(rewards: Sequence[float] | np.ndarray, *, norm_std: bool = True, eps: float = 1e-6) -> np.ndarray:
+    """Group-relative advantages of one group's rewards (float32)."""
+    r = np.asarray(rewards, dtype=np.float64)
+    if r.size == 0:
+        return np.zeros(0, np.float32)
+    a = r - r.mean()
+    if norm_std:
+        a = a / ((r.std(ddof=1) if r.size > 1 else 0.0) + eps)
+    return a.astype(np.float32)
+
+
+def needs_replay(rewards: Sequence[float] | np.ndarray, cfg: ReplayConfig) -> bool:
+    """The reference trigger: every episode of the group failed (low std and low mean)."""
+    r = np.asarray(rewards, dtype=np.float64)
+    return bool(cfg.enabled and r.size and (r.std(ddof=1) if r.size > 1 else 0.0) < cfg.std_below and r.mean() < cfg.mean_below)
