@@ -43,6 +43,7 @@ lint: setup
 	ruff format --check .
 	cargo fmt --all --check
 	cargo clippy --workspace --all-targets -- -D warnings
+	$(PY) -m mypy.stubtest arpo._buffer
 
 rust-test: setup
 	cargo test --workspace

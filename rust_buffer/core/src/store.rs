@@ -698,7 +698,7 @@ impl<B: Blob> Store<B> {
         let task = match (timeout, self.task(name)) {
             (_, Some(task)) => task,
             (Some(t), None) if t.is_zero() => {
-                return Err(timeout_error("take_group", name, n, 0, t));
+                return Err(timeout_error("take_group", name, n, 0));
             }
             (_, None) => self.task_or_create(name),
         };
@@ -726,13 +726,7 @@ impl<B: Blob> Store<B> {
             Err(WaitEnd::Closed) => Err(Error::Closed),
             Err(WaitEnd::Timeout) => {
                 let have = task.state.load().fresh.len();
-                Err(timeout_error(
-                    "take_group",
-                    name,
-                    n,
-                    have,
-                    timeout.unwrap_or_default(),
-                ))
+                Err(timeout_error("take_group", name, n, have))
             }
         }
     }
@@ -843,7 +837,7 @@ impl<B: Blob> Store<B> {
             (_, Some(task)) => task,
             (_, None) if n == 0 => return Ok(()),
             (Some(t), None) if t.is_zero() => {
-                return Err(timeout_error("wait_min_size", name, n, 0, t));
+                return Err(timeout_error("wait_min_size", name, n, 0));
             }
             (_, None) => self.task_or_create(name),
         };
@@ -854,13 +848,7 @@ impl<B: Blob> Store<B> {
             Err(WaitEnd::Closed) => Err(Error::Closed),
             Err(WaitEnd::Timeout) => {
                 let have = task.state.load().replay.len();
-                Err(timeout_error(
-                    "wait_min_size",
-                    name,
-                    n,
-                    have,
-                    timeout.unwrap_or_default(),
-                ))
+                Err(timeout_error("wait_min_size", name, n, have))
             }
         }
     }
@@ -1054,15 +1042,14 @@ fn check_priority(field: &str, p: f64) -> Result<()> {
     }
 }
 
-fn timeout_error(op: &str, name: &str, n: usize, have: usize, waited: Duration) -> Error {
+fn timeout_error(op: &str, name: &str, n: usize, have: usize) -> Error {
     let what = if op == "take_group" {
         "fresh items"
     } else {
         "replay items"
     };
     Error::Timeout(format!(
-        "{op}: task {name:?} has {have} {what}, fewer than n={n}, after waiting {:.3} s",
-        waited.as_secs_f64()
+        "{op} timed out: task {name:?} has {have} {what}, fewer than n={n}"
     ))
 }
 

@@ -1,0 +1,82 @@
+"""The replay store keyed by task: fresh groups for GRPO and replay of past successes.
+
+A thin re-export of the compiled `arpo._buffer` (Rust crate `arpo-buffer`); it needs
+nothing but numpy, so other RL projects can embed it::
+
+    from arpo.buffer import Item, ReplayStore
+
+    store = ReplayStore(max_bytes=1 << 30, fresh_capacity=64, replay_capacity=8, seed=0)
+    item = Item(tokens, logprobs, offsets, rewards, version, blobs=(png,), metadata=b"")
+    store.put("task-17", item)                          # actors: fresh trajectories
+    group = store.take_group("task-17", 8, timeout=60)  # learner: a complete group, FIFO
+    store.add_success("task-17", group[0], priority=1.0)
+    (success,) = store.sample("task-17", 1)             # replay of a past success
+
+Semantics (the contract other components rely on):
+
+* `Item(tokens, logprobs, offsets, rewards, version, blobs=(), metadata=b"")`: tokens and
+  offsets are 1-D int32, logprobs and rewards 1-D float32. A numpy array must already have
+  that dtype and be 1-D (else `BufferValueError` naming the field); a list is converted
+  (rewards also takes one number). The arrays are copied once; `blobs` (a sequence of
+  `bytes`) and `metadata` (`bytes`) are kept by reference, never copied. `item.tokens`,
+  `.logprobs`, `.offsets`, `.rewards` are read-only numpy views of the item's memory (their
+  `base` is the item, which they keep alive); `item.blobs` is a tuple of the very `bytes`
+  objects given; `item.key` is unique in the process; items compare equal by key.
+  `item.nbytes` = 4 * (len(tokens) + len(logprobs) + len(offsets) + len(rewards)) + the blob
+  lengths + len(metadata).
+* Fresh queue: `put` appends; beyond `fresh_capacity` the task's oldest fresh item is
+  evicted. `take_group(task, n, timeout)` removes the n oldest at once (all or nothing) and
+  returns them oldest first. `timeout=None` waits until a group forms or the store closes,
+  `timeout=0` never blocks; `BufferTimeout` on expiry. Waiting on a task never seen
+  registers it (it then shows in `tasks()`); `fresh_len` of a task never seen is 0.
+  `n > fresh_capacity` is a `BufferValueError` (the group could never form).
+* Replay buffer: `add_success` appends (FIFO beyond `replay_capacity`). `sample` considers the
+  items with `version >= min_version` (all if `None`) and raises `BufferValueError` if fewer
+  than `min_size` are eligible. `mode="uniform"` returns k items drawn uniformly with
+  replacement; `"priority"` k items drawn with replacement proportionally to priority
+  (priority-0 items are never drawn; all zero is a `BufferValueError`); `"newest"` returns
+  the min(k, eligible) newest items, newest first, without replacement. `wait_min_size`
+  blocks until the buffer holds n items (same timeout rules as `take_group`).
+  `update_priorities(task, keys, priorities)` skips keys that are not in the buffer (evicted
+  meanwhile) and returns the number of entries updated. `sample`, `replay_len`,
+  `update_priorities` and `task_stats` raise `UnknownTask` for a task never seen.
+* Budget: `bytes_used` is the exact sum of `nbytes` over resident items, once per residency
+  (an item both fresh and in replay counts twice). Above `max_bytes` the oldest residencies
+  across all tasks and both roles are evicted first; an item larger than `max_bytes` is
+  rejected with `BufferValueError`. `drop_older_than(v)` removes items with version < v
+  from both roles of every task and returns how many residencies went.
+* `stats()` is `{"total": {...}, "tasks": {task: {...}}}`; each dict has fresh, replay, items,
+  bytes, inserts, takes, samples (items handed out), evictions, dropped, min_version and
+  max_version (None when empty).
+* `snapshot(path)` writes the whole store atomically (tmp file + fsync + rename) while it
+  keeps working; `ReplayStore.restore(path, max_bytes=None, ...)` loads it (None keeps the
+  snapshot's setting; items beyond smaller limits are evicted oldest first). A bad file
+  raises `SnapshotError` with the reason. There is no log between snapshots: a crash loses
+  what happened after the last snapshot.
+* `close()`: every later call raises `BufferClosed`; blocked callers wake with it.
+
+Inserts and samples are lock-free and release the GIL; blocking calls wait with the GIL
+released. The store does not rely on the GIL for thread safety.
+"""
+
+from arpo._buffer import SNAPSHOT_FORMAT_VERSION, Item, ReplayStore
+from arpo.errors import (
+    BufferClosed,
+    BufferError,
+    BufferTimeout,
+    BufferValueError,
+    SnapshotError,
+    UnknownTask,
+)
+
+__all__ = [
+    "SNAPSHOT_FORMAT_VERSION",
+    "BufferClosed",
+    "BufferError",
+    "BufferTimeout",
+    "BufferValueError",
+    "Item",
+    "ReplayStore",
+    "SnapshotError",
+    "UnknownTask",
+]
