@@ -46,3 +46,36 @@ class UnknownTask(BufferError, KeyError):
 
 class SnapshotError(BufferError):
     """A snapshot file is missing, truncated, corrupted or of an unsupported version."""
+
+
+class EnvError(ArpoError):
+    """Base class of the errors raised while talking to an environment (OSWorld VM or local desktop)."""
+
+
+class EnvTransportError(EnvError):
+    """The environment server could not be reached (connection refused or reset), even after retries."""
+
+
+class EnvHTTPError(EnvError):
+    """The environment server answered with an HTTP error status; `status` and `body` say what it sent."""
+
+    def __init__(self, message: str, *, status: int, body: str = "") -> None:
+        super().__init__(message)
+        self.status = status
+        self.body = body
+
+
+class EnvTimeout(EnvError, TimeoutError):
+    """A call to the environment server did not complete within its timeout."""
+
+
+class FileCacheMiss(EnvError, LookupError):
+    """A task needs a file (by URL) that is not in the local file cache; the message says how to add it."""
+
+
+class TaskError(ArpoError, ValueError):
+    """A task file is malformed or uses an unknown step type; the message names the task and the step."""
+
+
+class EvalError(ArpoError):
+    """A task's evaluator could not be run (unknown getter or metric, malformed options)."""

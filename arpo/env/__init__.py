@@ -1,0 +1,38 @@
+"""Environments: the OSWorld protocol client, the task type, and the task runner and checkers.
+
+- `client`: async HTTP client of an OSWorld VM server or local desktop server;
+- `task`: OSWorld task files parsed into frozen dataclasses, and their loaders;
+- `runner`: setup steps, actions and evaluation with OSWorld's semantics;
+- `getters`, `metrics`, `xlsx`, `cache`: the checker's parts.
+"""
+
+from arpo.env.client import ClientConfig, EnvClient, ExecResult
+from arpo.env.runner import EvalResult, RunnerConfig, TaskRunner, unsupported
+from arpo.env.task import (
+    Evaluator,
+    GetterSpec,
+    Step,
+    Task,
+    load_index,
+    load_task,
+    load_task_set,
+    load_tasks,
+)
+
+__all__ = [
+    "ClientConfig",
+    "EnvClient",
+    "EvalResult",
+    "Evaluator",
+    "ExecResult",
+    "GetterSpec",
+    "RunnerConfig",
+    "Step",
+    "Task",
+    "TaskRunner",
+    "load_index",
+    "load_task",
+    "load_task_set",
+    "load_tasks",
+    "unsupported",
+]

@@ -1,0 +1,441 @@
+"""Runs OSWorld tasks against an environment server, with OSWorld's semantics.
+
+One `TaskRunner` per environment; episodes run one after another:
+
+    runner = TaskRunner(client, RunnerConfig(cache_dir="osworld_cache"))
+    await runner.setup(task)                 # the task's `config` steps
+    await runner.act("pyautogui.click(10, 20)")   # or WAIT / DONE / FAIL
+    result = await runner.evaluate()         # postconfig, getters, metrics -> EvalResult
+    runner.close()
+
+Setup steps: download (from the local file cache, never the network), upload_file, open,
+launch, execute and command (with OSWorld's `{SCREEN_WIDTH}`-style placeholders, `until`
+polling and `stdout` / `stderr` capture into the episode's work dir), sleep, activate_window,
+close_window, and the simulated desktop's `sim_scene` (`POST /sim/scene`). Any other step type
+raises `TaskError` before anything runs.
+
+Scoring follows `DesktopEnv.evaluate`: postconfig steps first; an `infeasible` task scores 1
+exactly when the last action is FAIL, and any other task scores 0 when it is; then each metric
+is applied to its getters' values and the scores combine with `conj` ("and": 0 as soon as one
+metric is 0, else the mean; "or": 1 as soon as one is 1, else the max). Where OSWorld would
+crash or silently give 0, this runner reports a status instead: `env_error` when the
+environment failed (transport, server error, missing cached file), `eval_error` when a getter
+or metric raised or is not implemented here. Those results carry score 0 and must not be
+trained on as failures of the agent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import shutil
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from arpo.env.cache import FileCache
+from arpo.env.client import EnvClient, ExecResult
+from arpo.env.getters import GETTERS, GetterContext
+from arpo.env.metrics import METRICS
+from arpo.env.task import Step, Task
+from arpo.errors import EnvError, EnvHTTPError, EnvTimeout, FileCacheMiss, TaskError
+
+log = logging.getLogger(__name__)
+
+SPECIAL_ACTIONS = ("WAIT", "DONE", "FAIL")
+STEP_TYPES = (
+    "download",
+    "upload_file",
+    "open",
+    "launch",
+    "execute",
+    "command",
+    "sleep",
+    "activate_window",
+    "close_window",
+    "sim_scene",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerConfig:
+    """How the runner sets up, drives and checks tasks."""
+
+    cache_dir: str | Path | None = None
+    """Local file cache for `download` steps and `cloud_file` getters (see arpo.env.cache)."""
+    work_root: str | Path | None = None
+    """Where per-episode work dirs are made (system temp dir when None)."""
+    screen_width: int | None = None
+    """Screen width for the `{SCREEN_WIDTH}` placeholders; None asks the server (`/screen_size`)."""
+    screen_height: int | None = None
+    """Screen height, as `screen_width`."""
+    client_password: str = "password"
+    """Replaces `{CLIENT_PASSWORD}` in commands (OSWorld's VM user password)."""
+    sleep_scale: float = 1.0
+    """Multiplies every `sleep` step (0 on a simulated desktop that needs no waiting)."""
+    wait_seconds: float = 1.0
+    """How long the WAIT action waits."""
+    until_poll_s: float = 0.3
+    """Interval between tries of an `execute` step with `until` (OSWorld: 0.3 s)."""
+    until_timeout_s: float = 120.0
+    """Give up an `until` poll after this long (OSWorld polls forever) with EnvTimeout."""
+    execute_max_failures: int = 5
+    """Failed `execute` step requests tolerated before the step fails (OSWorld: 5)."""
+    reset_before_setup: bool = False
+    """Call the local desktop's `POST /reset` before the setup steps (not on OSWorld VMs)."""
+
+    def __post_init__(self) -> None:
+        if self.sleep_scale < 0:
+            raise ValueError(f"RunnerConfig.sleep_scale must be >= 0, got {self.sleep_scale}")
+        if (self.screen_width is None) != (self.screen_height is None):
+            raise ValueError("RunnerConfig: set both screen_width and screen_height, or neither")
+        if self.until_timeout_s <= 0 or self.until_poll_s < 0:
+            raise ValueError("RunnerConfig: until_timeout_s must be > 0 and until_poll_s >= 0")
+        if self.execute_max_failures < 1:
+            raise ValueError("RunnerConfig.execute_max_failures must be >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class EvalResult:
+    """The outcome of checking one episode."""
+
+    task_id: str
+    score: float
+    """Checker score in [0, 1]; 0 whenever status is not "ok"."""
+    status: str
+    """"ok", "eval_error" (the checker could not run) or "env_error" (the environment failed)."""
+    metric_scores: tuple[float | None, ...] = ()
+    """Score of each metric; None for metrics not reached (short-circuit or error)."""
+    error: str | None = None
+    """What went wrong, for statuses other than "ok"."""
+    seconds: float = 0.0
+    """Wall time of the evaluation."""
+
+
+def unsupported(task: Task) -> list[str]:
+    """What this runner cannot do for `task`: unknown step types, getters and metrics."""
+    missing = []
+    for phase, steps in (("config", task.config), ("postconfig", task.evaluator.postconfig)):
+        missing += [f"{phase} step {s.type}" for s in steps if s.type not in STEP_TYPES]
+    ev = task.evaluator
+    if not ev.is_infeasible:
+        missing += [f"metric {f}" for f in ev.funcs if f not in METRICS]
+        for g in (*ev.result, *ev.expected):
+            if g is not None and g.type not in GETTERS:
+                missing.append(f"getter {g.type}")
+    return sorted(set(missing))
+
+
+class TaskRunner:
+    """Sets up, drives and checks OSWorld tasks on one environment."""
+
+    def __init__(self, client: EnvClient, config: RunnerConfig | None = None) -> None:
+        self.client = client
+        self.config = config or RunnerConfig()
+        self.cache = FileCache(self.config.cache_dir)
+        self.task: Task | None = None
+        self.history: list[str] = []
+        self._work_dir: Path | None = None
+        self._screen: tuple[int, int] | None = (
+            (self.config.screen_width, self.config.screen_height)
+            if self.config.screen_width is not None and self.config.screen_height is not None
+            else None
+        )
+
+    # ---- episode lifecycle -------------------------------------------------------------------
+
+    @property
+    def work_dir(self) -> Path:
+        """The current episode's scratch dir (downloaded results, captured command output)."""
+        if self._work_dir is None:
+            root = self.config.work_root
+            if root is not None:
+                Path(root).mkdir(parents=True, exist_ok=True)
+            self._work_dir = Path(tempfile.mkdtemp(prefix="arpo-task-", dir=root))
+        return self._work_dir
+
+    def close(self) -> None:
+        """Delete the current episode's work dir."""
+        if self._work_dir is not None:
+            shutil.rmtree(self._work_dir, ignore_errors=True)
+            self._work_dir = None
+
+    async def setup(self, task: Task) -> None:
+        """Start an episode of `task`: check its steps, optionally reset, run its `config` steps.
+
+        Raises TaskError for an unknown step type (before any step runs) and EnvError when the
+        environment fails.
+        """
+        for phase, steps in (
+            ("config", task.config),
+            ("evaluator.postconfig", task.evaluator.postconfig),
+        ):
+            for i, step in enumerate(steps):
+                if step.type not in STEP_TYPES:
+                    raise TaskError(
+                        f"task {task.id}: {phase}[{i}] has unknown step type {step.type!r} "
+                        f"(parameters {dict(step.parameters)!r:.200}); supported: {', '.join(STEP_TYPES)}"
+                    )
+        self.close()
+        self.task = task
+        self.history = []
+        if self.config.reset_before_setup:
+            await self.client.reset()
+        await self.run_steps(task.config, task_id=task.id, phase="config")
+
+    async def act(self, action: str) -> ExecResult | None:
+        """Run one action: pyautogui code, or WAIT / DONE / FAIL. Returns /execute's reply for code."""
+        if not isinstance(action, str):
+            raise TypeError(
+                f"an action is a string of pyautogui code or WAIT/DONE/FAIL, got {action!r}"
+            )
+        self.history.append(action)
+        if action == "WAIT":
+            await asyncio.sleep(self.config.wait_seconds)
+            return None
+        if action in ("DONE", "FAIL"):
+            return None
+        return await self.client.execute_pyautogui(action)
+
+    async def run(self, task: Task, actions: Sequence[str]) -> EvalResult:
+        """Set up `task`, play `actions` (stopping at DONE / FAIL), evaluate; env failures become
+        an `env_error` result. TaskError (a bad task) is raised."""
+        t0 = time.perf_counter()
+        try:
+            await self.setup(task)
+            for a in actions:
+                await self.act(a)
+                if a in ("DONE", "FAIL"):
+                    break
+        except EnvError as e:
+            return EvalResult(
+                task.id,
+                0.0,
+                "env_error",
+                error=f"{type(e).__name__}: {e}",
+                seconds=time.perf_counter() - t0,
+            )
+        return await self.evaluate()
+
+    # ---- steps -------------------------------------------------------------------------------
+
+    async def run_steps(
+        self, steps: Sequence[Step], *, task_id: str = "", phase: str = "config"
+    ) -> None:
+        for i, step in enumerate(steps):
+            handler = getattr(self, f"_step_{step.type}", None)
+            if step.type not in STEP_TYPES or handler is None:
+                raise TaskError(
+                    f"task {task_id}: {phase}[{i}] has unknown step type {step.type!r}; "
+                    f"supported: {', '.join(STEP_TYPES)}"
+                )
+            params = dict(step.parameters)
+            try:
+                inspect.signature(handler).bind(**params)
+            except TypeError as e:
+                raise TaskError(
+                    f"task {task_id}: {phase}[{i}] ({step.type}) has bad parameters "
+                    f"{params!r:.200}: {e}"
+                ) from e
+            await handler(**params)
+
+    async def screen_size(self) -> tuple[int, int]:
+        if self._screen is None:
+            self._screen = await self.client.screen_size()
+        return self._screen
+
+    async def substitute(self, command: list[str] | str) -> list[str] | str:
+        """Fill OSWorld's placeholders: {CLIENT_PASSWORD}, {SCREEN_WIDTH}, {SCREEN_HEIGHT},
+        {SCREEN_WIDTH_HALF}, {SCREEN_HEIGHT_HALF} (the screen size is asked for only if needed)."""
+        items = [command] if isinstance(command, str) else list(command)
+        if any("{SCREEN_" in s for s in items):
+            w, h = await self.screen_size()
+        else:
+            w, h = 0, 0
+        table = {
+            "{CLIENT_PASSWORD}": self.config.client_password,
+            "{SCREEN_WIDTH_HALF}": str(w // 2),
+            "{SCREEN_HEIGHT_HALF}": str(h // 2),
+            "{SCREEN_WIDTH}": str(w),
+            "{SCREEN_HEIGHT}": str(h),
+        }
+        out = []
+        for s in items:
+            for key, value in table.items():
+                s = s.replace(key, value)
+            out.append(s)
+        return out[0] if isinstance(command, str) else out
+
+    async def _step_download(self, files: list[Mapping[str, str]]) -> None:
+        for f in files:
+            url, path = f.get("url"), f.get("path")
+            if not url or not path:
+                raise TaskError(f"download step needs 'url' and 'path', got {dict(f)!r}")
+            src = self.cache.lookup(url, PurePosixPath(path).name)
+            data = await asyncio.to_thread(src.read_bytes)
+            await self.client.upload(path, data)
+
+    async def _step_upload_file(self, files: list[Mapping[str, str]]) -> None:
+        for f in files:
+            local, path = Path(f["local_path"]), f["path"]
+            if not local.is_file():
+                raise FileCacheMiss(f"upload_file step: local file {local} does not exist")
+            await self.client.upload(path, await asyncio.to_thread(local.read_bytes))
+
+    async def _step_open(self, path: str) -> None:
+        await self.client.open_file(path)
+
+    async def _step_launch(self, command: list[str] | str, shell: bool = False) -> None:
+        if not shell and isinstance(command, str) and len(command.split()) > 1:
+            command = command.split()
+        try:
+            await self.client.launch(command, shell=shell)
+        except EnvHTTPError as e:  # OSWorld logs a failed launch and goes on
+            log.warning("launch %r failed: %s", command, e)
+
+    async def _step_execute(
+        self,
+        command: list[str] | str,
+        stdout: str = "",
+        stderr: str = "",
+        shell: bool = False,
+        until: Mapping[str, Any] | None = None,
+    ) -> None:
+        cmd = await self.substitute(command)
+        until = dict(until or {})
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.until_timeout_s
+        failures: list[EnvHTTPError] = []
+        while True:
+            res: ExecResult | None = None
+            try:
+                res = await self.client.execute(cmd, shell=shell, setup=True)
+            except EnvHTTPError as e:  # OSWorld retries a failed setup command a few times
+                failures.append(e)
+            if res is not None:
+                if stdout:
+                    (self.work_dir / PurePosixPath(stdout).name).write_text(res.output)
+                if stderr:
+                    (self.work_dir / PurePosixPath(stderr).name).write_text(res.error)
+                if not until or _until_met(until, res):
+                    return
+            elif len(failures) >= self.config.execute_max_failures:
+                raise failures[-1]
+            if loop.time() >= deadline:
+                raise EnvTimeout(
+                    f"execute step {cmd!r:.200}: condition {until} not met within "
+                    f"{self.config.until_timeout_s} s"
+                )
+            await asyncio.sleep(self.config.until_poll_s)
+
+    async def _step_command(self, command: list[str] | str, **kwargs: Any) -> None:
+        await self._step_execute(command, **kwargs)
+
+    async def _step_sleep(self, seconds: float) -> None:
+        await asyncio.sleep(float(seconds) * self.config.sleep_scale)
+
+    async def _step_activate_window(
+        self, window_name: str, strict: bool = False, by_class: bool = False
+    ) -> None:
+        try:
+            await self.client.activate_window(window_name, strict=strict, by_class=by_class)
+        except EnvHTTPError as e:  # OSWorld logs it and goes on (the window may be gone)
+            log.info("activate_window %r failed: %s", window_name, e)
+
+    async def _step_close_window(
+        self, window_name: str, strict: bool = False, by_class: bool = False
+    ) -> None:
+        try:
+            await self.client.close_window(window_name, strict=strict, by_class=by_class)
+        except EnvHTTPError as e:
+            log.info("close_window %r failed: %s", window_name, e)
+
+    async def _step_sim_scene(self, **params: Any) -> None:
+        if not isinstance(params.get("family"), str):
+            raise TaskError(f"sim_scene step needs a string 'family', got {params!r:.200}")
+        await self.client.sim_scene(params)
+
+    # ---- evaluation --------------------------------------------------------------------------
+
+    async def evaluate(
+        self, task: Task | None = None, actions: Sequence[str] | None = None
+    ) -> EvalResult:
+        """Check the episode (default: the task of the last `setup` and the actions since)."""
+        task = task or self.task
+        if task is None:
+            raise RuntimeError("evaluate() before setup(): no task to check")
+        history = list(self.history if actions is None else actions)
+        t0 = time.perf_counter()
+
+        def done(
+            score: float, status: str, scores: Sequence[float | None], error: str | None = None
+        ) -> EvalResult:
+            return EvalResult(
+                task.id, score, status, tuple(scores), error, time.perf_counter() - t0
+            )
+
+        ev = task.evaluator
+        n = len(ev.funcs)
+        try:
+            await self.run_steps(ev.postconfig, task_id=task.id, phase="evaluator.postconfig")
+        except EnvError as e:
+            return done(0.0, "env_error", [None] * n, f"postconfig: {type(e).__name__}: {e}")
+
+        last_fail = bool(history) and history[-1] == "FAIL"
+        if ev.is_infeasible:
+            return done(float(last_fail), "ok", [float(last_fail)])
+        if last_fail:
+            return done(0.0, "ok", [None] * n)
+
+        ctx = GetterContext(self.client, self.cache, self.work_dir)
+        scores: list[float | None] = [None] * n
+        for i, name in enumerate(ev.funcs):
+            fn = METRICS.get(name)
+            if fn is None:
+                return done(0.0, "eval_error", scores, f"metric {name!r} is not implemented")
+            try:
+                result = await self._get(ctx, ev.result[i])
+                expected_spec = ev.expected[i] if ev.has_expected else None
+                args = [result]
+                if expected_spec is not None:
+                    args.append(await self._get(ctx, expected_spec))
+                value = await asyncio.to_thread(fn, *args, **dict(ev.options[i]))
+                score = float(value)
+            except EnvError as e:
+                return done(
+                    0.0, "env_error", scores, f"metric {i} ({name}): {type(e).__name__}: {e}"
+                )
+            except Exception as e:
+                log.exception("task %s: metric %d (%s) could not run", task.id, i, name)
+                return done(
+                    0.0, "eval_error", scores, f"metric {i} ({name}): {type(e).__name__}: {e}"
+                )
+            scores[i] = score
+            if ev.conj == "and" and score == 0.0:
+                return done(0.0, "ok", scores)
+            if ev.conj == "or" and score == 1.0:
+                return done(1.0, "ok", scores)
+        got = [s for s in scores if s is not None]
+        total = sum(got) / len(got) if ev.conj == "and" else max(got)
+        return done(total, "ok", scores)
+
+    async def _get(self, ctx: GetterContext, spec: Any) -> Any:
+        if spec is None:
+            return None
+        fn = GETTERS.get(spec.type)
+        if fn is None:
+            raise NotImplementedError(f"getter {spec.type!r} is not implemented")
+        return await fn(ctx, spec.params)
+
+
+def _until_met(until: Mapping[str, Any], res: ExecResult) -> bool:
+    """OSWorld's `until`: returncode equals, or `stdout` / `stderr` text appears in the output."""
+    return (
+        ("returncode" in until and res.returncode == until["returncode"])
+        or ("stdout" in until and str(until["stdout"]) in res.output)
+        or ("stderr" in until and str(until["stderr"]) in res.error)
+    )

@@ -1,0 +1,293 @@
+"""OSWorld task files, parsed into the project's frozen task type.
+
+A task file (`evaluation_examples/examples/<domain>/<id>.json`) holds `id`, `instruction`,
+`config` (setup steps), `evaluator` and a few descriptive keys. The schema is OSWorld's; this
+module validates its shape and normalises the evaluator so that single and list forms look the
+same (`funcs`, `result`, `expected` and `options` are tuples of equal length). Keys this module
+does not know are kept in `extra` rather than rejected, because the benchmark grows new ones.
+
+    tasks = load_tasks("shared/osworld/evaluation_examples")          # all files, by domain
+    tasks = load_task_set("shared/osworld/evaluation_examples", "test_all.json")  # index order
+
+JSON values inside steps, getters and options are kept as parsed (dicts and lists): treat them
+as read-only.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from arpo.errors import TaskError
+
+_KNOWN_TASK_KEYS = frozenset(
+    {
+        "id",
+        "snapshot",
+        "instruction",
+        "source",
+        "config",
+        "related_apps",
+        "evaluator",
+        "trajectory",
+        "proxy",
+        "fixed_ip",
+        "possibility_of_env_change",
+    }
+)
+_KNOWN_EVALUATOR_KEYS = frozenset({"func", "conj", "result", "expected", "options", "postconfig"})
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One setup or postconfig step: `{"type": ..., "parameters": {...}}`."""
+
+    type: str
+    parameters: Mapping[str, Any]
+
+    @classmethod
+    def parse(cls, raw: Any, where: str) -> Step:
+        if not isinstance(raw, dict) or not isinstance(raw.get("type"), str):
+            raise TaskError(f"{where}: a step must be an object with a string 'type', got {raw!r}")
+        params = raw.get("parameters", {})
+        if not isinstance(params, dict):
+            raise TaskError(f"{where}: step {raw['type']!r} has non-object parameters {params!r}")
+        return cls(type=raw["type"], parameters=params)
+
+
+@dataclass(frozen=True, slots=True)
+class GetterSpec:
+    """A result or expected getter: `type` plus its own keys (`path`, `rules`, ...) in `params`."""
+
+    type: str
+    params: Mapping[str, Any]
+
+    @classmethod
+    def parse(cls, raw: Any, where: str) -> GetterSpec | None:
+        if raw is None or raw == {}:
+            return None
+        if not isinstance(raw, dict) or not isinstance(raw.get("type"), str):
+            raise TaskError(
+                f"{where}: a getter must be an object with a string 'type', got {raw!r}"
+            )
+        return cls(type=raw["type"], params={k: v for k, v in raw.items() if k != "type"})
+
+
+@dataclass(frozen=True, slots=True)
+class Evaluator:
+    """The checker of a task, normalised: one entry per metric in every tuple."""
+
+    funcs: tuple[str, ...]
+    """Metric names, e.g. ("compare_table",)."""
+    func_is_list: bool
+    """Whether the file gave `func` as a list (OSWorld then averages with `conj`)."""
+    conj: str
+    """How several metrics combine: "and" (mean, 0 if any is 0) or "or" (max, 1 if any is 1)."""
+    result: tuple[GetterSpec | None, ...]
+    """Getter of the state to check, per metric (None when the file has none, as for infeasible)."""
+    expected: tuple[GetterSpec | None, ...]
+    """Getter of the reference, per metric (None: the metric is called without one)."""
+    options: tuple[Mapping[str, Any], ...]
+    """Keyword options of each metric."""
+    postconfig: tuple[Step, ...]
+    """Steps run before the getters (save the document, close the app, ...)."""
+    has_expected: bool
+    """Whether the file has an `expected` key at all."""
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    """Evaluator keys not listed above (kept, not interpreted)."""
+
+    @property
+    def is_infeasible(self) -> bool:
+        return not self.func_is_list and self.funcs == ("infeasible",)
+
+    @classmethod
+    def parse(cls, raw: Any, where: str) -> Evaluator:
+        if not isinstance(raw, dict):
+            raise TaskError(f"{where}: 'evaluator' must be an object, got {type(raw).__name__}")
+        func = raw.get("func")
+        if isinstance(func, str):
+            funcs, is_list = (func,), False
+        elif isinstance(func, list) and func and all(isinstance(f, str) for f in func):
+            funcs, is_list = tuple(func), True
+        else:
+            raise TaskError(
+                f"{where}: evaluator.func must be a string or a list of strings, got {func!r}"
+            )
+        n = len(funcs)
+        conj = raw.get("conj", "and")
+        if conj not in ("and", "or"):
+            raise TaskError(f"{where}: evaluator.conj must be 'and' or 'or', got {conj!r}")
+
+        def per_metric(key: str, parse_one: Any, empty: Any) -> tuple[Any, ...]:
+            value = raw.get(key)
+            if value is None or (isinstance(value, list | dict) and len(value) == 0):
+                return (empty,) * n
+            if is_list:
+                if not isinstance(value, list) or len(value) != n:
+                    raise TaskError(
+                        f"{where}: evaluator.func lists {n} metrics, so evaluator.{key} must be a "
+                        f"list of {n} entries (null for none), got {value!r:.200}"
+                    )
+                return tuple(
+                    parse_one(v, f"{where}: evaluator.{key}[{i}]") for i, v in enumerate(value)
+                )
+            if isinstance(value, list):
+                raise TaskError(
+                    f"{where}: evaluator.func is one metric but evaluator.{key} is a list"
+                )
+            return (parse_one(value, f"{where}: evaluator.{key}"),)
+
+        def parse_options(v: Any, w: str) -> Mapping[str, Any]:
+            if v is None:
+                return {}
+            if not isinstance(v, dict):
+                raise TaskError(f"{w}: options must be an object, got {v!r}")
+            return v
+
+        postconfig_raw = raw.get("postconfig", [])
+        if not isinstance(postconfig_raw, list):
+            raise TaskError(f"{where}: evaluator.postconfig must be a list of steps")
+        return cls(
+            funcs=funcs,
+            func_is_list=is_list,
+            conj=conj,
+            result=per_metric("result", GetterSpec.parse, None),
+            expected=per_metric("expected", GetterSpec.parse, None),
+            options=per_metric("options", parse_options, {}),
+            postconfig=tuple(
+                Step.parse(s, f"{where}: evaluator.postconfig[{i}]")
+                for i, s in enumerate(postconfig_raw)
+            ),
+            has_expected=bool(raw.get("expected")),
+            extra={k: v for k, v in raw.items() if k not in _KNOWN_EVALUATOR_KEYS},
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Task:
+    """One OSWorld task."""
+
+    id: str
+    """Task uuid."""
+    domain: str
+    """Folder name under `examples/` (chrome, libreoffice_calc, ...); "" when unknown."""
+    instruction: str
+    """What the agent is asked to do."""
+    evaluator: Evaluator
+    """How the outcome is checked."""
+    config: tuple[Step, ...] = ()
+    """Setup steps run before the episode."""
+    snapshot: str = ""
+    """Name of the VM snapshot the task starts from."""
+    source: str = ""
+    """Where the task comes from (a URL, usually)."""
+    related_apps: tuple[str, ...] = ()
+    trajectory: str | None = None
+    proxy: bool = False
+    """Whether the task needs OSWorld's proxy (web tasks that are rate limited)."""
+    fixed_ip: bool = False
+    possibility_of_env_change: str | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    """Top-level keys not listed above (e.g. `hint`), kept as parsed."""
+    path: str | None = None
+    """File the task was read from."""
+
+    @property
+    def is_infeasible(self) -> bool:
+        return self.evaluator.is_infeasible
+
+    @classmethod
+    def from_dict(cls, raw: Any, *, domain: str = "", path: str | None = None) -> Task:
+        where = path or "task"
+        if not isinstance(raw, dict):
+            raise TaskError(f"{where}: a task must be a JSON object, got {type(raw).__name__}")
+        tid = raw.get("id")
+        if not isinstance(tid, str) or not tid:
+            raise TaskError(f"{where}: missing or empty string 'id'")
+        where = f"{path or 'task'} (id {tid})"
+        instruction = raw.get("instruction")
+        if not isinstance(instruction, str):
+            raise TaskError(f"{where}: 'instruction' must be a string")
+        if "evaluator" not in raw:
+            raise TaskError(f"{where}: missing 'evaluator'")
+        config_raw = raw.get("config", [])
+        if not isinstance(config_raw, list):
+            raise TaskError(f"{where}: 'config' must be a list of steps")
+        apps = raw.get("related_apps", [])
+        if not isinstance(apps, list) or not all(isinstance(a, str) for a in apps):
+            raise TaskError(f"{where}: 'related_apps' must be a list of strings")
+        return cls(
+            id=tid,
+            domain=domain,
+            instruction=instruction,
+            evaluator=Evaluator.parse(raw["evaluator"], where),
+            config=tuple(Step.parse(s, f"{where}: config[{i}]") for i, s in enumerate(config_raw)),
+            snapshot=str(raw.get("snapshot") or ""),
+            source=str(raw.get("source") or ""),
+            related_apps=tuple(apps),
+            trajectory=raw.get("trajectory"),
+            proxy=bool(raw.get("proxy", False)),
+            fixed_ip=bool(raw.get("fixed_ip", False)),
+            possibility_of_env_change=raw.get("possibility_of_env_change"),
+            extra={k: v for k, v in raw.items() if k not in _KNOWN_TASK_KEYS},
+            path=path,
+        )
+
+
+def load_task(path: str | Path, domain: str | None = None) -> Task:
+    """Read one task file; the domain defaults to the name of its folder."""
+    p = Path(path)
+    try:
+        raw = json.loads(p.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise TaskError(f"{p}: cannot read task file: {e}") from e
+    except json.JSONDecodeError as e:
+        raise TaskError(f"{p}: not valid JSON: {e}") from e
+    return Task.from_dict(raw, domain=p.parent.name if domain is None else domain, path=str(p))
+
+
+def _examples_dir(root: str | Path) -> Path:
+    root = Path(root)
+    return root / "examples" if (root / "examples").is_dir() else root
+
+
+def load_tasks(root: str | Path) -> list[Task]:
+    """All tasks under `root` (an `evaluation_examples` folder or its `examples/`), by domain and id."""
+    ex = _examples_dir(root)
+    if not ex.is_dir():
+        raise TaskError(f"{ex}: not a directory of task folders")
+    return [load_task(f) for f in sorted(ex.glob("*/*.json"))]
+
+
+def load_index(path: str | Path) -> dict[str, list[str]]:
+    """An index file such as `test_all.json`: domain -> task ids."""
+    p = Path(path)
+    try:
+        raw = json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise TaskError(f"{p}: cannot read task index: {e}") from e
+    if not isinstance(raw, dict) or not all(
+        isinstance(v, list) and all(isinstance(i, str) for i in v) for v in raw.values()
+    ):
+        raise TaskError(f"{p}: an index must map each domain to a list of task ids")
+    return {str(k): list(v) for k, v in raw.items()}
+
+
+def load_task_set(root: str | Path, index: str = "test_all.json") -> list[Task]:
+    """The tasks an index file names, in its order; `index` is relative to `root` or absolute."""
+    root = Path(root)
+    index_path = Path(index) if Path(index).is_absolute() else root / index
+    ex = _examples_dir(root)
+    tasks = []
+    for domain, ids in load_index(index_path).items():
+        for tid in ids:
+            f = ex / domain / f"{tid}.json"
+            if not f.is_file():
+                raise TaskError(
+                    f"{index_path}: task {domain}/{tid} is listed but {f} does not exist"
+                )
+            tasks.append(load_task(f, domain))
+    return tasks
