@@ -31,13 +31,17 @@ class ReplayConfig:
     enabled: bool = option(True, "Replay stored successes into groups that have none.")
     std_below: float = option(0.05, "Trigger only when the group's reward std is below this.")
     mean_below: float = option(0.2, "Trigger only when the group's reward mean is below this.")
-    admit_score_above: float = option(0.1, "Checker score above which an episode enters the buffer.")
+    admit_score_above: float = option(
+        0.1, "Checker score above which an episode enters the buffer."
+    )
     capacity: int = option(8, "Successes kept per task (FIFO).")
     k: int = option(1, "Successes put into a triggered group.")
     mode: Literal["replace", "add"] = option(
         "replace", "'replace' swaps out fresh episodes (the reference); 'add' appends."
     )
-    pick: Literal["uniform", "newest"] = option("uniform", "How successes are picked from the buffer.")
+    pick: Literal["uniform", "newest"] = option(
+        "uniform", "How successes are picked from the buffer."
+    )
 
     def validate(self) -> None:
         if self.capacity < 1:
@@ -46,7 +50,9 @@ class ReplayConfig:
             fail("k", "must be at least 1 (disable replay with enabled = false)")
 
 
-def advantages(rewards: Sequence[float] | np.ndarray, *, norm_std: bool = True, eps: float = 1e-6) -> np.ndarray:
+def advantages(
+    rewards: Sequence[float] | np.ndarray, *, norm_std: bool = True, eps: float = 1e-6
+) -> np.ndarray:
     """Group-relative advantages of one group's rewards (float32)."""
     r = np.asarray(rewards, dtype=np.float64)
     if r.size == 0:
@@ -60,4 +66,9 @@ def advantages(rewards: Sequence[float] | np.ndarray, *, norm_std: bool = True, 
 def needs_replay(rewards: Sequence[float] | np.ndarray, cfg: ReplayConfig) -> bool:
     """The reference trigger: every episode of the group failed (low std and low mean)."""
     r = np.asarray(rewards, dtype=np.float64)
-    return bool(cfg.enabled and r.size and (r.std(ddof=1) if r.size > 1 else 0.0) < cfg.std_below and r.mean() < cfg.mean_below)
+    return bool(
+        cfg.enabled
+        and r.size
+        and (r.std(ddof=1) if r.size > 1 else 0.0) < cfg.std_below
+        and r.mean() < cfg.mean_below
+    )
