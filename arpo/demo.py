@@ -38,10 +38,10 @@ class DemoConfig:
     tasks: int = option(4, "Number of synthetic tasks.")
     success: list[float] = option(
         doc="Success probability of each task (cycled over the tasks); 0 makes replay visible.",
-        factory=lambda: [0.0, 0.05, 0.3, 0.6],
+        factory=lambda: [0.0, 0.12, 0.35, 0.6],
     )
     group_size: int = option(8, "Episodes per task per iteration (GRPO group size G).")
-    iterations: int = option(4, "Iterations; each takes one group of every task.")
+    iterations: int = option(6, "Iterations; each takes one group of every task.")
     actors: int = option(4, "Actor threads sending trajectories.")
     turns: int = option(5, "Turns per synthetic episode.")
     endpoint: str = option("tcp://127.0.0.1", "Where the learner binds (a random port is picked).")
@@ -119,7 +119,7 @@ def _episode(
     )
 
 
-def run(cfg: DemoConfig) -> dict[str, float]:
+def run(cfg: DemoConfig) -> dict[str, object]:
     tasks = [f"task-{i}" for i in range(cfg.tasks)]
     probs = {t: cfg.success[i % len(cfg.success)] for i, t in enumerate(tasks)}
     grants: queue.Queue[tuple[str, str, int] | None] = queue.Queue()
@@ -190,6 +190,7 @@ def run(cfg: DemoConfig) -> dict[str, float]:
     )
     print(f"{'iter':>4} {'task':<8} {'p':>5} {'mean R':>7} {'replay':>7} {'buffer':>6}  advantages")
     replay_hits = 0
+    groups: list[dict[str, object]] = []
     for it in range(cfg.iterations):
         for t in tasks:
             items = store.take_group(t, cfg.group_size, timeout=120.0)
@@ -198,6 +199,7 @@ def run(cfg: DemoConfig) -> dict[str, float]:
                 if tr.checker_score > cfg.replay.admit_score_above:
                     store.add_success(t, wire.to_item(tr))
             rewards = [tr.reward for tr in group]
+            fresh_rewards, buffered = list(rewards), store.replay_len(t)
             used = "-"
             if needs_replay(rewards, cfg.replay) and store.replay_len(t) > 0:
                 mode = "newest" if cfg.replay.pick == "newest" else "uniform"
@@ -211,6 +213,15 @@ def run(cfg: DemoConfig) -> dict[str, float]:
                 used = f"+{len(picked)}"
                 replay_hits += 1
             adv = advantages(rewards)
+            groups.append(
+                {
+                    "task": t,
+                    "fresh": fresh_rewards,
+                    "buffered": buffered,
+                    "rewards": rewards,
+                    "adv": adv,
+                }
+            )
             print(
                 f"{it:>4} {t:<8} {probs[t]:>5.2f} {np.mean(rewards):>7.3f} {used:>7} {store.replay_len(t):>6}  "
                 + " ".join(f"{a:+.2f}" for a in adv)
@@ -234,7 +245,8 @@ def run(cfg: DemoConfig) -> dict[str, float]:
         "mb": received["bytes"] / 1e6,
         "seconds": elapsed,
         "replay_hits": replay_hits,
-        "snapshot_ok": float(same),
+        "snapshot_ok": same,
+        "groups": groups,
     }
     print(
         f"received {received['n']} trajectories ({received['bytes'] / 1e6:.1f} MB) in {elapsed:.1f} s "
