@@ -18,7 +18,7 @@ const SLICE: Duration = Duration::from_millis(100);
 type CoreStore = Store<PyBlob>;
 
 /// A concurrent replay store keyed by task (see `arpo.buffer`).
-#[pyclass(frozen, name = "ReplayStore", module = "arpo._buffer")]
+#[pyclass(frozen, weakref, name = "ReplayStore", module = "arpo._buffer")]
 pub struct PyStore {
     inner: Arc<CoreStore>,
 }
