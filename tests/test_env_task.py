@@ -1,0 +1,139 @@
+"""OSWorld task files: every benchmark task parses; the schema is validated with clear errors."""
+
+from __future__ import annotations
+
+import collections
+import json
+from pathlib import Path
+
+import pytest
+
+from arpo.env.runner import unsupported
+from arpo.env.task import Task, load_index, load_task, load_task_set, load_tasks
+from arpo.errors import TaskError
+
+OSWORLD = Path("/work/shared/osworld/evaluation_examples")
+needs_osworld = pytest.mark.skipif(not OSWORLD.is_dir(), reason="OSWorld task files not present")
+
+DOMAIN_COUNTS = {
+    "chrome": 46,
+    "gimp": 26,
+    "libreoffice_calc": 47,
+    "libreoffice_impress": 47,
+    "libreoffice_writer": 23,
+    "multi_apps": 101,
+    "os": 24,
+    "thunderbird": 15,
+    "vlc": 17,
+    "vs_code": 23,
+}
+
+
+@needs_osworld
+def test_all_369_osworld_tasks_parse():
+    tasks = load_tasks(OSWORLD)
+    assert len(tasks) == 369 == sum(DOMAIN_COUNTS.values())
+    assert dict(collections.Counter(t.domain for t in tasks)) == DOMAIN_COUNTS
+    assert len({t.id for t in tasks}) == 369
+    for t in tasks:
+        ev = t.evaluator
+        assert len(ev.funcs) == len(ev.result) == len(ev.expected) == len(ev.options)
+        assert ev.conj in ("and", "or")
+        assert t.instruction
+    assert sum(t.is_infeasible for t in tasks) == 29
+    by_id = {t.id: t for t in tasks}
+    assert by_id["7ae48c60-f143-4119-b659-15b8f485eb9a"].extra == {"hint": "The input unit is cm"}
+    calc = by_id["01b269ae-2111-4a07-81fd-3fcd711993b0"]
+    assert calc.domain == "libreoffice_calc"
+    assert [s.type for s in calc.config] == ["download", "open"]
+    assert calc.evaluator.funcs == ("compare_table",)
+    assert calc.evaluator.result[0].type == "vm_file"
+    assert calc.evaluator.expected[0].params["dest"] == "Student_Level_Fill_Blank_gold.xlsx"
+    assert calc.evaluator.options[0]["rules"][0]["type"] == "sheet_data"
+    assert unsupported(calc) == []
+
+
+@needs_osworld
+def test_index_order_matches_the_files():
+    index = load_index(OSWORLD / "test_all.json")
+    assert {d: len(ids) for d, ids in index.items()} == DOMAIN_COUNTS
+    tasks = load_task_set(OSWORLD, "test_all.json")
+    assert [t.id for t in tasks] == [i for ids in index.values() for i in ids]
+
+
+@needs_osworld
+def test_unsupported_lists_what_the_runner_lacks():
+    tasks = load_tasks(OSWORLD)
+    gaps = {t.id: unsupported(t) for t in tasks}
+    assert "metric compare_pptx_files" in {g for gs in gaps.values() for g in gs}
+    assert "config step chrome_open_tabs" in {g for gs in gaps.values() for g in gs}
+    # Infeasible tasks need no getter or metric, only the steps.
+    infeasible = [t for t in tasks if t.is_infeasible]
+    assert all(not any(g.startswith(("metric", "getter")) for g in gaps[t.id]) for t in infeasible)
+
+
+def _task(**over):
+    raw = {
+        "id": "t1",
+        "instruction": "do it",
+        "config": [{"type": "sleep", "parameters": {"seconds": 0}}],
+        "evaluator": {"func": "exact_match", "result": {"type": "rule", "rules": {}}},
+    }
+    raw.update(over)
+    return raw
+
+
+def test_single_and_list_evaluators_normalise_the_same():
+    one = Task.from_dict(_task(), domain="os")
+    assert one.evaluator.funcs == ("exact_match",) and not one.evaluator.func_is_list
+    assert one.evaluator.expected == (None,) and one.evaluator.options == ({},)
+    many = Task.from_dict(
+        _task(
+            evaluator={
+                "func": ["exact_match", "check_include_exclude"],
+                "conj": "or",
+                "result": [{"type": "rule", "rules": 1}, {"type": "rule", "rules": 2}],
+                "expected": [None, {"type": "rule", "rules": {"include": ["a"]}}],
+                "options": [{}, None],
+            }
+        )
+    )
+    ev = many.evaluator
+    assert ev.func_is_list and ev.conj == "or"
+    assert ev.expected[0] is None and ev.expected[1].params == {"rules": {"include": ["a"]}}
+    assert ev.options == ({}, {})
+
+
+@pytest.mark.parametrize(
+    ("over", "match"),
+    [
+        ({"id": ""}, "id"),
+        ({"instruction": 3}, "instruction"),
+        ({"config": [{"parameters": {}}]}, "config\\[0\\]"),
+        ({"config": [{"type": "sleep", "parameters": []}]}, "non-object parameters"),
+        ({"evaluator": {"func": 3}}, "evaluator.func"),
+        ({"evaluator": {"func": "x", "conj": "xor"}}, "conj"),
+        (
+            {"evaluator": {"func": ["a", "b"], "result": [{"type": "rule", "rules": 1}]}},
+            "list of 2 entries",
+        ),
+        ({"evaluator": {"func": "a", "result": [{"type": "rule"}]}}, "is a list"),
+    ],
+)
+def test_bad_task_files_raise_task_error_naming_the_field(over, match):
+    with pytest.raises(TaskError, match=match):
+        Task.from_dict(_task(**over), path="x.json")
+
+
+def test_loader_reads_domain_from_folder_and_reports_bad_json(tmp_path):
+    (tmp_path / "examples" / "os").mkdir(parents=True)
+    f = tmp_path / "examples" / "os" / "t1.json"
+    f.write_text(json.dumps(_task(new_key=[1, 2])))
+    (task,) = load_tasks(tmp_path)
+    assert task.domain == "os" and task.extra == {"new_key": [1, 2]} and task.path == str(f)
+    (tmp_path / "test_small.json").write_text(json.dumps({"os": ["t1", "missing"]}))
+    with pytest.raises(TaskError, match="missing"):
+        load_task_set(tmp_path, "test_small.json")
+    f.write_text("{not json")
+    with pytest.raises(TaskError, match="not valid JSON"):
+        load_task(f)
