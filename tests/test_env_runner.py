@@ -1,0 +1,266 @@
+"""The task runner against a loopback OSWorld-protocol peer: setup steps, actions, evaluation."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from osworld_fixtures.peer import Peer
+from osworld_fixtures.xlsx_writer import write_xlsx
+
+from arpo.env.client import ClientConfig, EnvClient
+from arpo.env.runner import RunnerConfig, TaskRunner
+from arpo.env.task import Task
+from arpo.errors import FileCacheMiss, TaskError
+
+URL = "https://huggingface.co/datasets/xlangai/ubuntu_osworld_file_cache/resolve/main/libreoffice_calc/t1/{}"
+
+
+def task(config=(), evaluator=None, tid="t1"):
+    return Task.from_dict(
+        {
+            "id": tid,
+            "instruction": "x",
+            "config": list(config),
+            "evaluator": evaluator or {"func": "infeasible"},
+        },
+        domain="libreoffice_calc",
+    )
+
+
+async def with_runner(body, tmp_path, *, peer=None, **cfg):
+    peer = await (peer or Peer()).start()
+    client = EnvClient(ClientConfig(base_url=peer.url, backoff_initial_s=0.01, max_retries=1))
+    runner = TaskRunner(
+        client, RunnerConfig(**{"cache_dir": tmp_path / "cache", "until_poll_s": 0.01, **cfg})
+    )
+    try:
+        return await body(runner, peer)
+    finally:
+        runner.close()
+        await client.close()
+        await peer.stop()
+
+
+def test_unknown_step_raises_task_error_naming_it_before_anything_runs(tmp_path):
+    t = task(
+        [
+            {"type": "launch", "parameters": {"command": ["gedit"]}},
+            {"type": "chrome_open_tabs", "parameters": {"urls_to_open": ["https://x"]}},
+        ]
+    )
+
+    async def body(runner, peer):
+        with pytest.raises(TaskError, match=r"config\[1\].*'chrome_open_tabs'"):
+            await runner.setup(t)
+        assert peer.calls == []
+        bad_params = task([{"type": "sleep", "parameters": {"second": 1}}])
+        with pytest.raises(TaskError, match=r"sleep.*bad parameters"):
+            await runner.setup(bad_params)
+
+    asyncio.run(with_runner(body, tmp_path))
+
+
+def test_placeholders_are_substituted_in_execute_and_command(tmp_path):
+    code = "import pyautogui; pyautogui.click({SCREEN_WIDTH_HALF}, {SCREEN_HEIGHT_HALF}); # {SCREEN_WIDTH}x{SCREEN_HEIGHT}"
+    t = task(
+        [
+            {"type": "execute", "parameters": {"command": ["python", "-c", code]}},
+            {
+                "type": "command",
+                "parameters": {
+                    "command": "echo {CLIENT_PASSWORD} {SCREEN_WIDTH}",
+                    "shell": True,
+                    "stdout": "out.txt",
+                },
+            },
+        ]
+    )
+
+    async def body(runner, peer):
+        await runner.setup(t)
+        first, second = peer.recorded("/setup/execute")
+        assert first["command"][2] == "import pyautogui; pyautogui.click(960, 540); # 1920x1080"
+        assert second == {
+            "command": "echo pw {SCREEN_WIDTH}".replace("{SCREEN_WIDTH}", "1920"),
+            "shell": True,
+        }
+        assert (runner.work_dir / "out.txt").read_text() == "pw 1920\n"
+
+    asyncio.run(with_runner(body, tmp_path, client_password="pw"))
+
+    async def body_configured(runner, peer):
+        assert await runner.substitute(["{SCREEN_WIDTH_HALF}x{SCREEN_HEIGHT}"]) == ["640x720"]
+        assert peer.counts.get("/screen_size") is None  # configured size: no query
+
+    asyncio.run(with_runner(body_configured, tmp_path, screen_width=1280, screen_height=720))
+
+
+def test_execute_until_polls_as_osworld(tmp_path):
+    counter = tmp_path / "n"
+    script = (
+        f"n=$(cat {counter} 2>/dev/null || echo 0); n=$((n+1)); echo $n > {counter}; echo tick-$n"
+    )
+    t = task(
+        [
+            {
+                "type": "execute",
+                "parameters": {"command": script, "shell": True, "until": {"stdout": "tick-3"}},
+            }
+        ]
+    )
+
+    async def body(runner, peer):
+        await runner.setup(t)
+        assert peer.counts["/setup/execute"] == 3
+
+    asyncio.run(with_runner(body, tmp_path))
+
+
+def test_download_comes_from_the_local_cache(tmp_path):
+    cache = tmp_path / "cache"
+    (cache / "libreoffice_calc" / "t1").mkdir(parents=True)
+    (cache / "libreoffice_calc" / "t1" / "a.xlsx").write_bytes(b"by-layout")
+    (cache / "elsewhere.bin").write_bytes(b"by-index")
+    (cache / "index.json").write_text(json.dumps({URL.format("b.xlsx"): "elsewhere.bin"}))
+    t = task(
+        [
+            {
+                "type": "download",
+                "parameters": {
+                    "files": [
+                        {"url": URL.format("a.xlsx"), "path": "/home/user/a.xlsx"},
+                        {"url": URL.format("b.xlsx"), "path": "/home/user/b.xlsx"},
+                    ]
+                },
+            },
+            {"type": "open", "parameters": {"path": "/home/user/a.xlsx"}},
+            {"type": "activate_window", "parameters": {"window_name": "a.xlsx", "strict": True}},
+            {"type": "close_window", "parameters": {"window_name": "gone"}},
+            {"type": "sleep", "parameters": {"seconds": 100}},
+        ]
+    )
+    missing = task(
+        [
+            {
+                "type": "download",
+                "parameters": {
+                    "files": [{"url": URL.format("c.xlsx"), "path": "/home/user/c.xlsx"}]
+                },
+            }
+        ]
+    )
+
+    async def body(runner, peer):
+        await runner.setup(t)  # the 100 s sleep is scaled to 0
+        assert peer.files == {"/home/user/a.xlsx": b"by-layout", "/home/user/b.xlsx": b"by-index"}
+        assert peer.recorded("/setup/open_file") == ["/home/user/a.xlsx"]
+        with pytest.raises(FileCacheMiss, match=r"c\.xlsx.*index\.json"):
+            await runner.setup(missing)
+        result = await runner.run(missing, ["DONE"])
+        assert result.status == "env_error" and "c.xlsx" in result.error
+
+    asyncio.run(with_runner(body, tmp_path, sleep_scale=0.0))
+
+
+def test_actions_and_sim_scene_and_reset(tmp_path):
+    t = task([{"type": "sim_scene", "parameters": {"family": "calc", "seed": 7, "rows": 3}}])
+
+    async def body(runner, peer):
+        await runner.setup(t)
+        assert peer.recorded("/reset") == [{}]
+        assert peer.recorded("/sim/scene") == [{"family": "calc", "seed": 7, "rows": 3}]
+        res = await runner.act("pyautogui.typewrite('hi')")
+        assert res is not None and res.returncode == 0
+        assert await runner.act("WAIT") is None
+        assert await runner.act("DONE") is None
+        assert runner.history == ["pyautogui.typewrite('hi')", "WAIT", "DONE"]
+        assert len(peer.recorded("/execute")) == 1
+
+    asyncio.run(with_runner(body, tmp_path, reset_before_setup=True, wait_seconds=0.0))
+
+
+def test_evaluate_vm_file_against_cloud_file_with_compare_table(tmp_path):
+    cache = tmp_path / "cache"
+    (cache / "libreoffice_calc" / "t1").mkdir(parents=True)
+    rows = [["Name", "Score"], ["ann", 3], ["bob", 4]]
+    write_xlsx(cache / "libreoffice_calc" / "t1" / "gold.xlsx", {"Sheet1": rows})
+    evaluator = {
+        "postconfig": [
+            {
+                "type": "activate_window",
+                "parameters": {"window_name": "a.xlsx - LibreOffice Calc", "strict": True},
+            },
+            {
+                "type": "execute",
+                "parameters": {
+                    "command": ["python", "-c", 'import pyautogui; pyautogui.hotkey("ctrl", "s");']
+                },
+            },
+        ],
+        "func": "compare_table",
+        "result": {"type": "vm_file", "path": "/home/user/a.xlsx", "dest": "a.xlsx"},
+        "expected": {"type": "cloud_file", "path": URL.format("gold.xlsx"), "dest": "gold.xlsx"},
+        "options": {"rules": [{"type": "sheet_data", "sheet_idx0": 0, "sheet_idx1": "EI0"}]},
+    }
+    t = task(evaluator=evaluator)
+
+    async def body(runner, peer):
+        await runner.setup(t)
+        r = await runner.evaluate()
+        assert (r.score, r.status) == (0.0, "ok")  # the agent never saved the file: a real 0
+        write_xlsx(tmp_path / "agent.xlsx", {"Sheet1": rows})
+        peer.files["/home/user/a.xlsx"] = (tmp_path / "agent.xlsx").read_bytes()
+        r = await runner.evaluate()
+        assert (r.score, r.status, r.metric_scores) == (1.0, "ok", (1.0,))
+        peer.fail["/file"] = (500, "disk on fire")
+        r = await runner.evaluate()
+        assert r.status == "env_error" and "disk on fire" in r.error
+
+    asyncio.run(with_runner(body, tmp_path))
+
+
+def test_evaluate_command_line_and_sim_state_getters(tmp_path):
+    t = task(
+        [{"type": "sim_scene", "parameters": {"family": "calc", "seed": 1}}],
+        {
+            "func": ["exact_match", "check_include_exclude", "exact_match"],
+            "result": [
+                {"type": "sim_state", "path": "cell.A1"},
+                {"type": "vm_command_line", "command": ["uname", "-s"]},
+                {"type": "vm_command_line", "command": ["no-such-binary-here"]},
+            ],
+            "expected": [
+                {"type": "rule", "rules": {"expected": 7}},
+                {"type": "rule", "rules": {"include": ["Linux"]}},
+                {"type": "rule", "rules": {"expected": None}},
+            ],
+        },
+    )
+
+    async def body(runner, peer):
+        r = await runner.run(t, ["pyautogui.click(1, 1)", "DONE", "pyautogui.click(2, 2)"])
+        assert (r.score, r.status, r.metric_scores) == (1.0, "ok", (1.0, 1.0, 1.0))
+        assert len(peer.recorded("/execute")) == 3  # one action (stopped at DONE), two getters
+
+    asyncio.run(with_runner(body, tmp_path))
+
+
+def test_getter_transport_failure_is_env_error(tmp_path):
+    t = task(
+        evaluator={
+            "func": "exact_match",
+            "result": {"type": "sim_state", "path": "x"},
+            "expected": {"type": "rule", "rules": {"expected": 1}},
+        }
+    )
+
+    async def body(runner, peer):
+        await runner.setup(t)
+        await peer.stop()
+        r = await runner.evaluate()
+        assert (r.status, r.score) == ("env_error", 0.0)
+        assert "EnvTransportError" in r.error
+
+    asyncio.run(with_runner(body, tmp_path))
