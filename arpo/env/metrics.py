@@ -35,6 +35,10 @@ from arpo.errors import EvalError
 
 Metric = Callable[..., float]
 METRICS: dict[str, Metric] = {}
+TABLE_RULES = ("sheet_name", "sheet_data", "check_cell")
+"""The `compare_table` rule types implemented here."""
+TABLE_CELL_PROPS = ("value",)
+"""The `check_cell` properties implemented here."""
 
 
 def metric(fn: Metric) -> Metric:

@@ -40,7 +40,7 @@ from typing import Any
 from arpo.env.cache import FileCache
 from arpo.env.client import EnvClient, ExecResult
 from arpo.env.getters import GETTERS, GetterContext
-from arpo.env.metrics import METRICS
+from arpo.env.metrics import METRICS, TABLE_CELL_PROPS, TABLE_RULES
 from arpo.env.task import Step, Task
 from arpo.errors import EnvError, EnvHTTPError, EnvTimeout, FileCacheMiss, TaskError
 
@@ -124,6 +124,18 @@ def unsupported(task: Task) -> list[str]:
     ev = task.evaluator
     if not ev.is_infeasible:
         missing += [f"metric {f}" for f in ev.funcs if f not in METRICS]
+        for f, opts in zip(ev.funcs, ev.options, strict=True):
+            if f != "compare_table":
+                continue
+            for rule in opts.get("rules", []):
+                if rule.get("type") not in TABLE_RULES:
+                    missing.append(f"compare_table rule {rule.get('type')}")
+                elif rule["type"] == "check_cell":
+                    missing += [
+                        f"compare_table check_cell property {p}"
+                        for p in rule.get("props", {})
+                        if p not in TABLE_CELL_PROPS
+                    ]
         for g in (*ev.result, *ev.expected):
             if g is not None and g.type not in GETTERS:
                 missing.append(f"getter {g.type}")
