@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,13 @@ from arpo.env.runner import unsupported
 from arpo.env.task import Task, load_index, load_task, load_task_set, load_tasks
 from arpo.errors import TaskError
 
-OSWORLD = Path("/work/shared/osworld/evaluation_examples")
+# The benchmark's task files live in shared/ beside the repository (as in CI).
+OSWORLD = Path(
+    os.environ.get(
+        "ARPO_OSWORLD_DIR",
+        Path(__file__).resolve().parents[2] / "shared" / "osworld" / "evaluation_examples",
+    )
+)
 needs_osworld = pytest.mark.skipif(not OSWORLD.is_dir(), reason="OSWorld task files not present")
 
 DOMAIN_COUNTS = {
