@@ -24,9 +24,10 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 
-$(DEPS_STAMP): pyproject.toml scripts/deps.py | $(VENV)/bin/python
+$(DEPS_STAMP): pyproject.toml scripts/deps.py envs/pyproject.toml | $(VENV)/bin/python
 	$(PY) scripts/deps.py $(EXTRAS) > $(VENV)/requirements.txt
 	$(PY) -m pip install -q -r $(VENV)/requirements.txt
+	$(PY) -m pip install -q -e envs
 	rm -f $(VENV)/.deps-* && touch $@
 
 # maturin develop: incremental cargo build in release mode, installs arpo editable.

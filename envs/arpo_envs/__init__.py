@@ -1,0 +1,14 @@
+"""Environment servers for arpo, installable on env hosts without torch.
+
+Every server here speaks the OSWorld VM protocol (DESIGN.md section 5), so an
+actor cannot tell one from an OSWorld VM:
+
+    pip install -e envs
+    arpo-envs sim -n 8 --base-port 5100        # eight simulated desktops
+    arpo-envs sim-tasks --out /tmp/sim_tasks   # OSWorld-schema task files + oracles
+
+`server_common` holds what every server shares (auth, JSON errors, request
+helpers); `sim` is the simulated desktop.
+"""
+
+__version__ = "0.1.0"

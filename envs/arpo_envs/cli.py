@@ -1,0 +1,129 @@
+"""The `arpo-envs` command: start environment servers, write task files.
+
+    arpo-envs sim -n 8 --base-port 5100                  # 8 simulated desktops, 5100..5107
+    arpo-envs sim -n 8 --latency lognormal:40,0.6 --slow-env 3 --slow-factor 5
+    arpo-envs sim --host 0.0.0.0 --token "$ARPO_ENV_TOKEN"  # exposed: a token is required
+    arpo-envs sim-tasks --out /tmp/sim_tasks -n 16       # OSWorld-schema tasks + oracles
+
+`sim` prints one line per desktop (`env <i> <url>`) once all are listening, and
+stops cleanly on Ctrl-C or SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sys
+from pathlib import Path
+
+
+def _sim(args: argparse.Namespace) -> int:
+    from arpo_envs.sim.latency import LatencyConfig
+    from arpo_envs.sim.server import SimConfig, serve_until
+
+    token = args.token or os.environ.get("ARPO_ENV_TOKEN") or None
+    try:
+        latency = LatencyConfig.parse(
+            args.latency, slow_env=args.slow_env, slow_factor=args.slow_factor, seed=args.seed
+        )
+        configs = [
+            SimConfig(
+                width=args.width,
+                height=args.height,
+                host=args.host,
+                port=0 if args.base_port == 0 else args.base_port + i,
+                token=token,
+                draw_cursor=not args.no_cursor,
+                sleep_cap_s=args.sleep_cap,
+                latency=latency,
+                index=i,
+            )
+            for i in range(args.n)
+        ]
+    except ValueError as e:
+        print(f"arpo-envs sim: {e}", file=sys.stderr)
+        return 2
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await serve_until(configs, stop, announce=lambda s: print(s, flush=True))
+
+    asyncio.run(main())
+    print("arpo-envs sim: stopped", flush=True)
+    return 0
+
+
+def _sim_tasks(args: argparse.Namespace) -> int:
+    from arpo_envs.sim.tasks import FAMILIES, write_tasks
+
+    families = list(FAMILIES) if args.families == "all" else args.families.split(",")
+    unknown = [f for f in families if f not in FAMILIES]
+    if unknown:
+        print(
+            f"arpo-envs sim-tasks: unknown families {unknown}; known: {', '.join(FAMILIES)}",
+            file=sys.stderr,
+        )
+        return 2
+    index = write_tasks(Path(args.out), families, args.n, args.seed, (args.width, args.height))
+    total = sum(len(ids) for ids in index.values())
+    print(f"wrote {total} tasks of {len(index)} families to {args.out}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="arpo-envs", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("sim", help="start N simulated desktops in one process")
+    s.add_argument("-n", type=int, default=1, help="number of desktops (default 1)")
+    s.add_argument(
+        "--base-port",
+        type=int,
+        default=5000,
+        help="desktop i listens on base-port + i (0: any free ports)",
+    )
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    s.add_argument("--token", default=None, help="bearer token (default: $ARPO_ENV_TOKEN)")
+    s.add_argument("--width", type=int, default=1280)
+    s.add_argument("--height", type=int, default=720)
+    s.add_argument(
+        "--latency", default="none", help="none | fixed:<ms> | lognormal:<median ms>[,<sigma>]"
+    )
+    s.add_argument("--slow-env", type=int, default=None, help="index of the one slow desktop")
+    s.add_argument("--slow-factor", type=float, default=1.0, help="its latency multiplier")
+    s.add_argument("--seed", type=int, default=0, help="seed of the latency draws")
+    s.add_argument(
+        "--sleep-cap",
+        type=float,
+        default=0.0,
+        help="wait time.sleep of actions up to this many seconds (default 0)",
+    )
+    s.add_argument("--no-cursor", action="store_true", help="no pointer in screenshots")
+    s.set_defaults(func=_sim)
+
+    t = sub.add_parser("sim-tasks", help="write OSWorld-schema task files with oracles")
+    t.add_argument("--out", required=True, help="output directory")
+    t.add_argument("--families", default="all", help="comma-separated families (default all)")
+    t.add_argument("-n", type=int, default=16, help="tasks per family (default 16)")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--width", type=int, default=1280)
+    t.add_argument("--height", type=int, default=720)
+    t.set_defaults(func=_sim_tasks)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "n", 1) < 1:
+        print("arpo-envs: -n must be at least 1", file=sys.stderr)
+        return 2
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

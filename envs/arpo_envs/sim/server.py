@@ -1,0 +1,305 @@
+"""The simulated desktop's HTTP server: the OSWorld VM protocol plus the project's scene endpoints.
+
+    arpo-envs sim -n 8 --base-port 5100     # eight desktops on 5100..5107
+
+| method, path | body | answer |
+|---|---|---|
+| GET /screenshot | - | PNG of the screen (with the pointer) |
+| POST /execute, /setup/execute | {command: list or str, shell} | {status, output, error, returncode} |
+| POST /run_python | {code} | {status, message, need_more, output, error, return_code} |
+| POST /screen_size | - | {width, height} |
+| GET /platform | - | text "Linux" |
+| GET /terminal | - | {output: null, status} (no terminal; a liveness ping) |
+| GET /cursor_position | - | [x, y] |
+| GET /accessibility | - | {AT: xml} |
+| POST /reset | {} or {family, seed} | rebuilds the current scene (or loads the given one) |
+| POST /sim/scene | {family, seed, screen?} | loads a task scene; {status, task_id, instruction} |
+| POST /sim/state | {path: "a.b"} | {value} for checkers; 404 if the path does not exist |
+
+Commands run through `interpreter` (pyautogui code interpreted from its syntax tree,
+never executed); like OSWorld's server, /execute answers status "success" whenever
+the command was run, with the program's own return code. Answers of /execute and
+/screenshot are delayed by the configured latency (see `latency.py`). Errors are
+JSON (see `server_common`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from arpo_envs.server_common import (
+    RequestError,
+    ServerSecurity,
+    check_type,
+    make_app,
+    read_json,
+)
+from arpo_envs.sim.desktop import Desktop, StatePathError
+from arpo_envs.sim.interpreter import ProgramError, RunResult, command_to_code, execute
+from arpo_envs.sim.latency import LatencyConfig
+from arpo_envs.sim.tasks import FAMILIES, MIN_SCREEN, TaskSpec, load_scene
+
+log = logging.getLogger("arpo_envs.sim")
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    """One simulated desktop server."""
+
+    width: int = 1280
+    """Screen width in pixels."""
+    height: int = 720
+    """Screen height in pixels."""
+    host: str = "127.0.0.1"
+    """Address to bind; anything but loopback needs `token`."""
+    port: int = 5000
+    """TCP port (0: any free port)."""
+    token: str | None = None
+    """Bearer token every request must carry (None: no auth, loopback only)."""
+    draw_cursor: bool = True
+    """Draw the mouse pointer into screenshots."""
+    sleep_cap_s: float = 0.0
+    """time.sleep in actions is waited up to this many seconds per request (0: not waited;
+    the simulated widgets have no animations to wait for)."""
+    latency: LatencyConfig = field(default_factory=LatencyConfig)
+    """Delay before each /execute and /screenshot answer."""
+    index: int = 0
+    """This desktop's number in a multi-desktop process (picks the slow one, seeds latency)."""
+    offload_encode: bool = True
+    """Encode screenshots in a worker thread (zlib releases the GIL, so several desktops
+    in one process use more than one core)."""
+
+    def __post_init__(self) -> None:
+        if self.width < MIN_SCREEN[0] or self.height < MIN_SCREEN[1]:
+            raise ValueError(
+                f"screen {self.width}x{self.height} is too small for the task scenes; "
+                f"use at least {MIN_SCREEN[0]}x{MIN_SCREEN[1]}"
+            )
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if self.sleep_cap_s < 0:
+            raise ValueError(f"sleep_cap_s must be >= 0, got {self.sleep_cap_s}")
+        ServerSecurity(self.host, self.token)  # refuses an exposed address without a token
+
+
+class SimDesktopServer:
+    """One simulated desktop and its aiohttp application."""
+
+    def __init__(self, config: SimConfig | None = None):
+        self.config = config or SimConfig()
+        self.desk = Desktop(
+            self.config.width, self.config.height, draw_cursor=self.config.draw_cursor
+        )
+        self.task: TaskSpec | None = None
+        self.latency = self.config.latency.sampler(self.config.index)
+        # Requests of one desktop apply in arrival order; the lock also keeps an action from
+        # changing the screen while a worker thread encodes it.
+        self._lock = asyncio.Lock()
+        self.counts: dict[str, int] = {}
+
+    def make_app(self) -> web.Application:
+        app = make_app(ServerSecurity(self.config.host, self.config.token))
+        r = app.router
+        r.add_get("/screenshot", self.screenshot)
+        r.add_post("/execute", self.execute)
+        r.add_post("/setup/execute", self.execute)
+        r.add_post("/run_python", self.run_python)
+        r.add_post("/screen_size", self.screen_size)
+        r.add_get("/platform", self.platform)
+        r.add_get("/terminal", self.terminal)
+        r.add_get("/cursor_position", self.cursor_position)
+        r.add_get("/accessibility", self.accessibility)
+        r.add_post("/reset", self.reset)
+        r.add_post("/sim/scene", self.scene)
+        r.add_post("/sim/state", self.state)
+        return app
+
+    def _count(self, name: str) -> None:
+        self.counts[name] = self.counts.get(name, 0) + 1
+
+    async def _delay(self) -> None:
+        s = self.latency.seconds()
+        if s > 0:
+            await asyncio.sleep(s)
+
+    # ---- OSWorld protocol ---------------------------------------------------------------
+
+    async def screenshot(self, request: web.Request) -> web.Response:
+        self._count("screenshot")
+        await self._delay()
+        async with self._lock:
+            png = self.desk.cached_png()
+            if png is None:
+                if self.config.offload_encode:
+                    png = await asyncio.to_thread(self.desk.screenshot_png)
+                else:
+                    png = self.desk.screenshot_png()
+        return web.Response(body=png, content_type="image/png")
+
+    async def _run(self, code: str) -> RunResult:
+        async with self._lock:
+            result = execute(code, self.desk)
+        wait = min(result.sleep_s, self.config.sleep_cap_s)
+        if wait > 0:
+            await asyncio.sleep(wait)
+        return result
+
+    async def execute(self, request: web.Request) -> web.Response:
+        self._count("execute")
+        body = await read_json(request, {"command": (str, list)})
+        shell = body.get("shell", False)
+        check_type("shell", shell, bool)
+        await self._delay()
+        try:
+            code = command_to_code(body["command"], shell)
+        except ProgramError as e:
+            result = RunResult("", f"{e}\n", 1)
+        else:
+            result = await self._run(code)
+        return web.json_response(
+            {
+                "status": "success",
+                "output": result.output,
+                "error": result.error,
+                "returncode": result.returncode,
+            }
+        )
+
+    async def run_python(self, request: web.Request) -> web.Response:
+        self._count("run_python")
+        body = await read_json(request, {"code": str})
+        if not body["code"].strip():
+            raise RequestError("field 'code' is empty")
+        result = await self._run(body["code"])
+        message = result.output + (
+            ("\n" if result.output else "") + result.error if result.error else ""
+        )
+        return web.json_response(
+            {
+                "status": "success" if result.returncode == 0 else "error",
+                "message": message,
+                "need_more": False,
+                "output": result.output,
+                "error": result.error,
+                "return_code": result.returncode,
+            }
+        )
+
+    async def screen_size(self, request: web.Request) -> web.Response:
+        return web.json_response({"width": self.desk.width, "height": self.desk.height})
+
+    async def platform(self, request: web.Request) -> web.Response:
+        return web.Response(text="Linux")
+
+    async def terminal(self, request: web.Request) -> web.Response:
+        return web.json_response({"output": None, "status": "success"})
+
+    async def cursor_position(self, request: web.Request) -> web.Response:
+        return web.json_response(list(self.desk.cursor))
+
+    async def accessibility(self, request: web.Request) -> web.Response:
+        async with self._lock:
+            xml = self.desk.accessibility_xml()
+        return web.json_response({"AT": xml})
+
+    # ---- the project's endpoints --------------------------------------------------------
+
+    def _load(self, body: dict[str, Any]) -> TaskSpec:
+        family, seed = body["family"], body["seed"]
+        if family not in FAMILIES:
+            raise RequestError(f"unknown task family {family!r}; known: {', '.join(FAMILIES)}")
+        screen = body.get("screen")
+        if screen is not None and screen != [self.desk.width, self.desk.height]:
+            raise RequestError(
+                f"the task was generated for a {screen} screen but this desktop is "
+                f"{self.desk.width}x{self.desk.height}; start the server with that size or "
+                "regenerate the task"
+            )
+        self.task = load_scene(self.desk, family, seed)
+        return self.task
+
+    def _scene_answer(self) -> dict[str, Any]:
+        if self.task is None:
+            return {"status": "success", "task_id": None, "instruction": None}
+        return {
+            "status": "success",
+            "task_id": self.task.task_id,
+            "instruction": self.task.instruction,
+        }
+
+    async def scene(self, request: web.Request) -> web.Response:
+        self._count("scene")
+        body = await read_json(request, {"family": str, "seed": int})
+        async with self._lock:
+            self._load(body)
+        return web.json_response(self._scene_answer())
+
+    async def reset(self, request: web.Request) -> web.Response:
+        """Back to the start of the current scene (or load `family`/`seed` if given)."""
+        self._count("reset")
+        body = await read_json(request)
+        async with self._lock:
+            if "family" in body or "seed" in body:
+                for name, kind in (("family", str), ("seed", int)):
+                    if name not in body:
+                        raise RequestError(f"missing field {name!r} (reset takes both or neither)")
+                    check_type(name, body[name], kind)
+                self._load(body)
+            elif self.task is not None:
+                self.task = load_scene(self.desk, self.task.family, self.task.seed)
+            else:
+                self.desk.clear()
+        return web.json_response(self._scene_answer())
+
+    async def state(self, request: web.Request) -> web.Response:
+        body = await read_json(request, {"path": str})
+        try:
+            value = self.desk.lookup(body["path"])
+        except StatePathError as e:
+            raise RequestError(str(e), status=404) from None
+        return web.json_response({"value": value})
+
+
+# ---- several desktops in one process ----------------------------------------------------------
+
+
+async def start_servers(configs: list[SimConfig]) -> tuple[list[web.AppRunner], list[str]]:
+    """Start one server per config; returns the runners and the base URLs actually bound."""
+    runners: list[web.AppRunner] = []
+    urls: list[str] = []
+    try:
+        for cfg in configs:
+            server = SimDesktopServer(cfg)
+            runner = web.AppRunner(server.make_app(), access_log=None, handle_signals=False)
+            await runner.setup()
+            site = web.TCPSite(runner, cfg.host, cfg.port, reuse_address=True)
+            await site.start()
+            runners.append(runner)
+            port = runner.addresses[0][1]
+            host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
+            urls.append(f"http://{host}:{port}")
+    except BaseException:
+        for runner in runners:
+            await runner.cleanup()
+        raise
+    return runners, urls
+
+
+async def serve_until(configs: list[SimConfig], stop: asyncio.Event, announce=print) -> None:
+    """Serve every config until `stop` is set, then close all of them."""
+    t0 = time.perf_counter()
+    runners, urls = await start_servers(configs)
+    try:
+        announce(f"arpo-envs sim: {len(urls)} desktops ready in {time.perf_counter() - t0:.2f} s")
+        for i, url in enumerate(urls):
+            announce(f"env {i} {url}")
+        await stop.wait()
+    finally:
+        for runner in runners:
+            await runner.cleanup()
