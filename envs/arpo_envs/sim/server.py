@@ -26,8 +26,10 @@ JSON (see `server_common`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -289,6 +291,17 @@ async def start_servers(configs: list[SimConfig]) -> tuple[list[web.AppRunner], 
             await runner.cleanup()
         raise
     return runners, urls
+
+
+@contextlib.asynccontextmanager
+async def running(configs: list[SimConfig]) -> AsyncIterator[list[str]]:
+    """Serve `configs` for the duration of an `async with`; yields the base URLs."""
+    runners, urls = await start_servers(configs)
+    try:
+        yield urls
+    finally:
+        for runner in runners:
+            await runner.cleanup()
 
 
 async def serve_until(configs: list[SimConfig], stop: asyncio.Event, announce=print) -> None:
