@@ -1,0 +1,144 @@
+"""The pyautogui interpreter of the simulated desktop: what it runs, what it refuses, and that
+refused code never runs (no file appears, no state changes)."""
+
+from __future__ import annotations
+
+import pytest
+from arpo_envs.sim import Desktop, execute, load_scene
+from arpo_envs.sim.interpreter import ProgramError, command_to_code
+
+PREFIX = "import pyautogui; import time; pyautogui.FAILSAFE = False; "
+
+
+@pytest.fixture
+def desk() -> Desktop:
+    d = Desktop(1280, 720)
+    load_scene(d, "type_submit", 0)
+    return d
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "__import__('os').system('touch {marker}')",
+        "import os; os.system('touch {marker}')",
+        "open('{marker}', 'w').write('x')",
+        "exec(\"open('{marker}', 'w')\")",
+        "eval(\"__import__('os').system('touch {marker}')\")",
+        "import subprocess; subprocess.run(['touch', '{marker}'])",
+        "from os import system; system('touch {marker}')",
+        "import pyautogui as p, os; os.system('touch {marker}')",
+        "pyautogui.click.__globals__['os'].system('touch {marker}')",
+        "time.__loader__.load_module('os').system('touch {marker}')",
+        "pyautogui.write(open('{marker}', 'w').name)",
+        "pyautogui.write(''.join(['touch', ' {marker}']))",
+        "[pyautogui.click(1, 1) for _ in range(3)]; open('{marker}', 'w')",
+        "x = open; x('{marker}', 'w')",
+        "pyautogui.PAUSE = open('{marker}', 'w')",
+        "(lambda: open('{marker}', 'w'))()",
+        "pyautogui.click(1, 1)\nimport shutil; shutil.rmtree('/')",
+    ],
+)
+def test_exec_style_code_is_refused_and_never_runs(desk: Desktop, tmp_path, code: str) -> None:
+    marker = tmp_path / "pwned"
+    before = (desk.version, desk.cursor, desk.lookup("widgets"))
+    result = execute(PREFIX + code.format(marker=marker), desk)
+    assert result.returncode == 1
+    assert "not allowed on the simulated desktop" in result.error
+    assert not marker.exists()
+    # rejected as a whole: not even the allowed statements before the bad one ran
+    assert (desk.version, desk.cursor, desk.lookup("widgets")) == before
+
+
+def test_osworld_controller_actions_run(desk: Desktop) -> None:
+    """The exact shapes OSWorld's PythonController.execute_action sends."""
+    for code in [
+        "pyautogui.moveTo(100, 200, 0.73, pyautogui.easeInOutQuad)",
+        "pyautogui.click(button='left', x=300, y=310, clicks=2)",
+        "pyautogui.click(button='right')",
+        "pyautogui.mouseDown(button='left')",
+        "pyautogui.mouseUp(button='left')",
+        "pyautogui.rightClick(x=10, y=20)",
+        "pyautogui.doubleClick(x=10, y=20)",
+        "pyautogui.dragTo(400, 300, duration=1.0, button='left', mouseDownUp=True)",
+        "pyautogui.hscroll(3)",
+        "pyautogui.vscroll(-3)",
+        "pyautogui.typewrite('it\\'s \"quoted\"')",
+        "pyautogui.press('enter')",
+        "pyautogui.keyDown('shift')",
+        "pyautogui.keyUp('shift')",
+        "pyautogui.hotkey('ctrl', 'a')",
+    ]:
+        result = execute(PREFIX + code, desk)
+        assert (result.returncode, result.error) == (0, ""), code
+    assert desk.cursor == (400, 300)  # where the drag ended
+
+
+def test_uitars_style_program_with_docstring_and_clipboard(desk: Desktop) -> None:
+    field = desk.widgets["text"]
+    code = (
+        "import pyautogui\nimport time\n'''\nObservation:\n\nThought:\nclick the field\n'''\n"
+        f"\npyautogui.click({field.center[0]}.5, {field.center[1]}.25, button='left')"
+        "\ntime.sleep(1)\nimport pyperclip\npyperclip.copy('hello world')"
+        "\npyautogui.hotkey('ctrl', 'v')\ntime.sleep(0.5)\n\npyautogui.press('enter')"
+    )
+    result = execute(code, desk)
+    assert result.returncode == 0, result.error
+    assert result.sleep_s == 1.5
+    assert desk.lookup("submitted.text") == "hello world"
+
+
+def test_typing_editing_and_select_all(desk: Desktop) -> None:
+    field = desk.widgets["text"]
+    x, y = field.center
+    steps = [
+        f"pyautogui.click({x}, {y})",
+        "pyautogui.write('hello')",
+        "pyautogui.press(['left', 'left', 'backspace'])",  # hel|lo -> he|lo
+        "pyautogui.write('X')",
+        "pyautogui.press('end'); pyautogui.write(['a', 'b'])",
+        "pyautogui.keyDown('shift'); pyautogui.press('q'); pyautogui.keyUp('shift')",
+    ]
+    for code in steps:
+        assert execute(PREFIX + code, desk).returncode == 0
+    assert field.value == "heXloabQ"
+    execute(PREFIX + "pyautogui.hotkey('ctrl', 'a'); pyautogui.write('new')", desk)
+    assert field.value == "new"
+    execute(PREFIX + "pyautogui.press('nosuchkey'); pyautogui.press('f5')", desk)
+    assert field.value == "new"  # unknown and unbound keys do nothing, like pyautogui
+
+
+def test_print_answers_queries(desk: Desktop) -> None:
+    r = execute(
+        PREFIX + "pyautogui.moveTo(12, 34); print(pyautogui.position()); print(pyautogui.size())",
+        desk,
+    )
+    assert r.output == "Point(x=12, y=34)\nSize(width=1280, height=720)\n"
+    r = execute("import platform; print(platform.system())", desk)
+    assert (r.output, r.returncode) == ("Linux\n", 0)
+    r = execute("print('a', 1, sep='-', end='!')", desk)
+    assert r.output == "a-1!"
+
+
+def test_runtime_errors_stop_after_earlier_statements_like_python(desk: Desktop) -> None:
+    r = execute(PREFIX + "pyautogui.moveTo(5, 6)\npyautogui.click(1, 2, bogus=3)\n", desk)
+    assert r.returncode == 1
+    assert "TypeError" in r.error and "bogus" in r.error
+    assert desk.cursor == (5, 6)  # the first line ran, like in a real interpreter
+    r = execute(PREFIX + "pyautogui.click(1, 2, button='sideways')", desk)
+    assert r.returncode == 1 and "ValueError" in r.error
+    r = execute("pyautogui.click(1, 2)", desk)
+    assert r.returncode == 1 and "NameError: name 'pyautogui' is not defined" in r.error
+    r = execute(PREFIX + "pyautogui.click(1, 2", desk)
+    assert r.returncode == 1 and "SyntaxError" in r.error
+    r = execute(PREFIX + "pyautogui.press('a', presses=10**9)", desk)
+    assert r.returncode == 1  # 10**9 is not a literal
+
+
+def test_command_lines() -> None:
+    assert command_to_code(["python", "-c", "pass"]) == "pass"
+    assert command_to_code(["/usr/bin/python3", "-c", "pass"]) == "pass"
+    assert command_to_code("python3 -c 'import pyautogui'") == "import pyautogui"
+    for bad in (["ls", "-l"], ["python", "script.py"], "rm -rf /", [1, 2], "python -c 'x"):
+        with pytest.raises(ProgramError):
+            command_to_code(bad)
