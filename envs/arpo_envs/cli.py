@@ -4,6 +4,7 @@
     arpo-envs sim -n 8 --latency lognormal:40,0.6 --slow-env 3 --slow-factor 5
     arpo-envs sim --host 0.0.0.0 --token "$ARPO_ENV_TOKEN"  # exposed: a token is required
     arpo-envs sim-tasks --out /tmp/sim_tasks -n 16       # OSWorld-schema tasks + oracles
+    arpo-envs sim-bench -n 8                             # step latency and throughput
 
 `sim` prints one line per desktop (`env <i> <url>`) once all are listening, and
 stops cleanly on Ctrl-C or SIGTERM.
@@ -75,6 +76,13 @@ def _sim_tasks(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sim_bench(args: argparse.Namespace) -> int:
+    from arpo_envs.sim.bench import main as bench
+
+    extra = ["--width", str(args.width), "--height", str(args.height), "--latency", args.latency]
+    return bench(args.n, args.episodes, extra)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="arpo-envs", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -114,6 +122,14 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--width", type=int, default=1280)
     t.add_argument("--height", type=int, default=720)
     t.set_defaults(func=_sim_tasks)
+
+    b = sub.add_parser("sim-bench", help="measure step latency and throughput over HTTP")
+    b.add_argument("-n", type=int, default=1, help="concurrent desktops and clients (default 1)")
+    b.add_argument("--episodes", type=int, default=20, help="oracle episodes per client")
+    b.add_argument("--width", type=int, default=1280)
+    b.add_argument("--height", type=int, default=720)
+    b.add_argument("--latency", default="none", help="latency of the desktops (see sim)")
+    b.set_defaults(func=_sim_bench)
     return p
 
 

@@ -371,10 +371,18 @@ class Desktop:
         if key == self._png_key:
             return self._png
         frame = self.render()
-        if self.draw_cursor:
-            frame = frame.copy()
-            frame.paste(_CURSOR, self.cursor, _CURSOR)
-        self._png = self.encoder.encode(frame)
+        if not self.draw_cursor:
+            self._png = self.encoder.encode(frame)
+        else:
+            # draw the pointer into the cached frame and take it out again after encoding:
+            # cheaper than copying the whole frame
+            x, y = self.cursor
+            under = frame.crop((x, y, x + _CURSOR.width, y + _CURSOR.height))
+            frame.paste(_CURSOR, (x, y), _CURSOR)
+            try:
+                self._png = self.encoder.encode(frame)
+            finally:
+                frame.paste(under, (x, y))
         self._png_key = key
         return self._png
 
