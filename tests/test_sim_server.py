@@ -114,6 +114,7 @@ def test_bad_input_gets_4xx_json_and_the_server_keeps_serving() -> None:
                 ("POST", "/execute", b"[1, 2]", 400),
                 ("POST", "/execute", b'{"shell": false}', 400),
                 ("POST", "/execute", b'{"command": 5}', 400),
+                ("POST", "/execute", b'{"command": ["python", "-c", 1]}', 400),
                 ("POST", "/execute", b'{"command": "python -c pass", "shell": "yes"}', 400),
                 ("POST", "/run_python", b"{}", 400),
                 ("POST", "/sim/scene", b'{"family": "nope", "seed": 1}', 400),

@@ -41,24 +41,9 @@ from arpo_envs.sim.desktop import Desktop
 
 MODULES = frozenset({"pyautogui", "time", "pyperclip", "platform"})
 SETTABLE = frozenset({"FAILSAFE", "PAUSE"})
+_CURVES = ["Quad", "Cubic", "Quart", "Quint", "Sine", "Expo", "Circ", "Elastic", "Back", "Bounce"]
 TWEENS = frozenset(
-    {"linear"}
-    | {
-        f"ease{kind}{curve}"
-        for kind in ("In", "Out", "InOut")
-        for curve in (
-            "Quad",
-            "Cubic",
-            "Quart",
-            "Quint",
-            "Sine",
-            "Expo",
-            "Circ",
-            "Elastic",
-            "Back",
-            "Bounce",
-        )
-    }
+    {"linear"} | {f"ease{kind}{curve}" for kind in ("In", "Out", "InOut") for curve in _CURVES}
 )
 BUTTONS = {"left": "left", "primary": "left", 1: "left", "middle": "middle", 2: "middle"}
 BUTTONS |= {"right": "right", "secondary": "right", 3: "right"}

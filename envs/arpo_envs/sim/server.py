@@ -157,9 +157,12 @@ class SimDesktopServer:
         body = await read_json(request, {"command": (str, list)})
         shell = body.get("shell", False)
         check_type("shell", shell, bool)
+        command = body["command"]
+        if isinstance(command, list) and not all(isinstance(a, str) for a in command):
+            raise RequestError("field 'command' must be a string or a list of strings")
         await self._delay()
         try:
-            code = command_to_code(body["command"], shell)
+            code = command_to_code(command, shell)
         except ProgramError as e:
             result = RunResult("", f"{e}\n", 1)
         else:
