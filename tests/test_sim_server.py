@@ -102,6 +102,9 @@ def test_protocol_endpoints() -> None:
                 )
             ).json()
             assert res["output"] == "Size(width=1280, height=720)\n" and res["return_code"] == 0
+            await screenshot(s, url)
+            stats = await (await s.get(f"{url}/sim/stats")).json()
+            assert stats["interpret"]["count"] == 3 and stats["render_encode"]["count"] == 1
 
     run(body())
 

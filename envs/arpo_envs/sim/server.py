@@ -15,6 +15,7 @@
 | POST /reset | {} or {family, seed} | rebuilds the current scene (or loads the given one) |
 | POST /sim/scene | {family, seed, screen?} | loads a task scene; {status, task_id, instruction} |
 | POST /sim/state | {path: "a.b"} | {value} for checkers; 404 if the path does not exist |
+| GET /sim/stats | - | per named span (interpret, render_encode, scene): count, mean_ms, max_ms |
 
 Commands run through `interpreter` (pyautogui code interpreted from its syntax tree,
 never executed); like OSWorld's server, /execute answers status "success" whenever
@@ -29,7 +30,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,6 +91,24 @@ class SimConfig:
         ServerSecurity(self.host, self.token)  # refuses an exposed address without a token
 
 
+@dataclass(slots=True)
+class Span:
+    """Count, total and maximum duration of one named stage."""
+
+    count: int = 0
+    total_s: float = 0.0
+    max_s: float = 0.0
+
+    def add(self, seconds: float) -> None:
+        self.count += 1
+        self.total_s += seconds
+        self.max_s = max(self.max_s, seconds)
+
+    def summary(self) -> dict[str, float]:
+        mean = self.total_s / self.count if self.count else 0.0
+        return {"count": self.count, "mean_ms": mean * 1e3, "max_ms": self.max_s * 1e3}
+
+
 class SimDesktopServer:
     """One simulated desktop and its aiohttp application."""
 
@@ -103,7 +122,8 @@ class SimDesktopServer:
         # Requests of one desktop apply in arrival order; the lock also keeps an action from
         # changing the screen while a worker thread encodes it.
         self._lock = asyncio.Lock()
-        self.counts: dict[str, int] = {}
+        # named timing spans of the work done in this server (not the added latency)
+        self.spans: dict[str, Span] = {}
 
     def make_app(self) -> web.Application:
         app = make_app(ServerSecurity(self.config.host, self.config.token))
@@ -120,10 +140,16 @@ class SimDesktopServer:
         r.add_post("/reset", self.reset)
         r.add_post("/sim/scene", self.scene)
         r.add_post("/sim/state", self.state)
+        r.add_get("/sim/stats", self.stats)
         return app
 
-    def _count(self, name: str) -> None:
-        self.counts[name] = self.counts.get(name, 0) + 1
+    @contextlib.contextmanager
+    def _span(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.spans.setdefault(name, Span()).add(time.perf_counter() - t0)
 
     async def _delay(self) -> None:
         s = self.latency.seconds()
@@ -133,27 +159,27 @@ class SimDesktopServer:
     # ---- OSWorld protocol ---------------------------------------------------------------
 
     async def screenshot(self, request: web.Request) -> web.Response:
-        self._count("screenshot")
         await self._delay()
         async with self._lock:
             png = self.desk.cached_png()
             if png is None:
-                if self.config.offload_encode:
-                    png = await asyncio.to_thread(self.desk.screenshot_png)
-                else:
-                    png = self.desk.screenshot_png()
+                with self._span("render_encode"):
+                    if self.config.offload_encode:
+                        png = await asyncio.to_thread(self.desk.screenshot_png)
+                    else:
+                        png = self.desk.screenshot_png()
         return web.Response(body=png, content_type="image/png")
 
     async def _run(self, code: str) -> RunResult:
         async with self._lock:
-            result = execute(code, self.desk)
+            with self._span("interpret"):
+                result = execute(code, self.desk)
         wait = min(result.sleep_s, self.config.sleep_cap_s)
         if wait > 0:
             await asyncio.sleep(wait)
         return result
 
     async def execute(self, request: web.Request) -> web.Response:
-        self._count("execute")
         body = await read_json(request, {"command": (str, list)})
         shell = body.get("shell", False)
         check_type("shell", shell, bool)
@@ -177,7 +203,6 @@ class SimDesktopServer:
         )
 
     async def run_python(self, request: web.Request) -> web.Response:
-        self._count("run_python")
         body = await read_json(request, {"code": str})
         if not body["code"].strip():
             raise RequestError("field 'code' is empty")
@@ -239,15 +264,14 @@ class SimDesktopServer:
         }
 
     async def scene(self, request: web.Request) -> web.Response:
-        self._count("scene")
         body = await read_json(request, {"family": str, "seed": int})
         async with self._lock:
-            self._load(body)
+            with self._span("scene"):
+                self._load(body)
         return web.json_response(self._scene_answer())
 
     async def reset(self, request: web.Request) -> web.Response:
         """Back to the start of the current scene (or load `family`/`seed` if given)."""
-        self._count("reset")
         body = await read_json(request)
         async with self._lock:
             if "family" in body or "seed" in body:
@@ -269,6 +293,10 @@ class SimDesktopServer:
         except StatePathError as e:
             raise RequestError(str(e), status=404) from None
         return web.json_response({"value": value})
+
+    async def stats(self, request: web.Request) -> web.Response:
+        """Count and duration of the server's own work per named span."""
+        return web.json_response({name: span.summary() for name, span in self.spans.items()})
 
 
 # ---- several desktops in one process ----------------------------------------------------------
