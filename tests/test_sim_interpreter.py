@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 from arpo_envs.sim import Desktop, execute, load_scene
 from arpo_envs.sim.interpreter import ProgramError, command_to_code
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 PREFIX = "import pyautogui; import time; pyautogui.FAILSAFE = False; "
 
@@ -142,3 +144,73 @@ def test_command_lines() -> None:
     for bad in (["ls", "-l"], ["python", "script.py"], "rm -rf /", [1, 2], "python -c 'x"):
         with pytest.raises(ProgramError):
             command_to_code(bad)
+
+
+FUNCS = [
+    "click",
+    "doubleClick",
+    "tripleClick",
+    "rightClick",
+    "middleClick",
+    "moveTo",
+    "moveRel",
+    "dragTo",
+    "dragRel",
+    "mouseDown",
+    "mouseUp",
+    "write",
+    "typewrite",
+    "press",
+    "keyDown",
+    "keyUp",
+    "hotkey",
+    "scroll",
+    "hscroll",
+    "vscroll",
+    "position",
+    "size",
+]
+literals = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-5000, 5000)
+    | st.floats(-5000, 5000, allow_nan=False)
+    | st.text(max_size=6)
+    | st.sampled_from(["enter", "tab", "ctrl", "a", "left", "right", "primary", "esc"]),
+    lambda inner: st.lists(inner, max_size=3),
+    max_leaves=4,
+)
+KWARGS = ["x", "y", "clicks", "button", "interval", "presses", "duration", "bogus"]
+
+
+@st.composite
+def programs(draw) -> str:
+    lines = []
+    for _ in range(draw(st.integers(1, 6))):
+        func = draw(st.sampled_from(FUNCS))
+        args = [repr(a) for a in draw(st.lists(literals, max_size=3))]
+        kwargs = draw(st.dictionaries(st.sampled_from(KWARGS), literals, max_size=2))
+        args += [f"{k}={v!r}" for k, v in kwargs.items()]
+        lines.append(f"pyautogui.{func}({', '.join(args)})")
+    return "\n".join(lines)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(code=programs(), family=st.sampled_from(["fill_form", "menu_pick", "list_select"]))
+def test_any_call_with_any_literals_answers_like_a_process(code: str, family: str) -> None:
+    """Whatever the arguments, the interpreter answers with a return code; it never raises."""
+    desk = Desktop(640, 480)
+    load_scene(desk, family, 1)
+    result = execute(PREFIX + code, desk)
+    assert result.returncode in (0, 1)
+    assert (result.returncode == 0) == (result.error == "")
+    assert 0 <= desk.cursor[0] < 640 and 0 <= desk.cursor[1] < 480
+    desk.screenshot_png()
+    desk.accessibility_xml()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(max_size=80))
+def test_arbitrary_text_never_escapes_the_interpreter(code: str) -> None:
+    result = execute(code, Desktop(640, 480))
+    assert result.returncode in (0, 1)

@@ -488,10 +488,13 @@ def _run_step(desk: Desktop, s: Step, out: list[str]) -> float:
         for _ in range(_count("presses", a["presses"])):
             for key in _keys(a["keys"]):
                 desk.press(key)
-    elif f == "keyDown":
-        desk.key_down(_keys(a["key"])[0])
-    elif f == "keyUp":
-        desk.key_up(_keys(a["key"])[0])
+    elif f in ("keyDown", "keyUp"):
+        key = a["key"]
+        if not isinstance(key, str):
+            raise SimRuntimeError(
+                "AttributeError", f"'{type(key).__name__}' object has no attribute 'lower'"
+            )
+        (desk.key_down if f == "keyDown" else desk.key_up)(key)
     elif f == "hotkey":
         keys = _keys(list(a["args"]))
         for key in keys:
