@@ -40,6 +40,7 @@ def _sim(args: argparse.Namespace) -> int:
                 sleep_cap_s=args.sleep_cap,
                 latency=latency,
                 index=i,
+                offload_encode=not args.encode_in_loop,
             )
             for i in range(args.n)
         ]
@@ -80,6 +81,7 @@ def _sim_bench(args: argparse.Namespace) -> int:
     from arpo_envs.sim.bench import main as bench
 
     extra = ["--width", str(args.width), "--height", str(args.height), "--latency", args.latency]
+    extra += ["--encode-in-loop"] if args.encode_in_loop else []
     return bench(args.n, args.episodes, extra)
 
 
@@ -112,6 +114,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="wait time.sleep of actions up to this many seconds (default 0)",
     )
     s.add_argument("--no-cursor", action="store_true", help="no pointer in screenshots")
+    s.add_argument(
+        "--encode-in-loop",
+        action="store_true",
+        help="encode screenshots on the event loop, not in a worker thread",
+    )
     s.set_defaults(func=_sim)
 
     t = sub.add_parser("sim-tasks", help="write OSWorld-schema task files with oracles")
@@ -129,6 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--width", type=int, default=1280)
     b.add_argument("--height", type=int, default=720)
     b.add_argument("--latency", default="none", help="latency of the desktops (see sim)")
+    b.add_argument("--encode-in-loop", action="store_true", help="see sim --encode-in-loop")
     b.set_defaults(func=_sim_bench)
     return p
 
