@@ -59,13 +59,23 @@ def test_writers_takers_samplers_every_item_taken_exactly_once() -> None:
             if i % 10 == 0:
                 store.add_success(task, item, priority=1.0 + i % 3)
 
+    groups_left = [WRITERS * PER_WRITER // len(TASKS) // GROUP for _ in TASKS]
+    claim_lock = threading.Lock()
+    taken_lock = threading.Lock()
+
     @guarded
     def taker(t: int) -> None:
-        expected = WRITERS * PER_WRITER // len(TASKS)
-        while len(taken[t]) < expected and not done.is_set():
+        # Two takers per task; each claims a group before waiting for it, so none waits
+        # for a group that will never come.
+        while not done.is_set():
+            with claim_lock:
+                if groups_left[t] == 0:
+                    return
+                groups_left[t] -= 1
             group = store.take_group(TASKS[t], GROUP, timeout=20)
             assert len(group) == GROUP
-            taken[t].extend(it.key for it in group)
+            with taken_lock:
+                taken[t].extend(it.key for it in group)
 
     @guarded
     def sampler(mode: str) -> None:
@@ -83,7 +93,7 @@ def test_writers_takers_samplers_every_item_taken_exactly_once() -> None:
         assert n > 0
 
     threads = [threading.Thread(target=writer, args=(w,)) for w in range(WRITERS)]
-    threads += [threading.Thread(target=taker, args=(t,)) for t in range(len(TASKS))]
+    threads += [threading.Thread(target=taker, args=(t % len(TASKS),)) for t in range(8)]
     samplers = [threading.Thread(target=sampler, args=(m,)) for m in ("uniform", "priority")]
     for th in threads + samplers:
         th.start()
