@@ -50,7 +50,10 @@ Semantics (the contract other components rely on):
   max_version (None when empty).
 * `snapshot(path)` writes the whole store atomically (tmp file + fsync + rename) while it
   keeps working; `ReplayStore.restore(path, max_bytes=None, ...)` loads it (None keeps the
-  snapshot's setting; items beyond smaller limits are evicted oldest first). A bad file
+  snapshot's setting; items beyond smaller limits are evicted oldest first). Restored items
+  keep their keys (an item resident twice is restored as one item); keys made afterwards in
+  this process never collide with them, but restoring one file twice gives two stores whose
+  items share keys. A bad file
   raises `SnapshotError` with the reason. There is no log between snapshots: a crash loses
   what happened after the last snapshot.
 * `close()`: every later call raises `BufferClosed`; blocked callers wake with it.
