@@ -398,8 +398,9 @@ class EnvClient:
         )
 
     async def sim_state(self, path: str, *, timeout: float | None = None) -> Any:
-        """`POST /sim/state {"path": ...}` of the simulated desktop: one JSON value of its state."""
-        return await self._request(
+        """`POST /sim/state {"path": ...}` of the simulated desktop: one JSON value of its state
+        (the server answers `{"value": ...}`)."""
+        body = await self._request(
             "POST",
             "/sim/state",
             json_body={"path": path},
@@ -407,6 +408,9 @@ class EnvClient:
             idempotent=True,
             expect="json",
         )
+        if not isinstance(body, dict) or "value" not in body:
+            raise EnvError(f"/sim/state answered {body!r:.200} without a 'value' key")
+        return body["value"]
 
     async def wait_ready(self, *, deadline_s: float = 60.0, interval_s: float = 0.5) -> None:
         """Poll `/terminal` until the server answers; raises EnvTimeout after `deadline_s`."""

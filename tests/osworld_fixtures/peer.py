@@ -219,4 +219,4 @@ class Peer:
         value: Any = self.state
         for part in (await request.json())["path"].split("."):
             value = value[part]
-        return web.json_response(value)
+        return web.json_response({"value": value})  # as the simulated desktop answers
