@@ -157,6 +157,10 @@ def from_dict(cls: type[T], data: Mapping[str, Any], *, prefix: str = "") -> T:
         cfg = cls(**kwargs)
     except TypeError as e:  # a required field without a default
         raise ConfigError(f"{prefix.rstrip('.') or cls.__name__}: {e}") from None
+    except ConfigError:
+        raise
+    except ValueError as e:  # a dataclass that checks itself in __post_init__
+        raise ConfigError(f"{prefix.rstrip('.') or cls.__name__}: {e}") from None
     _validate(cfg, prefix)
     return cfg
 
