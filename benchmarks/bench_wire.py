@@ -54,7 +54,11 @@ def machine() -> dict[str, object]:
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     try:
         commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         commit = "unknown"
@@ -92,9 +96,13 @@ def timeit(fn, *, seconds: float, repeats: int) -> list[float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--seconds", type=float, default=3.0, help="time budget per row")
-    ap.add_argument("--repeats", type=int, default=7, help="rounds per row (the median is reported)")
+    ap.add_argument(
+        "--repeats", type=int, default=7, help="rounds per row (the median is reported)"
+    )
     ap.add_argument("--quick", action="store_true", help="0.3 s per row, no results file")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = ap.parse_args()
@@ -130,7 +138,9 @@ def main() -> None:
     for name, fn in rows:
         times = timeit(fn, seconds=args.seconds, repeats=args.repeats)
         med = statistics.median(times)
-        results.append({"row": name, "median_us": med * 1e6, "records_s": 1 / med, "gb_s": size / med / 1e9})
+        results.append(
+            {"row": name, "median_us": med * 1e6, "records_s": 1 / med, "gb_s": size / med / 1e9}
+        )
 
     by = {r["row"]: r for r in results}
     info = machine()
@@ -144,7 +154,10 @@ def main() -> None:
         "| row | median µs | records/s | GB/s |",
         "|---|---:|---:|---:|",
     ]
-    lines += [f"| {r['row']} | {r['median_us']:.1f} | {r['records_s']:,.0f} | {r['gb_s']:.2f} |" for r in results]
+    lines += [
+        f"| {r['row']} | {r['median_us']:.1f} | {r['records_s']:,.0f} | {r['gb_s']:.2f} |"
+        for r in results
+    ]
     lines += [
         "",
         f"decode is {by['pickle.loads']['median_us'] / by['wire.decode']['median_us']:.1f}x faster than pickle.loads; "

@@ -34,7 +34,9 @@ class Cfg:
     group_size: int = option(8, "Episodes per group.")
     tasks_per_iter: int = option(16, "Tasks per iteration.")
     use_replay: bool = option(True, "Replay successes.")
-    agg: Literal["seq-mean-token-mean", "token-mean"] = option("seq-mean-token-mean", "Aggregation.")
+    agg: Literal["seq-mean-token-mean", "token-mean"] = option(
+        "seq-mean-token-mean", "Aggregation."
+    )
     mode: Mode = option(Mode.FAST, "A mode.")
     out: Path = option(Path("runs"), "Output folder.")
     tasks: list[str] = option(doc="Task ids.", factory=list)
@@ -91,7 +93,11 @@ def test_every_field_is_documented() -> None:
         ("group_size = true", [], "config field 'group_size' must be an integer"),
         ("use_replay = 1", [], "config field 'use_replay' must be true or false"),
         ("name = 3", [], "config field 'name' must be a string"),
-        ("agg = 'mean'", [], "config field 'agg' must be one of 'seq-mean-token-mean', 'token-mean'"),
+        (
+            "agg = 'mean'",
+            [],
+            "config field 'agg' must be one of 'seq-mean-token-mean', 'token-mean'",
+        ),
         ("mode = 'slow'", [], "config field 'mode' must be one of 'fast', 'safe'"),
         ("tasks = 'a'", [], "config field 'tasks' must be a list"),
         ("tasks = ['a', 2]", [], "config field 'tasks[1]' must be a string"),
@@ -109,7 +115,9 @@ def test_every_field_is_documented() -> None:
         ("group_size = ", [], "is not valid TOML"),
     ],
 )
-def test_errors_name_the_field(tmp_path: Path, toml: str, overrides: list[str], message: str) -> None:
+def test_errors_name_the_field(
+    tmp_path: Path, toml: str, overrides: list[str], message: str
+) -> None:
     with pytest.raises(ConfigError) as e:
         load_config(Cfg, write(tmp_path, toml), overrides)
     assert message in str(e.value), str(e.value)
