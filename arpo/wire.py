@@ -389,12 +389,20 @@ def to_item(traj: Trajectory) -> Any:
         np.asarray(offsets, dtype=np.int32),
         np.asarray([traj.reward, traj.checker_score, traj.format_reward], dtype=np.float32),
         max(traj.min_version, 0),
-        blobs=[
-            bytes(t.screenshot) if not isinstance(t.screenshot, bytes) else t.screenshot
-            for t in traj.turns
-        ],
+        blobs=[_as_bytes(t.screenshot) for t in traj.turns],
         metadata=_pack(trajectory_header(traj)),
     )
+
+
+def _as_bytes(buf: Frame) -> bytes:
+    """The PNG as a `bytes` object, without a copy when it is (a whole view of) one already:
+    frames received with `recv_multipart(copy=True)` are bytes, and decode's memoryviews
+    point at them."""
+    if isinstance(buf, bytes):
+        return buf
+    if isinstance(buf, memoryview) and isinstance(buf.obj, bytes) and buf.nbytes == len(buf.obj):
+        return buf.obj
+    return bytes(buf)
 
 
 def from_item(item: Any) -> Trajectory:

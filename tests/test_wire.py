@@ -321,3 +321,21 @@ def test_fuzz_only_wire_error_is_ever_raised() -> None:
             errors += 1
     assert ok + errors == 100_000
     assert errors > 50_000  # the mutations really did break most messages
+
+
+def test_store_item_roundtrip_keeps_png_objects(realistic: Trajectory) -> None:
+    from arpo.buffer import ReplayStore
+
+    frames = [bytes(f) for f in wire.encode(realistic)]  # as recv_multipart(copy=True) gives
+    decoded = wire.decode(frames)
+    item = wire.to_item(decoded)
+    # The received PNG frames go into the store by reference, not copied.
+    assert all(b is f for b, f in zip(item.blobs, frames[5:], strict=True))
+    store = ReplayStore(max_bytes=1 << 26, seed=0)
+    store.put(realistic.task_id, item)
+    (got,) = store.take_group(realistic.task_id, 1, timeout=0)
+    back = wire.from_item(got)
+    assert back == realistic
+    ids, _, _ = back.sequence()
+    assert np.array_equal(ids, got.tokens)  # the stored tokens are the training sequence
+    assert got.version == realistic.min_version and got.rewards[0] == realistic.reward
