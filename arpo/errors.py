@@ -79,3 +79,9 @@ class TaskError(ArpoError, ValueError):
 
 class EvalError(ArpoError):
     """A task's evaluator could not be run (unknown getter or metric, malformed options)."""
+
+
+class ActionParseError(ArpoError, ValueError):
+    """A model response is not in UI-TARS's action format (no `Action:`, an unknown action, a
+    missing or malformed argument); the message says what and where. The episode records
+    format reward -1 and ends, as in the ARPO reference."""
