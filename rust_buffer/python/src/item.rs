@@ -77,6 +77,9 @@ enum Input<'py, T: Element> {
     View(PyReadonlyArray1<'py, T>),
 }
 
+/// Array copies at least this large are made with the GIL released.
+const DETACH_COPY_BYTES: usize = 1 << 20;
+
 /// A slice that may cross into `Python::detach`: the numpy arrays it points
 /// into are kept alive (and borrowed read-only) by the caller's `Input`s.
 struct RawSlice<T>(*const T, usize);
@@ -269,16 +272,29 @@ impl PyItem {
                 ))
             })?),
         };
-        // Copy the arrays out of numpy with the GIL released.
+        // Copy the arrays out of numpy; large arrays with the GIL released. Small
+        // ones (a trajectory's tokens are tens of KB, a few microseconds to copy)
+        // keep the GIL: a hand-off would cost more than the copy.
         let raws = (tokens.raw(), logprobs.raw(), offsets.raw(), rewards.raw());
-        let copies = py.detach(move || {
+        let len = |n: Option<usize>| n.unwrap_or(0);
+        let size = 4
+            * (len(raws.0.as_ref().map(|r| r.1))
+                + len(raws.1.as_ref().map(|r| r.1))
+                + len(raws.2.as_ref().map(|r| r.1))
+                + len(raws.3.as_ref().map(|r| r.1)));
+        let copy = move || {
             (
                 raws.0.map(|r| r.to_vec()),
                 raws.1.map(|r| r.to_vec()),
                 raws.2.map(|r| r.to_vec()),
                 raws.3.map(|r| r.to_vec()),
             )
-        });
+        };
+        let copies = if size >= DETACH_COPY_BYTES {
+            py.detach(copy)
+        } else {
+            copy()
+        };
         let item = Item::new(
             tokens.finish(copies.0),
             logprobs.finish(copies.1),

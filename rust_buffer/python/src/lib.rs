@@ -2,7 +2,8 @@
 //! `arpo._buffer` (re-exported by `arpo.buffer`).
 //!
 //! Every method extracts and validates its arguments first, then does the work
-//! with the GIL released (`Python::detach`); blocking calls wait in slices and
+//! with the GIL released (`Python::detach`) where that pays: blocking waits, snapshots,
+//! large copies; blocking calls wait in slices and
 //! check for signals between them. Nothing here relies on the GIL for safety:
 //! the store is thread-safe on its own, so free-threaded Python is fine.
 
