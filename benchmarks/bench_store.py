@@ -50,10 +50,13 @@ own subprocess as the physical limit of any store that copies.
 from __future__ import annotations
 
 import argparse
+import array
 import collections
 import concurrent.futures
 import dataclasses
 import datetime
+import gc
+import importlib
 import json
 import os
 import platform
@@ -72,6 +75,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 STORES = ("arpo", "dict-copy", "dict-ref", "torchrl-lazy", "torchrl-list", "cpprb")
 COPYING_PEERS = ("dict-copy", "torchrl-lazy", "cpprb")
+LIBRARY_PEERS = ("torchrl-lazy", "torchrl-list", "cpprb")
 PHASES = ((1, 1), (2, 2))  # (writers, readers)
 
 
@@ -159,9 +163,16 @@ class Adapter:
     """prepare (untimed) -> insert; sample -> touch (timed) and unpack (checks only)."""
 
     name: str
+    modules: tuple[str, ...] = ()
+    """Libraries imported before the RSS baseline is taken, so it excludes them."""
 
     def __init__(self, cfg: BenchConfig) -> None:
         self.cfg = cfg
+
+    @classmethod
+    def load(cls) -> None:
+        for m in cls.modules:
+            importlib.import_module(m)
 
     def prepare(self, task: int, traj: Traj) -> Any:
         """The store's native input for `traj`, built outside the timed loop."""
@@ -192,6 +203,7 @@ class Adapter:
 
 class ArpoAdapter(Adapter):
     name = "arpo"
+    modules = ("arpo.buffer",)
 
     def __init__(self, cfg: BenchConfig) -> None:
         super().__init__(cfg)
@@ -287,6 +299,7 @@ class DictRefAdapter(DictAdapter):
 
 class TorchrlLazyAdapter(Adapter):
     name = "torchrl-lazy"
+    modules = ("torch", "tensordict", "torchrl.data")
 
     def __init__(self, cfg: BenchConfig) -> None:
         super().__init__(cfg)
@@ -327,6 +340,7 @@ class TorchrlLazyAdapter(Adapter):
 
 class TorchrlListAdapter(Adapter):
     name = "torchrl-list"
+    modules = ("torch", "torchrl.data")
 
     def __init__(self, cfg: BenchConfig) -> None:
         super().__init__(cfg)
@@ -365,6 +379,7 @@ def _identity(x: Any) -> Any:
 
 class CpprbAdapter(Adapter):
     name = "cpprb"
+    modules = ("cpprb",)
 
     def __init__(self, cfg: BenchConfig) -> None:
         super().__init__(cfg)
@@ -496,13 +511,14 @@ def run_phase(
     start = threading.Barrier(writers + readers + 1)
     inserts = [0] * writers
     sampled = [0] * readers
-    latencies: list[list[int]] = [[] for _ in range(readers)]
+    # 8 bytes per call (array, not a list of ints): millions of calls stay out of peak RSS.
+    latencies = [array.array("q") for _ in range(readers)]
     errors: list[BaseException] = []
 
     def writer(w: int) -> None:
         try:
             n, i = 0, w
-            start.wait()
+            start.wait(timeout=60)
             while not stop.is_set():
                 task, native = pool[i % len(pool)]
                 adapter.insert(task, native)
@@ -519,7 +535,7 @@ def run_phase(
             lat = latencies[r]
             n = 0
             clock = time.perf_counter_ns
-            start.wait()
+            start.wait(timeout=60)
             while not stop.is_set():
                 task = rng.randrange(cfg.tasks)
                 t0 = clock()
@@ -536,7 +552,7 @@ def run_phase(
     threads += [threading.Thread(target=reader, args=(r,)) for r in range(readers)]
     for t in threads:
         t.start()
-    start.wait()
+    start.wait(timeout=60)
     cpu0, t0 = _cpu_seconds(), time.perf_counter()
     time.sleep(cfg.seconds)
     stop.set()
@@ -545,7 +561,7 @@ def run_phase(
     wall, cpu = time.perf_counter() - t0, _cpu_seconds() - cpu0
     if errors:
         raise errors[0]
-    lat_all = np.concatenate([np.asarray(x, dtype=np.int64) for x in latencies if x] or [[0]])
+    lat_all = np.concatenate([np.frombuffer(x, dtype=np.int64) for x in latencies if x] or [[0]])
     ins, smp = sum(inserts), sum(sampled)
     return {
         "writers": writers,
@@ -567,28 +583,34 @@ def run_phase(
 def run_store(name: str, cfg: BenchConfig) -> dict[str, Any]:
     cls = ADAPTERS[name]
     t_import = time.perf_counter()
-    adapter = cls(cfg)  # imports the library
+    cls.load()
     t_import = time.perf_counter() - t_import
     check_roundtrip(cls, cfg)
 
     rng = np.random.default_rng(cfg.seed + 1)
-    pool = []
-    for i in range(cfg.pool):
-        task = i % cfg.tasks
-        pool.append((task, adapter.prepare(task, make_traj(cfg, task, 1_000_000 + i, rng))))
-    baseline_rss = _rss_bytes()
+    raw_pool = [
+        (i % cfg.tasks, make_traj(cfg, i % cfg.tasks, 1_000_000 + i, rng)) for i in range(cfg.pool)
+    ]
+    gc.collect()
+    baseline_rss = _rss_bytes()  # interpreter + libraries + pool: everything but the store
 
+    adapter = cls(cfg)
+    pool = [(task, adapter.prepare(task, traj)) for task, traj in raw_pool]
+    del raw_pool
     fingerprints: dict[int, bytes] = {}
-    t_fill = time.perf_counter()
+    t_fill = t_fill_insert = 0.0
     traj_id = 0
     for _ in range(cfg.per_task):
         for task in range(cfg.tasks):
-            traj = make_traj(cfg, task, traj_id, rng)
+            t0 = time.perf_counter()
+            traj = make_traj(cfg, task, traj_id, rng)  # os.urandom: most of the fill time
             fingerprints[traj_id] = heads(traj)
+            t1 = time.perf_counter()
             adapter.insert(task, adapter.prepare(task, traj))
+            t2 = time.perf_counter()
+            t_fill, t_fill_insert = t_fill + t2 - t0, t_fill_insert + t2 - t1
             traj_id += 1
     del traj
-    t_fill = time.perf_counter() - t_fill
     check_filled(adapter, cfg, fingerprints)
     filled_rss = _rss_bytes()
 
@@ -602,6 +624,7 @@ def run_store(name: str, cfg: BenchConfig) -> dict[str, Any]:
         "store": name,
         "import_s": t_import,
         "fill_s": t_fill,
+        "fill_inserts_per_s": cfg.tasks * cfg.per_task / t_fill_insert,
         "baseline_rss": baseline_rss,
         "filled_rss": filled_rss,
         "peak_rss": _peak_rss_bytes(),
@@ -662,7 +685,35 @@ def child_main(which: str, cfg: BenchConfig, out: Path) -> None:
 # --------------------------------------------------------------------------------------
 
 
+def _machine_busy_seconds() -> float:
+    """CPU seconds spent by every process on the machine so far (from /proc/stat)."""
+    try:
+        vals = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    except OSError:
+        return float("nan")
+    return (sum(vals) - vals[3] - vals[4]) / os.sysconf("SC_CLK_TCK")  # minus idle, iowait
+
+
+def _children_cpu_seconds() -> float:
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
 def spawn(which: str, cfg: BenchConfig) -> dict[str, Any]:
+    """Runs one store (or the memcpy probe) in a fresh interpreter.
+
+    Also records how many cores other processes on the machine used meanwhile: a number
+    well above 0 means the run was disturbed and its timings are not to be trusted.
+    """
+    busy0, own0, t0 = _machine_busy_seconds(), _children_cpu_seconds(), time.perf_counter()
+    result = _spawn(which, cfg)
+    wall = time.perf_counter() - t0
+    other = (_machine_busy_seconds() - busy0) - (_children_cpu_seconds() - own0)
+    result["other_cores"] = max(other, 0.0) / wall
+    return result
+
+
+def _spawn(which: str, cfg: BenchConfig) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         cmd = [
@@ -755,46 +806,54 @@ def summarize(
         row(f"sample p99 ms ({tag})", lambda x, p=p: x["phases"][p]["sample_p99_ms"])
         row(f"CPU cores used ({tag})", lambda x, p=p: x["phases"][p]["cpu_cores"])
     payload = cfg.payload_bytes
-    row("fill s", lambda x: x["fill_s"])
+    row("fill inserts/s (prepare + insert, empty to full)", lambda x: x["fill_inserts_per_s"])
     row("peak RSS GB", lambda x: x["peak_rss"] / 1e9)
     row("peak RSS / payload", lambda x: x["peak_rss"] / payload)
-    row("(peak - baseline) / payload", lambda x: (x["peak_rss"] - x["baseline_rss"]) / payload)
+    row(
+        "(peak RSS - RSS before the store) / payload",
+        lambda x: (x["peak_rss"] - x["baseline_rss"]) / payload,
+    )
+    row("other processes' CPU during the run (cores)", lambda x: x["other_cores"])
     table = "\n".join(lines)
 
     verdict: dict[str, Any] = {}
     notes = []
+    ratio_md: list[str] = []
     if "arpo" in ok:
         a = ok["arpo"]
-        peers = {n: r for n, r in ok.items() if n != "arpo"}
-        copying = {n: r for n, r in peers.items() if n in COPYING_PEERS}
-        for p, (w, r) in enumerate(PHASES):
-            tag = f"{w}w+{r}r"
-            ap = a["phases"][p]
-            if peers:
-                best_s = max(peers, key=lambda n: peers[n]["phases"][p]["sampled_per_s"])
-                rs = _ratio(ap["sampled_per_s"], peers[best_s]["phases"][p]["sampled_per_s"])
-                verdict[f"sampled_vs_best_peer_{tag}"] = {"peer": best_s, "ratio": rs}
-                notes.append(f"sampled traj/s ({tag}): {rs:.2f}x the best peer ({best_s})")
-            if copying:
-                best_c = max(copying, key=lambda n: copying[n]["phases"][p]["sampled_per_s"])
-                rc = _ratio(ap["sampled_per_s"], copying[best_c]["phases"][p]["sampled_per_s"])
-                verdict[f"sampled_vs_best_copying_peer_{tag}"] = {"peer": best_c, "ratio": rc}
-                notes.append(f"sampled traj/s ({tag}): {rc:.2f}x the best copying peer ({best_c})")
-                best_i = max(copying, key=lambda n: copying[n]["phases"][p]["inserts_per_s"])
-                ri = _ratio(ap["inserts_per_s"], copying[best_i]["phases"][p]["inserts_per_s"])
-                verdict[f"inserts_vs_best_copying_peer_{tag}"] = {"peer": best_i, "ratio": ri}
-                notes.append(f"inserts/s ({tag}): {ri:.2f}x the best copying peer ({best_i})")
-            if peers:
-                best_ir = max(peers, key=lambda n: peers[n]["phases"][p]["inserts_per_s"])
-                rir = _ratio(ap["inserts_per_s"], peers[best_ir]["phases"][p]["inserts_per_s"])
-                notes.append(f"inserts/s ({tag}): {rir:.2f}x the best peer ({best_ir})")
-        s_ratios = [v["ratio"] for k, v in verdict.items() if k.startswith("sampled_vs_best_peer")]
-        i_ratios = [v["ratio"] for k, v in verdict.items() if k.startswith("inserts_vs_best_copy")]
+        groups = {
+            "best peer": [n for n in ok if n != "arpo"],
+            "best copying peer": [n for n in ok if n in COPYING_PEERS],
+            "best library peer (TorchRL, cpprb)": [n for n in ok if n in LIBRARY_PEERS],
+        }
+        cols = [(m, p) for m in ("sampled_per_s", "inserts_per_s") for p in range(len(PHASES))]
+        heads_ = [
+            f"{'sampled' if m == 'sampled_per_s' else 'inserts'} {PHASES[p][0]}w+{PHASES[p][1]}r"
+            for m, p in cols
+        ]
+        ratio_md = ["| arpo vs | " + " | ".join(heads_) + " |", "|---" * (len(cols) + 1) + "|"]
+        ratios: dict[str, dict[str, Any]] = {}
+        for group, members in groups.items():
+            if not members:
+                continue
+            cells = []
+            for (m, p), head in zip(cols, heads_, strict=True):
+                best = max(members, key=lambda n, m=m, p=p: ok[n]["phases"][p][m])
+                r = _ratio(a["phases"][p][m], ok[best]["phases"][p][m])
+                ratios.setdefault(group, {})[head] = {"peer": best, "ratio": r}
+                cells.append(f"{r:.2f}x ({best})")
+            ratio_md.append(f"| {group} | " + " | ".join(cells) + " |")
+        verdict["ratios"] = ratios
+
+        def worst(group: str, metric: str) -> float:
+            vals = [v["ratio"] for k, v in ratios.get(group, {}).items() if k.startswith(metric)]
+            return min(vals) if vals else float("nan")
+
         rss_ratio = a["peak_rss"] / payload
         p99 = max(ph["sample_p99_ms"] for ph in a["phases"])
         verdict["targets"] = {
-            "sampled traj/s >= 20x best peer": bool(s_ratios) and min(s_ratios) >= 20,
-            "inserts/s >= 2x best copying peer": bool(i_ratios) and min(i_ratios) >= 2,
+            "sampled traj/s >= 20x best peer": worst("best peer", "sampled") >= 20,
+            "inserts/s >= 2x best copying peer": worst("best copying peer", "inserts") >= 2,
             "peak RSS <= 1.2x payload": rss_ratio <= 1.2,
             "p99 sample latency < 1 ms": p99 < 1.0,
         }
@@ -802,15 +861,22 @@ def summarize(
     gil = [
         n
         for n, r in ok.items()
-        if n != "arpo" and r["phases"][-1]["cpu_cores"] < 1.2 and (os.cpu_count() or 1) >= 2
+        if r["phases"][-1]["cpu_cores"] < 1.2 and (os.cpu_count() or 1) >= 2
     ]
+    disturbed = [n for n, r in ok.items() if r["other_cores"] > 0.1]
+    if disturbed and not quick:
+        notes.append(
+            "DISTURBED: other processes used > 0.1 core while these ran, so their timings "
+            "are not clean: " + ", ".join(disturbed)
+        )
     if quick:
         notes.insert(
             0, "QUICK RUN: stores ran at the same time on tiny sizes; numbers are not comparable"
         )
     elif gil:
         notes.append(
-            "with 2 writers + 2 readers these used < 1.2 cores (GIL-bound): " + ", ".join(gil)
+            "with 2 writers + 2 readers these processes used < 1.2 of the 2 cores (the Python "
+            "threads serialize on the GIL): " + ", ".join(gil)
         )
 
     lim = memcpy
@@ -828,6 +894,8 @@ def summarize(
         f"MB = {payload / 1e9:.2f} GB; phases of {cfg.seconds:g} s; batches of {cfg.batch}.",
         "",
         mem_line,
+        "",
+        *ratio_md,
         "",
         *[f"- {n}" for n in notes],
     ]
