@@ -1,0 +1,136 @@
+"""The text of UI-TARS-1.5's computer-use prompt, as the ARPO reference builds its chat.
+
+The reference conversation is
+
+    system:    SYSTEM_MESSAGE
+    user:      computer_use_prompt(instruction)        (text only)
+    user:      <screenshot 0>
+    assistant: Thought: ...\\nAction: ...               (response 0)
+    user:      <screenshot 1>
+    assistant: ...
+
+with every screenshot of the episode kept. This module holds only strings; the token ids
+(chat template, image placeholder tokens) are built elsewhere from them. Earlier assistant
+turns are the sampled tokens themselves when they come from a rollout; `assistant_text`
+writes them for demonstrations and `with_box_tokens` restores the box tokens in a response
+that was decoded with special tokens skipped (what OSWorld's agent does to its history).
+
+Deviations from the reference text: the system message is Qwen's "You are a helpful
+assistant." (ARPO's has a typo, "Your are"); `call_user()` is listed only on request
+(`call_user=True`, as OSWorld's UI-TARS agent offers it; ARPO's prompt omits it but its parser
+accepts it).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+from arpo.policy.actions import Action, CoordStyle, Frame, format_response
+
+SYSTEM_MESSAGE = "You are a helpful assistant."
+"""The system turn of the chat; the task prompt goes in the first user turn."""
+
+_HEADER = (
+    "You are a GUI agent. You are given a task and your action history, with screenshots. "
+    "You need to perform the next action to complete the task.\n"
+    "\n"
+    "## Output Format\n"
+    "```\n"
+    "Thought: ...\n"
+    "Action: ...\n"
+    "```\n"
+)
+_TYPE_NOTE = (
+    " # Use escape characters \\', \\\", and \\n in content part to ensure we can parse the "
+    "content in normal python string format. If you want to submit your input, use \\n at "
+    "the end of content. "
+)
+_FINISHED_NOTE = (
+    " # Use escape characters \\', \\\", and \\n in content part to ensure we can parse the "
+    "content in normal python string format."
+)
+_WAIT_NOTE = " #Sleep for 5s and take a screenshot to check for any changes."
+_CALL_USER_NOTE = (
+    " # Submit the task and call the user when the task is unsolvable, or when you need the "
+    "user's help."
+)
+
+
+def action_space(*, call_user: bool = False, coords: CoordStyle = "box") -> str:
+    """The `## Action Space` lines: every action UI-TARS may emit, with its argument syntax."""
+    if coords == "point":
+        at, start, end = "point", "start_point", "end_point"
+        p1, p2 = "<point>x1 y1</point>", "<point>x2 y2</point>"
+    elif coords in ("box", "plain"):
+        at, start, end = "start_box", "start_box", "end_box"
+        p1, p2 = "<|box_start|>(x1,y1)<|box_end|>", "<|box_start|>(x3,y3)<|box_end|>"
+        if coords == "plain":
+            p1, p2 = "(x1,y1)", "(x3,y3)"
+    else:
+        raise ValueError(f"coords must be 'box', 'plain' or 'point', got {coords!r}")
+    lines = [
+        f"click({at}='{p1}')",
+        f"left_double({at}='{p1}')",
+        f"right_single({at}='{p1}')",
+        f"drag({start}='{p1}', {end}='{p2}')",
+        "hotkey(key='')",
+        "type(content='xxx')" + _TYPE_NOTE,
+        f"scroll({at}='{p1}', direction='down or up or right or left')",
+        "wait()" + _WAIT_NOTE,
+        "finished(content='xxx')" + _FINISHED_NOTE,
+    ]
+    if call_user:
+        lines.append("call_user()" + _CALL_USER_NOTE)
+    return "\n".join(lines)
+
+
+def computer_use_prompt(
+    instruction: str,
+    *,
+    language: str = "English",
+    call_user: bool = False,
+    coords: CoordStyle = "box",
+) -> str:
+    """The first user turn: role, output format, action space, notes and the task instruction.
+
+    `language` is the language the model should think in (the reference uses English).
+    """
+    if not isinstance(instruction, str) or not instruction.strip():
+        raise ValueError("the instruction must be a non-empty string (the task's `instruction`)")
+    if not isinstance(language, str) or not language.strip() or "\n" in language:
+        raise ValueError(f"language must be a one-line name such as 'English', got {language!r}")
+    return (
+        _HEADER
+        + "\n## Action Space\n\n"
+        + action_space(call_user=call_user, coords=coords)
+        + "\n\n## Note\n"
+        + f"- Use {language} in `Thought` and `Action` part.\n"
+        + "- Write a small plan and finally summarize your next action (with its target "
+        "element) in one sentence in `Thought` part.\n"
+        + "\n## User Instruction\n"
+        + instruction
+        + "\n"
+    )
+
+
+def assistant_text(
+    thought: str, actions: Sequence[Action], frame: Frame, *, coords: CoordStyle = "box"
+) -> str:
+    """An assistant turn, `Thought: ...\\nAction: ...`, as UI-TARS writes it: positions mapped
+    from the screen into `frame`, several actions separated by blank lines."""
+    return format_response(thought, tuple(actions), frame, coords=coords)
+
+
+_PLAIN_BOX = re.compile(r"((?:start_box|end_box)=)(['\"])\(\s*(\d+)\s*,\s*(\d+)\s*\)\2")
+_ACTION_LINE = re.compile(r"^[ \t]*Action:", re.M)
+
+
+def with_box_tokens(response: str) -> str:
+    """Put `<|box_start|>`/`<|box_end|>` back around `start_box='(x,y)'` and `end_box=...`
+    in the action part of a response decoded without special tokens."""
+    m = _ACTION_LINE.search(response)
+    if m is None:
+        return response
+    head, tail = response[: m.end()], response[m.end() :]
+    return head + _PLAIN_BOX.sub(r"\1\2<|box_start|>(\3,\4)<|box_end|>\2", tail)
