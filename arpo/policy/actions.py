@@ -775,7 +775,8 @@ def _hotkey_keys(value: str) -> tuple[str, ...]:
     parts = value.split()
     if len(parts) == 1 and "+" in parts[0] and parts[0] != "+":
         parts = [p for p in parts[0].split("+") if p] or ["+"]
-    return tuple(_key_name(p) for p in parts)
+    # A hotkey names keys, not characters: 'ctrl S' is ctrl+s, as the prompt asks for lowercase.
+    return tuple(_key_name(p.lower()) for p in parts)
 
 
 def _to_action(call: _Call, frame: Frame) -> Action:
