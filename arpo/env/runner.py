@@ -152,6 +152,7 @@ class TaskRunner:
         self.task: Task | None = None
         self.history: list[str] = []
         self._work_dir: Path | None = None
+        self._task_dir: Path | None = None
         self._screen: tuple[int, int] | None = (
             (self.config.screen_width, self.config.screen_height)
             if self.config.screen_width is not None and self.config.screen_height is not None
@@ -194,6 +195,7 @@ class TaskRunner:
                     )
         self.close()
         self.task = task
+        self._task_dir = Path(task.path).parent if task.path else None
         self.history = []
         if self.config.reset_before_setup:
             await self.client.reset()
@@ -294,8 +296,16 @@ class TaskRunner:
     async def _step_upload_file(self, files: list[Mapping[str, str]]) -> None:
         for f in files:
             local, path = Path(f["local_path"]), f["path"]
+            # OSWorld reads a relative local_path from the working directory; a task suite that
+            # ships its files beside its task files (arpo_envs.tasks) names them relative to the
+            # task file, so that folder is tried second.
+            if not local.is_file() and not local.is_absolute() and self._task_dir is not None:
+                local = self._task_dir / local
             if not local.is_file():
-                raise FileCacheMiss(f"upload_file step: local file {local} does not exist")
+                raise FileCacheMiss(
+                    f"upload_file step: local file {f['local_path']} does not exist (relative "
+                    f"paths are tried from the working directory and the task file's folder)"
+                )
             await self.client.upload(path, await asyncio.to_thread(local.read_bytes))
 
     async def _step_open(self, path: str) -> None:
@@ -392,6 +402,7 @@ class TaskRunner:
 
         ev = task.evaluator
         n = len(ev.funcs)
+        self._task_dir = Path(task.path).parent if task.path else None
         try:
             await self.run_steps(ev.postconfig, task_id=task.id, phase="evaluator.postconfig")
         except EnvError as e:
