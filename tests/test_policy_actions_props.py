@@ -45,9 +45,10 @@ KEY_NAMES = [
     "a", "c", "v", "z", "1", "/", ",", "'", '"', "\\", "+", "-", "=", "[",
 ]  # fmt: skip
 
-realistic_frames = st.builds(
-    lambda s: Frame.for_screen(*s), st.sampled_from(SCREENS)
-)  # UI-TARS-1.5: absolute pixels of the resized screenshot
+# UI-TARS-1.5: absolute pixels of the resized screenshot. Up to 2560x1440 one model pixel is
+# at most 2 screen pixels, so rounding moves a point by at most 1; a 4K screen shrinks ~2.03x
+# into ARPO's pixel budget and is covered by the any-frame test's bound instead.
+realistic_frames = st.builds(lambda s: Frame.for_screen(*s), st.sampled_from(SCREENS[:-1]))
 any_frames = st.builds(
     Frame,
     st.integers(28, 4000),

@@ -667,14 +667,21 @@ def _lenient_call(chunk: str) -> _Call | None:
     body = body[:-1].rstrip()
     if not body.endswith(m.group(2)):
         return None
-    return _Call(m.group(1), (_Arg("content", _unescape(body[:-1])),))
+    inner = body[:-1]
+    if _ACTION_LINE.search(inner):  # a degenerate repetition, not text to type
+        return None
+    return _Call(m.group(1), (_Arg("content", _unescape(inner)),))
 
 
 def _chunks(section: str) -> list[str]:
     """Split at blank lines that are followed by an action name and '('."""
     starts = [0]
     for m in _CHUNK_START.finditer(section):
-        if m.start() > 0 and _BLANK_BEFORE.search(section, 0, m.start()):
+        # m starts a line, so section[m.start() - 1] is "\n"; a blank line needs one more.
+        j = m.start() - 2
+        while j >= 0 and section[j] in " \t":
+            j -= 1
+        if j >= 0 and section[j] == "\n":
             starts.append(m.start())
     return [section[a:b] for a, b in zip(starts, [*starts[1:], len(section)], strict=True)]
 
@@ -737,7 +744,6 @@ _CHUNK_START = re.compile(
     + r")[ \t]*\(",
     re.M,
 )
-_BLANK_BEFORE = re.compile(r"\n[ \t]*\n[ \t]*\Z")
 _NUMBER = r"[+-]?(?:\d{1,12}(?:\.\d{0,12})?|\.\d{1,12})"
 _MAX_COORD_CHARS = 120
 _TAGGED = re.compile(
