@@ -43,6 +43,12 @@ ARPO's copy of it), each deliberate:
   `(click code, "DONE")`; the reference drops the click. `ParsedResponse.action` (the one
   string a Turn records) is the terminal token then.
 - `press` is `pyautogui.press` (UI-TARS' upstream parser maps it to `keyDown`).
+- A call cut short (no closing parenthesis, e.g. at the token limit) is a parse failure; the
+  upstream parser appends the missing ')'.
+- Hotkey key names are lowercased and `arrowleft` etc. become pyautogui's `left`; key names
+  are not checked against pyautogui's list (pyautogui ignores unknown names, as before).
+- Code carries no docstring with the thought (the reference prepends one); the thought is in
+  `ParsedResponse.thought` and in the recorded response tokens.
 """
 
 from __future__ import annotations
