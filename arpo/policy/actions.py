@@ -593,6 +593,12 @@ def _unescape(s: str) -> str:
     return _ESCAPE.sub(lambda m: _ESCAPES.get(m.group(1), m.group(0)), s)
 
 
+def _skip(s: str, i: int = 0) -> int:
+    """Index of the first non-space character at or after i."""
+    m = _WS.match(s, i)
+    return i if m is None else m.end()
+
+
 def _where(s: str, i: int) -> str:
     snippet = s[i : i + 24]
     return f"at {snippet!r}" if snippet else "at the end"
@@ -604,10 +610,10 @@ def _scan_call(s: str, i: int) -> tuple[_Call, int]:
     if m is None:
         raise ActionParseError(f"expected an action name {_where(s, i)}")
     name = m.group()
-    i = _WS.match(s, m.end()).end()
+    i = _skip(s, m.end())
     if s[i : i + 1] != "(":
         raise ActionParseError(f"expected '(' after {name!r} {_where(s, i)}")
-    i = _WS.match(s, i + 1).end()
+    i = _skip(s, i + 1)
     args: list[_Arg] = []
     if s[i : i + 1] == ")":
         return _Call(name), i + 1
@@ -615,10 +621,10 @@ def _scan_call(s: str, i: int) -> tuple[_Call, int]:
         key = None
         m = _IDENT.match(s, i)
         if m is not None:
-            j = _WS.match(s, m.end()).end()
+            j = _skip(s, m.end())
             if s[j : j + 1] == "=":
                 key = m.group()
-                i = _WS.match(s, j + 1).end()
+                i = _skip(s, j + 1)
         quote = s[i : i + 1]
         if quote in _STRINGS:
             m = _STRINGS[quote].match(s, i)
@@ -631,13 +637,13 @@ def _scan_call(s: str, i: int) -> tuple[_Call, int]:
                 raise ActionParseError(f"expected an argument value in {name}() {_where(s, i)}")
             value = m.group()
         args.append(_Arg(key, value))
-        i = _WS.match(s, m.end()).end()
+        i = _skip(s, m.end())
         c = s[i : i + 1]
         if c == ")":
             return _Call(name, tuple(args)), i + 1
         if c != ",":
             raise ActionParseError(f"expected ',' or ')' in {name}() {_where(s, i)}")
-        i = _WS.match(s, i + 1).end()
+        i = _skip(s, i + 1)
         if s[i : i + 1] == ")":  # trailing comma
             return _Call(name, tuple(args)), i + 1
 
@@ -645,11 +651,11 @@ def _scan_call(s: str, i: int) -> tuple[_Call, int]:
 def _scan_calls(section: str) -> list[_Call]:
     """Calls separated by whitespace containing a newline; nothing else may follow."""
     calls = []
-    i = _WS.match(section).end()
+    i = _skip(section)
     while i < len(section):
         call, i = _scan_call(section, i)
         calls.append(call)
-        j = _WS.match(section, i).end()
+        j = _skip(section, i)
         if j < len(section) and "\n" not in section[i:j]:
             raise ActionParseError(
                 f"expected a new line after {call.name}(...) {_where(section, i)}"
@@ -710,8 +716,17 @@ def _scan_section(section: str) -> list[_Call]:
 
 # ---- calls -> typed actions ------------------------------------------------------------------
 
-_POINTER = {"click": Click, "left_double": LeftDouble, "right_single": RightSingle, "hover": Hover}
-_KEYS = {"press": Press, "keydown": KeyDown, "keyup": KeyUp}
+_POINTER: dict[str, type[Click | LeftDouble | RightSingle | Hover]] = {
+    "click": Click,
+    "left_double": LeftDouble,
+    "right_single": RightSingle,
+    "hover": Hover,
+}
+_KEYS: dict[str, type[Press | KeyDown | KeyUp]] = {
+    "press": Press,
+    "keydown": KeyDown,
+    "keyup": KeyUp,
+}
 _NAME_ALIASES = {"left_single": "click", "select": "drag", "release": "keyup"}
 # name -> (allowed keys in positional order, required keys)
 _SPECS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
