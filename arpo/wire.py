@@ -14,6 +14,26 @@ holding every turn's prompt ids (int32), response ids (int32) and log-probs
 
 Ack (kind 2): header `{"ids": [trajectory ids]}`, no payload frames.
 
+Control messages (no payload frames unless said):
+
+- grant request (3), actor -> learner: `{"actor", "req", "want"}`: ask for up to
+  `want` task grants; `req` is echoed in the reply.
+- grant (4), learner -> actor: `{"req", "grants", "retry"}`; `grants` is a list of
+  `[grant_id, task_id, group, slot, version, task_json]` (the task file's JSON text,
+  so actors need no task files); `retry` says how many seconds to wait before asking
+  again when the list is empty (admission control or nothing to do).
+- heartbeat (5), both ways: `{"sender", "role", "seq", "version", "time", "stats"}`;
+  `role` is "actor" or "learner", `version` the policy version the sender holds,
+  `stats` a small map of counters (name -> number).
+- weights announce (6), learner -> actor: `{"version", "nbytes", "chunks", "chunk_bytes",
+  "sha256", "path"}`: the newest weights as one safetensors byte stream of `nbytes`
+  bytes in `chunks` chunks; `path` is where the learner wrote the same file (use it
+  when it exists with that size: a shared filesystem), "" when not written.
+- weights request (7), actor -> learner: `{"version", "chunk"}`: chunk `chunk` of
+  `version`, or the newest announcement when `chunk` is -1.
+- weights chunk (8), learner -> actor: `{"version", "index", "total"}` + 1 frame of
+  safetensors bytes (at most MAX_CHUNK_BYTES).
+
 Nothing large is copied or pickled: `encode` hands out the record's own PNG
 buffers as frames (the three token frames are one concatenation, a few tens of
 KB), and `decode` returns numpy views and memoryviews into the received frames
@@ -28,9 +48,10 @@ decoder never allocates from a declared size.
 
 from __future__ import annotations
 
+import math
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
@@ -45,6 +66,13 @@ _PREAMBLE = struct.Struct("<4sBBH")
 
 KIND_TRAJECTORY = 1
 KIND_ACK = 2
+KIND_GRANT_REQUEST = 3
+KIND_GRANT = 4
+KIND_HEARTBEAT = 5
+KIND_WEIGHTS_ANNOUNCE = 6
+KIND_WEIGHTS_REQUEST = 7
+KIND_WEIGHTS_CHUNK = 8
+_KINDS = frozenset(range(1, 9))
 
 MAX_HEADER_BYTES = 4 << 20
 """Largest accepted header frame (a 15-turn trajectory's header is about 1 KB)."""
@@ -53,7 +81,15 @@ MAX_TURNS = 4096
 MAX_ACK_IDS = 65536
 """Most trajectory ids in one acknowledgement."""
 MAX_STR_BYTES = 1 << 20
-"""Longest string accepted in a header (actions can hold typed text)."""
+"""Longest string accepted in a header (actions can hold typed text; a grant's task JSON)."""
+MAX_GRANTS = 256
+"""Most grants in one reply (and most asked for in one request)."""
+MAX_STATS = 64
+"""Most counters in a heartbeat's stats map."""
+MAX_CHUNK_BYTES = 256 << 20
+"""Largest weights chunk."""
+MAX_ID_BYTES = 1024
+"""Longest id (actor, grant, task, group) accepted in a control message."""
 
 _I32 = np.dtype("<i4")
 _F32 = np.dtype("<f4")
@@ -88,7 +124,207 @@ class Ack:
                 raise WireError(f"ack ids must be non-empty strings, got {i!r}")
 
 
-Message = Trajectory | Ack
+def _check_id(v: Any, name: str, *, allow_empty: bool = False) -> str:
+    if type(v) is not str:
+        raise WireError(f"{name} must be a string, got {type(v).__name__}")
+    if (not v and not allow_empty) or len(v) > MAX_ID_BYTES:
+        raise WireError(f"{name} must be a string of 1..{MAX_ID_BYTES} characters")
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError:
+        raise WireError(f"{name} is not valid unicode (lone surrogate)") from None
+    return v
+
+
+def _check_int(v: Any, name: str, lo: int = 0, hi: int = (1 << 63) - 1) -> int:
+    # `type(v) is int` also rejects bools (a bool is an int subclass).
+    if type(v) is not int or not lo <= v <= hi:
+        raise WireError(f"{name} must be an int in [{lo}, {hi}], got {v!r:.80}")
+    return v
+
+
+def _check_float(v: Any, name: str, lo: float = 0.0) -> float:
+    if type(v) not in (int, float) or not math.isfinite(v) or v < lo:
+        raise WireError(f"{name} must be a finite number >= {lo}, got {v!r:.80}")
+    return float(v)
+
+
+@dataclass(frozen=True, slots=True)
+class GrantRequest:
+    """An actor asks the learner for up to `want` task grants."""
+
+    actor: str
+    """The asking actor's id (grants are booked to it)."""
+    req: int
+    """Request number, echoed in the reply (a reply to an older request is ignored)."""
+    want: int = 1
+    """How many grants the actor can start now (1..MAX_GRANTS)."""
+
+    def __post_init__(self) -> None:
+        _check_id(self.actor, "grant request actor")
+        _check_int(self.req, "grant request req")
+        _check_int(self.want, "grant request want", 1, MAX_GRANTS)
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """One episode to run: slot `slot` of group `group` of task `task_id`."""
+
+    grant_id: str
+    """Unique id of this grant (a re-issued slot gets a new one)."""
+    task_id: str
+    group: str
+    """The GRPO group this episode fills (Trajectory.group_id)."""
+    slot: int
+    """Position in the group (Trajectory.slot)."""
+    version: int
+    """The learner's policy version when the grant was issued."""
+    task_json: str
+    """The task file as JSON text (OSWorld schema)."""
+
+    def __post_init__(self) -> None:
+        _check_id(self.grant_id, "grant id")
+        _check_id(self.task_id, "grant task id")
+        _check_id(self.group, "grant group")
+        _check_int(self.slot, "grant slot", 0, 1 << 31)
+        _check_int(self.version, "grant version")
+        if type(self.task_json) is not str or len(self.task_json) > MAX_STR_BYTES:
+            raise WireError(f"grant task_json must be a string of at most {MAX_STR_BYTES} bytes")
+
+
+@dataclass(frozen=True, slots=True)
+class GrantReply:
+    """The learner's answer to a GrantRequest: zero or more grants."""
+
+    req: int
+    grants: tuple[Grant, ...] = ()
+    retry: float = 0.0
+    """Seconds to wait before asking again (used when `grants` is empty)."""
+
+    def __post_init__(self) -> None:
+        _check_int(self.req, "grant reply req")
+        object.__setattr__(self, "grants", tuple(self.grants))
+        if len(self.grants) > MAX_GRANTS or not all(isinstance(g, Grant) for g in self.grants):
+            raise WireError(f"grant reply holds at most {MAX_GRANTS} Grant objects")
+        object.__setattr__(self, "retry", _check_float(self.retry, "grant reply retry"))
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    """Liveness and state, sent both ways: actors to the learner and back."""
+
+    sender: str
+    role: str
+    """"actor" or "learner"."""
+    seq: int
+    version: int
+    """Policy version the sender holds (the learner: the newest it publishes)."""
+    time: float
+    """Sender's wall clock (seconds since the epoch) when sent."""
+    stats: dict[str, float] = field(default_factory=dict)
+    """A few counters: episodes, spool size, in-flight episodes..."""
+
+    def __post_init__(self) -> None:
+        _check_id(self.sender, "heartbeat sender")
+        if self.role not in ("actor", "learner"):
+            raise WireError(f"heartbeat role must be 'actor' or 'learner', got {self.role!r:.40}")
+        _check_int(self.seq, "heartbeat seq")
+        _check_int(self.version, "heartbeat version")
+        object.__setattr__(self, "time", _check_float(self.time, "heartbeat time"))
+        if not isinstance(self.stats, dict) or len(self.stats) > MAX_STATS:
+            raise WireError(f"heartbeat stats must be a map of at most {MAX_STATS} counters")
+        stats = {}
+        for k, v in self.stats.items():
+            _check_id(k, "heartbeat stats key")
+            if type(v) not in (int, float) or not math.isfinite(v):
+                raise WireError(f"heartbeat stats[{k!r:.40}] must be a finite number")
+            stats[k] = v
+        object.__setattr__(self, "stats", stats)
+
+
+@dataclass(frozen=True, slots=True)
+class WeightsAnnounce:
+    """The newest policy weights: one safetensors byte stream, by chunks or by path."""
+
+    version: int
+    nbytes: int
+    """Size of the safetensors stream."""
+    chunks: int
+    """Number of chunks the stream is served in (ceil(nbytes / chunk_bytes))."""
+    chunk_bytes: int
+    """Size of every chunk but the last."""
+    sha256: str
+    """Hex SHA-256 of the whole stream."""
+    path: str = ""
+    """The same file on the learner's filesystem ("" if not written); an actor that sees
+    it with size `nbytes` loads it directly (shared filesystem)."""
+
+    def __post_init__(self) -> None:
+        _check_int(self.version, "weights version")
+        _check_int(self.nbytes, "weights nbytes", 0, 1 << 50)
+        _check_int(self.chunk_bytes, "weights chunk_bytes", 1, MAX_CHUNK_BYTES)
+        _check_int(self.chunks, "weights chunks", 0, 1 << 31)
+        if self.chunks != -(-self.nbytes // self.chunk_bytes):
+            raise WireError(
+                f"weights announce: {self.chunks} chunks cannot hold {self.nbytes} bytes "
+                f"in chunks of {self.chunk_bytes}"
+            )
+        if type(self.sha256) is not str or len(self.sha256) != 64:
+            raise WireError("weights sha256 must be 64 hex characters")
+        try:
+            bytes.fromhex(self.sha256)
+        except ValueError:
+            raise WireError("weights sha256 must be 64 hex characters") from None
+        if type(self.path) is not str or len(self.path) > 4096:
+            raise WireError("weights path must be a string of at most 4096 characters")
+
+
+@dataclass(frozen=True, slots=True)
+class WeightsRequest:
+    """Ask for chunk `chunk` of `version`, or (chunk -1) for the newest announcement."""
+
+    version: int
+    chunk: int
+
+    def __post_init__(self) -> None:
+        _check_int(self.version, "weights request version")
+        _check_int(self.chunk, "weights request chunk", -1, 1 << 31)
+
+
+@dataclass(frozen=True, slots=True)
+class WeightsChunk:
+    """Bytes `index * chunk_bytes ...` of the safetensors stream of `version`."""
+
+    version: int
+    index: int
+    total: int
+    data: Any = b""
+    """The chunk's bytes (bytes, memoryview or a received frame's buffer)."""
+
+    def __post_init__(self) -> None:
+        _check_int(self.version, "weights chunk version")
+        _check_int(self.total, "weights chunk total", 1, 1 << 31)
+        _check_int(self.index, "weights chunk index", 0, self.total - 1)
+        try:
+            n = memoryview(self.data).nbytes
+        except TypeError:
+            raise WireError(
+                f"weights chunk data must be bytes, got {type(self.data).__name__}"
+            ) from None
+        if n > MAX_CHUNK_BYTES:
+            raise WireError(f"weights chunk of {n} bytes is above the limit of {MAX_CHUNK_BYTES}")
+
+
+Message = (
+    Trajectory
+    | Ack
+    | GrantRequest
+    | GrantReply
+    | Heartbeat
+    | WeightsAnnounce
+    | WeightsRequest
+    | WeightsChunk
+)
 Frame = bytes | bytearray | memoryview
 
 
@@ -106,7 +342,44 @@ def encode(msg: Message) -> list[Frame]:
         return _encode_trajectory(msg)
     if isinstance(msg, Ack):
         return [_preamble(KIND_ACK), _pack({"ids": list(msg.ids)})]
-    raise TypeError(f"cannot encode {type(msg).__name__}; expected Trajectory or Ack")
+    if isinstance(msg, GrantRequest):
+        h = {"actor": msg.actor, "req": msg.req, "want": msg.want}
+        return [_preamble(KIND_GRANT_REQUEST), _pack(h)]
+    if isinstance(msg, GrantReply):
+        grants = [
+            [g.grant_id, g.task_id, g.group, g.slot, g.version, g.task_json] for g in msg.grants
+        ]
+        return [
+            _preamble(KIND_GRANT),
+            _pack({"req": msg.req, "grants": grants, "retry": msg.retry}),
+        ]
+    if isinstance(msg, Heartbeat):
+        h = {
+            "sender": msg.sender,
+            "role": msg.role,
+            "seq": msg.seq,
+            "version": msg.version,
+            "time": msg.time,
+            "stats": dict(msg.stats),
+        }
+        return [_preamble(KIND_HEARTBEAT), _pack(h)]
+    if isinstance(msg, WeightsAnnounce):
+        h = {
+            "version": msg.version,
+            "nbytes": msg.nbytes,
+            "chunks": msg.chunks,
+            "chunk_bytes": msg.chunk_bytes,
+            "sha256": msg.sha256,
+            "path": msg.path,
+        }
+        return [_preamble(KIND_WEIGHTS_ANNOUNCE), _pack(h)]
+    if isinstance(msg, WeightsRequest):
+        h = {"version": msg.version, "chunk": msg.chunk}
+        return [_preamble(KIND_WEIGHTS_REQUEST), _pack(h)]
+    if isinstance(msg, WeightsChunk):
+        h = {"version": msg.version, "index": msg.index, "total": msg.total}
+        return [_preamble(KIND_WEIGHTS_CHUNK), _pack(h), msg.data]
+    raise TypeError(f"cannot encode {type(msg).__name__}; not a wire message")
 
 
 def trajectory_header(traj: Trajectory) -> dict[str, Any]:
@@ -221,7 +494,7 @@ def peek_kind(frames: Sequence[Any]) -> int:
         )
     if reserved != 0:
         raise WireError("preamble reserved bytes must be zero")
-    if kind not in (KIND_TRAJECTORY, KIND_ACK):
+    if kind not in _KINDS:
         raise WireError(f"unknown message kind {kind}")
     return kind
 
@@ -239,7 +512,71 @@ def decode(frames: Sequence[Any]) -> Message:
         if not isinstance(ids, list) or len(ids) > MAX_ACK_IDS:
             raise WireError(f"ack 'ids' must be a list of at most {MAX_ACK_IDS} strings")
         return Ack(tuple(ids))
-    return decode_trajectory_parts(header, frames[2:], first_index=2)
+    if kind == KIND_TRAJECTORY:
+        return decode_trajectory_parts(header, frames[2:], first_index=2)
+    return _decode_control(kind, header, frames)
+
+
+_CONTROL_KEYS = {
+    KIND_GRANT_REQUEST: ("grant request", frozenset(("actor", "req", "want")), 2),
+    KIND_GRANT: ("grant", frozenset(("req", "grants", "retry")), 2),
+    KIND_HEARTBEAT: (
+        "heartbeat",
+        frozenset(("sender", "role", "seq", "version", "time", "stats")),
+        2,
+    ),
+    KIND_WEIGHTS_ANNOUNCE: (
+        "weights announce",
+        frozenset(("version", "nbytes", "chunks", "chunk_bytes", "sha256", "path")),
+        2,
+    ),
+    KIND_WEIGHTS_REQUEST: ("weights request", frozenset(("version", "chunk")), 2),
+    KIND_WEIGHTS_CHUNK: ("weights chunk", frozenset(("version", "index", "total")), 3),
+}
+
+
+def _decode_control(kind: int, header: dict[str, Any], frames: Sequence[Any]) -> Message:
+    name, keys, n_frames = _CONTROL_KEYS[kind]
+    if len(frames) != n_frames:
+        raise WireError(f"{name} has {n_frames} frames, got {len(frames)}")
+    if set(header) != keys:
+        missing, extra = sorted(keys - set(header)), sorted(set(header) - keys)
+        raise WireError(f"{name} header keys wrong: missing {missing}, unexpected {extra}")
+    if kind == KIND_GRANT_REQUEST:
+        return GrantRequest(header["actor"], header["req"], header["want"])
+    if kind == KIND_GRANT:
+        raw = header["grants"]
+        if type(raw) is not list or len(raw) > MAX_GRANTS:
+            raise WireError(f"grant 'grants' must be a list of at most {MAX_GRANTS} entries")
+        grants = []
+        for i, g in enumerate(raw):
+            if type(g) is not list or len(g) != 6:
+                raise WireError(
+                    f"grants[{i}] must be [grant_id, task_id, group, slot, version, task_json]"
+                )
+            grants.append(Grant(*g))
+        return GrantReply(header["req"], tuple(grants), header["retry"])
+    if kind == KIND_HEARTBEAT:
+        return Heartbeat(
+            header["sender"],
+            header["role"],
+            header["seq"],
+            header["version"],
+            header["time"],
+            header["stats"],
+        )
+    if kind == KIND_WEIGHTS_ANNOUNCE:
+        return WeightsAnnounce(
+            header["version"],
+            header["nbytes"],
+            header["chunks"],
+            header["chunk_bytes"],
+            header["sha256"],
+            header["path"],
+        )
+    if kind == KIND_WEIGHTS_REQUEST:
+        return WeightsRequest(header["version"], header["chunk"])
+    return WeightsChunk(header["version"], header["index"], header["total"], _view(frames[2], 2))
 
 
 def _get(header: dict[str, Any], key: str, types: type | tuple[type, ...], what: str) -> Any:

@@ -284,6 +284,7 @@ def test_fuzz_only_wire_error_is_ever_raised() -> None:
     seeds.append(
         [bytes(x) for x in wire.encode(Trajectory(task_id="t", turns=(), checker_score=0.0))]
     )
+    seeds += [[bytes(x) for x in wire.encode(m)] for m in _control_messages()]
     ok = errors = 0
     for i in range(100_000):
         frames = [bytearray(x) for x in seeds[i % len(seeds)]]
@@ -339,3 +340,75 @@ def test_store_item_roundtrip_keeps_png_objects(realistic: Trajectory) -> None:
     ids, _, _ = back.sequence()
     assert np.array_equal(ids, got.tokens)  # the stored tokens are the training sequence
     assert got.version == realistic.min_version and got.rewards[0] == realistic.reward
+
+
+# ------------------------------------------------------------------ control messages
+
+
+def _control_messages() -> list[wire.Message]:
+    grant = wire.Grant("g-1", "task-1", "task-1/0", 3, 7, '{"id": "task-1", "instruction": "x"}')
+    return [
+        wire.GrantRequest("actor-0", 12, 4),
+        wire.GrantReply(12, (grant, wire.Grant("g-2", "t", "t/1", 0, 0, "{}")), 0.0),
+        wire.GrantReply(13, (), 0.5),
+        wire.Heartbeat("actor-0", "actor", 5, 2, 1.7e9, {"spool": 3, "steps_per_s": 1.5}),
+        wire.Heartbeat("learner", "learner", 0, 0, 0.0, {}),
+        wire.WeightsAnnounce(4, 10_000, 3, 4096, "ab" * 32, "/tmp/w/v4.safetensors"),
+        wire.WeightsAnnounce(0, 0, 0, 1, "00" * 32, ""),
+        wire.WeightsRequest(4, -1),
+        wire.WeightsRequest(4, 2),
+        wire.WeightsChunk(4, 2, 3, b"\x00" * 1808),
+    ]
+
+
+@pytest.mark.parametrize("msg", _control_messages(), ids=lambda m: type(m).__name__)
+def test_control_message_roundtrip(msg: wire.Message) -> None:
+    out = wire.decode([bytes(f) for f in wire.encode(msg)])
+    if isinstance(msg, wire.WeightsChunk):
+        assert isinstance(out, wire.WeightsChunk)
+        assert (out.version, out.index, out.total) == (msg.version, msg.index, msg.total)
+        assert bytes(out.data) == bytes(msg.data)
+    else:
+        assert out == msg
+
+
+def _control(kind: int, header: object, *payload: bytes) -> list[bytes]:
+    return [struct.pack("<4sBBH", b"ARPO", 1, kind, 0), msgpack.packb(header), *payload]
+
+
+_HB = {"sender": "a", "role": "actor", "seq": 0, "version": 0, "time": 0.0, "stats": {}}
+_ANN = {"version": 1, "nbytes": 10, "chunks": 1, "chunk_bytes": 10, "sha256": "0" * 64, "path": ""}
+
+
+@pytest.mark.parametrize(
+    ("frames", "reason"),
+    [
+        (_control(3, {"actor": "a", "req": 0}), "missing ['want']"),
+        (_control(3, {"actor": "a", "req": 0, "want": 0}), "want must be an int in [1, 256]"),
+        (_control(3, {"actor": "a", "req": True, "want": 1}), "req must be an int"),
+        (_control(3, {"actor": "", "req": 0, "want": 1}), "actor must be a string of 1.."),
+        (_control(3, {"actor": "a", "req": 0, "want": 1}, b"x"), "has 2 frames, got 3"),
+        (_control(4, {"req": 0, "grants": [["g", "t", "t/0", 0, 0]], "retry": 0}), "grants[0]"),
+        (_control(4, {"req": 0, "grants": [["g", "t", "t/0", -1, 0, "{}"]], "retry": 0}), "slot"),
+        (_control(4, {"req": 0, "grants": [], "retry": float("nan")}), "retry must be a finite"),
+        (_control(4, {"req": 0, "grants": [[]] * 257, "retry": 0}), "at most 256 entries"),
+        (_control(5, {**_HB, "role": "boss"}), "role must be 'actor' or 'learner'"),
+        (_control(5, {**_HB, "stats": {"x": "1"}}), "stats['x'] must be a finite number"),
+        (_control(5, {**_HB, "stats": {str(i): 0 for i in range(65)}}), "at most 64 counters"),
+        (_control(5, {**_HB, "extra": 1}), "unexpected ['extra']"),
+        (_control(6, {**_ANN, "chunks": 2}), "2 chunks cannot hold 10 bytes"),
+        (_control(6, {**_ANN, "sha256": "z" * 64}), "64 hex characters"),
+        (_control(6, {**_ANN, "chunk_bytes": 1 << 30}), "chunk_bytes must be an int"),
+        (_control(7, {"version": 0, "chunk": -2}), "chunk must be an int in [-1"),
+        (
+            _control(8, {"version": 0, "index": 1, "total": 1}, b""),
+            "index must be an int in [0, 0]",
+        ),
+        (_control(8, {"version": 0, "index": 0, "total": 1}), "has 3 frames, got 2"),
+        (_control(9, {}), "unknown message kind 9"),
+    ],
+)
+def test_malformed_control_message_names_the_reason(frames: list[bytes], reason: str) -> None:
+    with pytest.raises(WireError) as e:
+        wire.decode(frames)
+    assert reason in str(e.value), str(e.value)
