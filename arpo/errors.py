@@ -85,3 +85,7 @@ class ActionParseError(ArpoError, ValueError):
     """A model response is not in UI-TARS's action format (no `Action:`, an unknown action, a
     missing or malformed argument); the message says what and where. The episode records
     format reward -1 and ends, as in the ARPO reference."""
+
+
+class EngineError(ArpoError):
+    """A policy engine could not serve a request or load weights; the message says why."""

@@ -1,0 +1,273 @@
+"""UI-TARS-1.5 prompts at token level: built once per turn, never re-tokenised.
+
+The conversation (the ARPO reference's, see `prompt_text`), rendered by Qwen2-VL's
+chat template:
+
+    <|im_start|>system\\n{SYSTEM_MESSAGE}<|im_end|>\\n
+    <|im_start|>user\\n{computer_use_prompt(instruction)}<|im_end|>\\n
+    <|im_start|>user\\n<|vision_start|><|image_pad|>*n0<|vision_end|><|im_end|>\\n      turn 0
+    <|im_start|>assistant\\n{response 0 ... <|im_end|>}
+    \\n<|im_start|>user\\n<|vision_start|><|image_pad|>*n1<|vision_end|><|im_end|>\\n    turn 1
+    <|im_start|>assistant\\n{response 1 ... <|im_end|>}
+    ...
+
+`EpisodePrompt` keeps the token ids of every piece. `add_screenshot` returns the
+ids this turn appends (turn 0: system + instruction + image message + assistant
+header; later turns: the "\\n" that closes the previous assistant message, the
+image message and the assistant header); `add_response` appends the sampled ids
+as they are (the engine returns them ending in <|im_end|> when the model stopped;
+otherwise "<|im_end|>\\n" is prepended to the next turn's ids). These are the
+`Turn.prompt_ids` / `Turn.response_ids` of the record, so a trajectory's
+`sequence()` is `model_input()` + the last response, token for token.
+
+Image placeholders: n = (h / 28) * (w / 28) for the screenshot resized by Qwen2.5-VL's
+`smart_resize` (factor 28 = patch 14 x merge 2, within the processor's min / max
+pixels). The engine gets the original screenshot and its image processor resizes
+it the same way, so the counts agree (the engines check).
+
+Equality with the chat template: the ids equal `processor.apply_chat_template(...)`
+for the same conversation whenever each response's ids are the tokenizer's own
+encoding of its text (tests/test_policy_prompt.py). They differ, by design,
+only where sampled ids are not the canonical encoding of their decoded text
+(the model sampled "ab" as "a" + "b", or ids that decode to invalid UTF-8): the
+template path would decode and re-encode, and the trained tokens would no
+longer be the sampled ones.
+
+History window (`history_images`, default 15 = the reference's all-screenshots-kept
+over its 15-step episodes): when more screenshots than that have been shown, the
+oldest image messages leave the context, as in OSWorld's UI-TARS agent (its
+`history_n`): the assistant messages of those turns stay, their screenshots go.
+The context is then no longer a prefix of the previous one, so `model_input()`
+re-assembles it from the kept pieces (still no tokenisation: header ids + for each
+turn, its image message if within the window, the assistant header, the sampled
+ids, the closing ids). Each turn's `prompt_ids` are still what it appended to the
+full history; a trainer that wants to score a turn with exactly the context it was
+sampled under must rebuild that turn's windowed context with `context_for_turn(t)`.
+With the reference settings (15 images, 15 steps) the window never drops anything.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from arpo.errors import EngineError
+
+IMAGE_FACTOR = 28
+MAX_RATIO = 200
+
+
+def smart_resize(
+    height: int,
+    width: int,
+    factor: int = IMAGE_FACTOR,
+    min_pixels: int = 56 * 56,
+    max_pixels: int = 28 * 28 * 1280,
+) -> tuple[int, int]:
+    """Qwen2.5-VL's resize rule: both sides multiples of `factor`, area within
+    [min_pixels, max_pixels], aspect ratio kept as closely as possible."""
+    if max(height, width) / min(height, width) > MAX_RATIO:
+        raise EngineError(
+            f"absolute aspect ratio must be smaller than {MAX_RATIO}, "
+            f"got {max(height, width) / min(height, width)}"
+        )
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def image_size(image: Any) -> tuple[int, int]:
+    """(width, height) of a PIL image or encoded image bytes, without decoding pixels."""
+    from PIL import Image
+
+    if isinstance(image, Image.Image):
+        return image.size
+    with Image.open(io.BytesIO(bytes(image))) as im:
+        return im.size
+
+
+def pixel_bounds(processor: Any) -> tuple[int, int]:
+    """(min_pixels, max_pixels) of a Qwen2-VL processor or image processor."""
+    ip = getattr(processor, "image_processor", processor)
+    size = getattr(ip, "size", None) or {}
+    get = size.get if isinstance(size, dict) else lambda k: getattr(size, k, None)
+    lo = get("shortest_edge") or getattr(ip, "min_pixels", None)
+    hi = get("longest_edge") or getattr(ip, "max_pixels", None)
+    if not lo or not hi:
+        raise EngineError("the image processor has no min / max pixels (not a Qwen2-VL processor?)")
+    return int(lo), int(hi)
+
+
+def _system_and_task(instruction: str, prompt_kwargs: dict[str, Any]) -> tuple[str, str]:
+    from arpo.policy import prompt_text
+
+    return prompt_text.SYSTEM_MESSAGE, prompt_text.computer_use_prompt(instruction, **prompt_kwargs)
+
+
+@dataclass
+class _TurnPieces:
+    image: Any
+    image_msg: list[int]
+    response: list[int] = field(default_factory=list)
+    closed: bool = False
+
+
+class EpisodePrompt:
+    """The token ids of one episode's conversation, built incrementally (see module doc)."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        instruction: str,
+        *,
+        min_pixels: int,
+        max_pixels: int,
+        history_images: int = 15,
+        system: str | None = None,
+        task_text: str | None = None,
+        prompt_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        if history_images < 1:
+            raise ValueError(f"history_images must be >= 1, got {history_images}")
+        self.tokenizer = tokenizer
+        self.min_pixels, self.max_pixels = int(min_pixels), int(max_pixels)
+        self.history_images = history_images
+        sys_text, task = _system_and_task(instruction, prompt_kwargs or {})
+        self.system = sys_text if system is None else system
+        self.task_text = task if task_text is None else task_text
+
+        def tid(tok: str) -> int:
+            i = tokenizer.convert_tokens_to_ids(tok)
+            if i is None or i == getattr(tokenizer, "unk_token_id", -1):
+                raise EngineError(f"the tokenizer has no {tok} token (not a Qwen tokenizer?)")
+            return int(i)
+
+        self.im_start, self.im_end = tid("<|im_start|>"), tid("<|im_end|>")
+        self.vision_start, self.vision_end = tid("<|vision_start|>"), tid("<|vision_end|>")
+        self.image_pad = tid("<|image_pad|>")
+        self._nl = self._encode("\n")
+        self._user = [self.im_start, *self._encode("user\n")]
+        self._assistant = [self.im_start, *self._encode("assistant\n")]
+        self.header = [
+            self.im_start,
+            *self._encode(f"system\n{self.system}"),
+            self.im_end,
+            *self._nl,
+            *self._user,
+            *self._encode(self.task_text),
+            self.im_end,
+            *self._nl,
+        ]
+        self._turns: list[_TurnPieces] = []
+        self.turn_prompt_ids: list[np.ndarray] = []
+        """The ids each turn appended (Turn.prompt_ids)."""
+
+    @classmethod
+    def from_processor(cls, processor: Any, instruction: str, **kwargs: Any) -> EpisodePrompt:
+        """Use the tokenizer and the min / max pixels of a loaded `AutoProcessor`."""
+        lo, hi = pixel_bounds(processor)
+        return cls(processor.tokenizer, instruction, min_pixels=lo, max_pixels=hi, **kwargs)
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def image_tokens(self, image: Any) -> int:
+        """Number of <|image_pad|> tokens the model gives this screenshot."""
+        w, h = image_size(image)
+        rh, rw = smart_resize(h, w, IMAGE_FACTOR, self.min_pixels, self.max_pixels)
+        return (rh // IMAGE_FACTOR) * (rw // IMAGE_FACTOR)
+
+    def _closing(self, t: int) -> list[int]:
+        """Ids that end turn t's assistant message (before the next message starts)."""
+        return list(self._nl) if self._turns[t].closed else [self.im_end, *self._nl]
+
+    @property
+    def turns(self) -> int:
+        return len(self._turns)
+
+    def add_screenshot(self, image: Any) -> np.ndarray:
+        """Start a turn showing `image` (PNG bytes or PIL); returns the ids it appends."""
+        if self._turns and not self._turns[-1].response:
+            raise EngineError("add_response() must follow add_screenshot() before the next turn")
+        n = self.image_tokens(image)
+        msg = [
+            *self._user,
+            self.vision_start,
+            *([self.image_pad] * n),
+            self.vision_end,
+            self.im_end,
+            *self._nl,
+        ]
+        prefix = list(self.header) if not self._turns else self._closing(len(self._turns) - 1)
+        self._turns.append(_TurnPieces(image, msg))
+        ids = np.asarray(prefix + msg + self._assistant, dtype=np.int32)
+        self.turn_prompt_ids.append(ids)
+        return ids
+
+    def add_response(self, response_ids: Sequence[int] | np.ndarray) -> None:
+        """Record the sampled ids of the current turn, exactly as sampled."""
+        if not self._turns or self._turns[-1].response:
+            raise EngineError("add_response() needs a turn started by add_screenshot()")
+        ids = [int(t) for t in np.asarray(response_ids).reshape(-1)]
+        if not ids:
+            raise EngineError("a response needs at least one token")
+        self._turns[-1].response = ids
+        self._turns[-1].closed = ids[-1] == self.im_end
+
+    def context_for_turn(self, t: int) -> tuple[np.ndarray, list[Any]]:
+        """The exact model input of turn t (ids ending in the assistant header, images)."""
+        if not 0 <= t < len(self._turns):
+            raise IndexError(f"turn {t} does not exist ({len(self._turns)} turns)")
+        first_kept = max(0, t + 1 - self.history_images)
+        ids = list(self.header)
+        images = []
+        for j in range(t + 1):
+            if j > 0:
+                ids += self._closing(j - 1)
+            if j >= first_kept:
+                ids += self._turns[j].image_msg
+                images.append(self._turns[j].image)
+            ids += self._assistant
+            if j < t:
+                ids += self._turns[j].response
+        return np.asarray(ids, dtype=np.int32), images
+
+    def model_input(self) -> tuple[np.ndarray, list[Any]]:
+        """The model input of the current turn: (token ids, screenshots in order)."""
+        if not self._turns:
+            raise EngineError("add_screenshot() first: the model always sees a screenshot")
+        return self.context_for_turn(len(self._turns) - 1)
+
+    def messages(self, texts: Sequence[str] | None = None) -> list[dict[str, Any]]:
+        """The same conversation as chat messages (for `apply_chat_template`); `texts` are the
+        responses' texts (default: decoded from the ids, special tokens kept, <|im_end|> cut)."""
+        msgs: list[dict[str, Any]] = [
+            {"role": "system", "content": self.system},
+            {"role": "user", "content": [{"type": "text", "text": self.task_text}]},
+        ]
+        t_last = len(self._turns) - 1
+        first_kept = max(0, t_last + 1 - self.history_images)
+        for j, turn in enumerate(self._turns):
+            if j >= first_kept:
+                msgs.append({"role": "user", "content": [{"type": "image"}]})
+            if turn.response:
+                if texts is not None:
+                    text = texts[j]
+                else:
+                    body = turn.response[:-1] if turn.closed else turn.response
+                    text = self.tokenizer.decode(body, skip_special_tokens=False)
+                msgs.append({"role": "assistant", "content": [{"type": "text", "text": text}]})
+        return msgs
