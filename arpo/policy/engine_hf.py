@@ -247,7 +247,10 @@ class HFEngine(Engine):
         import torch
 
         with torch.no_grad():
-            missing, unexpected = self.model.load_state_dict(dict(state), strict=False)
+            try:
+                missing, unexpected = self.model.load_state_dict(dict(state), strict=False)
+            except RuntimeError as e:  # shape mismatches
+                raise EngineError(f"weights do not fit the model: {e}") from None
         if unexpected:
             raise EngineError(f"weights have names the model does not: {sorted(unexpected)[:5]}")
         if missing:
@@ -257,12 +260,14 @@ class HFEngine(Engine):
         await asyncio.to_thread(self._apply_folder, path)
 
     def _apply_folder(self, path: Path) -> None:
-        from safetensors.torch import load_file
+        # from_pretrained maps the checkpoint's key names (which may be the original
+        # Qwen2.5-VL layout) onto the model's; its state dict then loads in place.
+        import torch
+        from transformers import Qwen2_5_VLForConditionalGeneration
 
-        files = sorted(path.glob("*.safetensors"))
-        if not files:
+        if not any(path.glob("*.safetensors")):
             raise EngineError(f"no .safetensors files in {str(path)!r}")
-        state: dict[str, Any] = {}
-        for f in files:
-            state.update(load_file(str(f)))
-        self._apply_state_dict(state)
+        fresh = Qwen2_5_VLForConditionalGeneration.from_pretrained(
+            path, dtype=getattr(torch, self.config.dtype)
+        )
+        self._apply_state_dict(fresh.state_dict())

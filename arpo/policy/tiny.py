@@ -24,8 +24,9 @@ real model: `AutoProcessor.from_pretrained(dir)` and
 - `Qwen2VLImageProcessor` with the given min / max pixels (defaults keep a
   1920x1080 screenshot at 60 image tokens, where UI-TARS-1.5 uses thousands).
 
-Deterministic for a seed: the same seed gives byte-identical weight files and
-the same tokenizer. Building takes about a second.
+Deterministic for a seed: the same seed gives byte-identical weight files; the
+tokenizer is the same for every seed (so weights of one seed load into another).
+Building takes about a second.
 """
 
 from __future__ import annotations
@@ -227,8 +228,11 @@ def _corpus(seed: int, lines: int = 3000) -> list[str]:
     return out
 
 
-def build_tokenizer(seed: int = 0, vocab_size: int = 1000):
-    """A byte-level BPE tokenizer (tokenizers.Tokenizer) with Qwen's added tokens at the end."""
+def build_tokenizer(vocab_size: int = 1000):
+    """A byte-level BPE tokenizer (tokenizers.Tokenizer) with Qwen's added tokens at the end.
+
+    Always trained on the same corpus, so checkpoints of every seed share one
+    vocabulary and weights of one can be loaded into another."""
     from tokenizers import (
         AddedToken,
         Regex,
@@ -260,7 +264,7 @@ def build_tokenizer(seed: int = 0, vocab_size: int = 1000):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         special_tokens=[],
     )
-    tok.train_from_iterator(_corpus(seed), trainer=trainer)
+    tok.train_from_iterator(_corpus(0), trainer=trainer)
     tok.add_special_tokens(
         [AddedToken(t, special=True, normalized=False) for t in QWEN_SPECIAL_TOKENS]
     )
@@ -268,9 +272,7 @@ def build_tokenizer(seed: int = 0, vocab_size: int = 1000):
     return tok
 
 
-def build_processor(
-    seed: int = 0, min_pixels: int = TINY_MIN_PIXELS, max_pixels: int = TINY_MAX_PIXELS
-):
+def build_processor(min_pixels: int = TINY_MIN_PIXELS, max_pixels: int = TINY_MAX_PIXELS):
     """The tiny model's `Qwen2_5_VLProcessor` (tokenizer + image processor + chat template)."""
     from transformers import (
         PreTrainedTokenizerFast,
@@ -280,7 +282,7 @@ def build_processor(
     )
 
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=build_tokenizer(seed),
+        tokenizer_object=build_tokenizer(),
         bos_token=None,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
@@ -369,7 +371,7 @@ def build_tiny_model(
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    processor = build_processor(seed, min_pixels, max_pixels)
+    processor = build_processor(min_pixels, max_pixels)
     config = tiny_config(processor.tokenizer)
     config.text_config.initializer_range = init_std
     config.vision_config.initializer_range = init_std
@@ -392,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="arpo-tiny-model", description="Build the tiny random Qwen2.5-VL into a folder."
     )
     ap.add_argument("--out", required=True, help="folder to write the checkpoint to")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the weights and the tokenizer")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     ap.add_argument("--min-pixels", type=int, default=TINY_MIN_PIXELS)
     ap.add_argument("--max-pixels", type=int, default=TINY_MAX_PIXELS)
     args = ap.parse_args(argv)

@@ -1,0 +1,209 @@
+"""The transformers engine: exact log-probs, batching of concurrent requests, live weight updates."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from arpo.errors import EngineError  # noqa: E402
+from arpo.policy.engine import EngineConfig, SamplingParams, make_engine, process_logits  # noqa: E402
+from arpo.policy.prompt import EpisodePrompt  # noqa: E402
+from arpo.policy.tiny import build_tiny_model  # noqa: E402
+
+# Float32 on CPU: batched KV-cache decoding vs one teacher-forced pass differ by
+# summation order only.
+LOGPROB_TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "m", seed=0)
+
+
+def png(w: int, h: int, seed: int) -> bytes:
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def prompt(tiny_dir, n_images: int, seed: int = 0):
+    from transformers import AutoProcessor
+
+    proc = AutoProcessor.from_pretrained(tiny_dir)
+    ep = EpisodePrompt.from_processor(proc, f"task {seed}")
+    im_end = proc.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    for i in range(n_images):
+        ep.add_screenshot(png(1920 if i % 2 == 0 else 800, 1080 if i % 2 == 0 else 600, seed + i))
+        if i < n_images - 1:
+            ep.add_response([*proc.tokenizer.encode(f"Thought: step {i}"), im_end])
+    ids, images = ep.model_input()
+    return proc, ids, images
+
+
+def teacher_forced(model, proc, ids, images, out_ids, params: SamplingParams) -> np.ndarray:
+    """Log-probs of `out_ids` from one forward pass over prompt + response."""
+    from arpo.policy.engine import to_pil
+
+    full = torch.tensor([ids.tolist() + out_ids.tolist()])
+    enc = proc.image_processor(images=[to_pil(i) for i in images], return_tensors="pt")
+    with torch.no_grad():
+        logits = model(
+            input_ids=full,
+            pixel_values=enc["pixel_values"],
+            image_grid_thw=enc["image_grid_thw"],
+            mm_token_type_ids=(full == model.config.image_token_id).int(),
+        ).logits[0]
+    resp = logits[len(ids) - 1 : -1]
+    n = len(out_ids)
+    lp = process_logits(resp, torch.full((n,), params.temperature), torch.full((n,), params.top_p))
+    return lp.gather(1, torch.as_tensor(out_ids, dtype=torch.long)[:, None])[:, 0].numpy()
+
+
+def test_logprobs_equal_teacher_forced_pass_in_a_batch(tiny_dir):
+    params = [
+        SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=24, seed=1),
+        SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=17, seed=2),
+        SamplingParams(temperature=0.0, max_new_tokens=12),
+        SamplingParams(temperature=1.3, top_p=0.5, max_new_tokens=20, seed=4),
+    ]
+    prompts = [prompt(tiny_dir, n, seed=n) for n in (1, 3, 2, 1)]
+
+    async def run():
+        cfg = EngineConfig(kind="hf", model=str(tiny_dir), batch_wait_ms=50)
+        async with make_engine(cfg) as engine:
+            outs = await asyncio.gather(
+                *[
+                    engine.generate(ids, images, p)
+                    for (_, ids, images), p in zip(prompts, params, strict=True)
+                ]
+            )
+            return engine, outs
+
+    engine, outs = asyncio.run(run())
+    assert engine.stats["batches"] == 1 and engine.stats["requests"] == 4
+    model = _model(tiny_dir)
+    for (proc, ids, images), p, out in zip(prompts, params, outs, strict=True):
+        assert out.token_ids.dtype == np.int32 and out.logprobs.dtype == np.float32
+        assert 1 <= len(out.token_ids) <= p.max_new_tokens
+        assert out.finish_reason == (
+            "stop" if len(out.token_ids) < p.max_new_tokens else "length"
+        ) or (out.token_ids[-1] == proc.tokenizer.convert_tokens_to_ids("<|im_end|>"))
+        tf = teacher_forced(model, proc, ids, images, out.token_ids, p)
+        np.testing.assert_allclose(out.logprobs, tf, atol=LOGPROB_TOL, rtol=0)
+        assert np.all(out.logprobs <= 0)
+        if p.temperature == 0:
+            assert out.token_ids.tolist() == _greedy_hf(model, proc, ids, images, p).tolist()
+
+
+def _model(tiny_dir):
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    return Qwen2_5_VLForConditionalGeneration.from_pretrained(tiny_dir).eval()
+
+
+def _greedy_hf(model, proc, ids, images, p):
+    from arpo.policy.engine import to_pil
+
+    enc = proc.image_processor(images=[to_pil(i) for i in images], return_tensors="pt")
+    inp = torch.tensor([ids.tolist()])
+    out = model.generate(
+        input_ids=inp,
+        attention_mask=torch.ones_like(inp),
+        pixel_values=enc["pixel_values"],
+        image_grid_thw=enc["image_grid_thw"],
+        mm_token_type_ids=(inp == model.config.image_token_id).int(),
+        max_new_tokens=p.max_new_tokens,
+        do_sample=False,
+        eos_token_id=proc.tokenizer.convert_tokens_to_ids("<|im_end|>"),
+    )
+    return out[0, len(ids) :]
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(tiny_dir):
+    _, ids, images = prompt(tiny_dir, 1)
+    p = SamplingParams(temperature=1.0, max_new_tokens=16, seed=7)
+
+    async def run():
+        async with make_engine(EngineConfig(kind="hf", model=str(tiny_dir))) as engine:
+            alone = await engine.generate(ids, images, p)
+            crowd = await asyncio.gather(
+                *[
+                    engine.generate(ids, images, SamplingParams(max_new_tokens=16, seed=s))
+                    for s in (1, 2)
+                ],
+                engine.generate(ids, images, p),
+            )
+            return alone, crowd[-1]
+
+    alone, in_batch = asyncio.run(run())
+    assert alone.token_ids.tolist() == in_batch.token_ids.tolist()
+    np.testing.assert_allclose(alone.logprobs, in_batch.logprobs, atol=LOGPROB_TOL)
+
+
+def test_weight_updates_from_memory_and_folder_change_outputs_and_version(tiny_dir, tmp_path):
+    _, ids, images = prompt(tiny_dir, 1)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=12)
+    other = build_tiny_model(tmp_path / "other", seed=5)
+    model = _model(tiny_dir)
+    state = {k: v + 0.05 * torch.randn_like(v) for k, v in model.state_dict().items()}
+
+    async def run():
+        async with make_engine(EngineConfig(kind="hf", model=str(tiny_dir))) as engine:
+            before = await engine.generate(ids, images, greedy)
+            # Requests in flight finish on the old version; later ones see the new one.
+            pending = [asyncio.create_task(engine.generate(ids, images, greedy)) for _ in range(3)]
+            await asyncio.sleep(0)
+            await engine.update_weights(state, version=1)
+            after_mem = await engine.generate(ids, images, greedy)
+            done = await asyncio.gather(*pending)
+            await engine.update_weights(other, version=2)
+            after_dir = await engine.generate(ids, images, greedy)
+            with pytest.raises(EngineError):
+                await engine.update_weights(tmp_path / "missing", version=3)
+            return before, after_mem, after_dir, done, engine.policy_version
+
+    before, after_mem, after_dir, done, version = asyncio.run(run())
+    assert (before.policy_version, after_mem.policy_version, after_dir.policy_version) == (0, 1, 2)
+    assert version == 2
+    assert all(
+        d.policy_version == 0 and d.token_ids.tolist() == before.token_ids.tolist() for d in done
+    )
+    assert not np.allclose(before.logprobs[:1], after_mem.logprobs[:1])
+    # The folder update serves exactly the other checkpoint.
+    from transformers import AutoProcessor
+
+    proc = AutoProcessor.from_pretrained(other)
+    expect = _greedy_hf(_model(other), proc, ids, images, greedy)
+    assert after_dir.token_ids.tolist() == expect.tolist()
+
+
+def test_prompt_with_wrong_image_token_count_fails_that_request_only(tiny_dir):
+    proc, ids, images = prompt(tiny_dir, 1)
+    pad = proc.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    first = ids.tolist().index(pad)
+    short = ids.tolist()[:first] + ids.tolist()[first + 3 :]
+
+    async def run():
+        async with make_engine(EngineConfig(kind="hf", model=str(tiny_dir))) as engine:
+            with pytest.raises(EngineError, match="image tokens"):
+                await engine.generate(short, images)
+            ok = await engine.generate(ids, images, SamplingParams(max_new_tokens=3))
+            return ok
+
+    assert len(asyncio.run(run()).token_ids) >= 1
+
+
+def test_sampling_params_validate():
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0.0)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
