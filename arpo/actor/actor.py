@@ -1,0 +1,460 @@
+"""The actor: one asyncio process driving many environments, one episode coroutine per environment.
+
+    arpo-actor sim_envs=8 policy=scripted transport.data=tcp://127.0.0.1:5555 \\
+               transport.control=tcp://127.0.0.1:5556 spool_dir=runs/actor-0
+
+Coroutines (all in one event loop; every one of them is watched: an unexpected failure
+stops the actor loudly instead of leaving it hung):
+
+- one worker per environment: wait for room in the spool, get a grant (control link),
+  run the episode (`episode.run_episode`), write the trajectory to the spool, wake the
+  sender; an environment marked unhealthy retires its worker;
+- sender: sends spooled trajectories not yet acknowledged (oldest first, at most
+  `max_unacked` in flight), and again after `ack_timeout_s`; an acknowledgement deletes the
+  spool file. What is in the spool at start is sent first: nothing finished is ever lost;
+- heartbeat: both links every `heartbeat_s`; notices (and logs) a learner that stops
+  answering and its return; collection goes on into the spool meanwhile;
+- weights: when the learner's heartbeat announces a newer version, fetch it (chunks or a
+  shared path) and hand it to the engine, which applies it between requests;
+- progress: the live line (episodes, successes, steps/s, in flight, spool, version).
+
+Shutdown (SIGTERM / Ctrl-C / `stop()`): no new grants; in-flight episodes get
+`shutdown_deadline_s` to finish (then they are abandoned: the learner re-issues their
+grants); the spool gets `flush_deadline_s` to be acknowledged (what is left stays on
+disk for the next start); exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+import time
+from collections.abc import Awaitable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from arpo import wire
+from arpo.actor.config import ActorConfig, default_actor_id
+from arpo.actor.episode import Environment, run_episode
+from arpo.actor.spool import Spool
+from arpo.env.runner import RunnerConfig
+from arpo.record import Status, Trajectory
+from arpo.transport import ActorLink, fetch_weights
+
+log = logging.getLogger("arpo.actor")
+
+
+@dataclass
+class ActorStats:
+    """Counters of one actor (also sent in its heartbeats)."""
+
+    episodes: int = 0
+    successes: int = 0
+    steps: int = 0
+    by_status: dict[str, int] = field(default_factory=dict)
+    sent: int = 0
+    resent: int = 0
+    acked: int = 0
+    abandoned: int = 0
+    grants: int = 0
+    grant_waits: int = 0
+
+
+class Actor:
+    """See the module docstring. `await Actor(cfg).run()`; `stop()` from a signal or a test."""
+
+    def __init__(
+        self, config: ActorConfig, *, policy: Any = None, env_urls: list[str] | None = None
+    ) -> None:
+        self.config = config
+        self.actor_id = config.actor_id or default_actor_id()
+        self.policy = policy
+        self._extra_urls = env_urls or []
+        self.spool = Spool(config.spool_dir, config.spool_max_bytes)
+        self.stats = ActorStats()
+        self.envs: list[Environment] = []
+        self.link: ActorLink | None = None
+        self._stopping = asyncio.Event()
+        self._wake_sender = asyncio.Event()
+        self._inflight: dict[str, float] = {}  # trajectory id -> time sent (monotonic)
+        self._episodes_running = 0
+        self._req = 0
+        self._learner_silent = False
+        self._t0 = time.monotonic()
+        self._sim_runners: list[Any] = []
+        self._owns_policy = policy is None
+
+    # ---- control ----------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Stop taking grants and shut down (see the module docstring)."""
+        if not self._stopping.is_set():
+            log.info("actor %s: stopping", self.actor_id)
+        self._stopping.set()
+
+    @property
+    def version(self) -> int:
+        return int(getattr(self.policy, "policy_version", 0))
+
+    # ---- setup ------------------------------------------------------------------------
+
+    async def _make_policy(self) -> Any:
+        c = self.config
+        if c.policy == "scripted":
+            from arpo.actor.scripted import ScriptedPolicy
+
+            return ScriptedPolicy(
+                quit_prob=c.scripted_quit_prob,
+                garbage_prob=c.scripted_garbage_prob,
+                scroll_clicks=c.episode.scroll_clicks,
+            )
+        from arpo.policy.engine import make_engine
+
+        return make_engine(c.engine)
+
+    async def _start_sims(self) -> list[str]:
+        c = self.config
+        if c.sim_envs < 1:
+            return []
+        from arpo_envs.sim.latency import LatencyConfig
+        from arpo_envs.sim.server import SimConfig, start_servers
+
+        latency = LatencyConfig.parse(
+            c.sim_latency,
+            slow_env=c.sim_slow_env if c.sim_slow_env >= 0 else None,
+            slow_factor=c.sim_slow_factor,
+        )
+        runners, urls = await start_servers(
+            [SimConfig(port=0, latency=latency, index=i) for i in range(c.sim_envs)]
+        )
+        self._sim_runners = runners
+        return urls
+
+    # ---- main -------------------------------------------------------------------------
+
+    async def run(self) -> ActorStats:
+        c = self.config
+        if self.policy is None:
+            self.policy = await self._make_policy()
+        if hasattr(self.policy, "start"):
+            await self.policy.start()  # idempotent for every engine
+        urls = list(c.envs) + self._extra_urls + await self._start_sims()
+        # Simulated desktops have no animations to wait for: setup `sleep` steps are skipped.
+        only_sims = c.sim_envs > 0 and not c.envs and not self._extra_urls
+        runner_cfg = RunnerConfig(
+            reset_before_setup=c.reset_before_setup, sleep_scale=0.0 if only_sims else 1.0
+        )
+        self.envs = [
+            Environment(i, u, runner_cfg, token=c.env_token or None) for i, u in enumerate(urls)
+        ]
+        self.link = ActorLink(c.transport, on_ack=self._acked, actor_id=self.actor_id)
+        self.link.start()
+        if len(self.spool):
+            log.info(
+                "actor %s: %d trajectories in the spool from an earlier run; sending them first",
+                self.actor_id,
+                len(self.spool),
+            )
+        self._t0 = time.monotonic()
+        log.info("actor %s: %d environments, spool %s", self.actor_id, len(self.envs), c.spool_dir)
+        services = [
+            self._watch(self._sender(), "sender"),
+            self._watch(self._heartbeats(), "heartbeat"),
+            self._watch(self._weights(), "weights"),
+        ]
+        if c.progress_s > 0:
+            services.append(self._watch(self._progress(), "progress"))
+        service_tasks = [asyncio.create_task(s) for s in services]
+        workers = [
+            asyncio.create_task(self._watch(self._worker(e), f"env {e.index}")) for e in self.envs
+        ]
+        try:
+            await self._stopping.wait()
+            # Let running episodes finish within the deadline, then abandon them.
+            _, pending = (
+                await asyncio.wait(workers, timeout=c.shutdown_deadline_s)
+                if workers
+                else (set(), set())
+            )
+            for t in pending:
+                t.cancel()
+            if pending:
+                self.stats.abandoned += len(pending)
+                log.warning(
+                    "actor %s: abandoned %d episodes at the deadline", self.actor_id, len(pending)
+                )
+            await asyncio.gather(*workers, return_exceptions=True)
+            await self._flush(c.flush_deadline_s)
+        finally:
+            for t in service_tasks:
+                t.cancel()
+            await asyncio.gather(*service_tasks, return_exceptions=True)
+            for w in workers:
+                w.cancel()
+            await asyncio.gather(*workers, return_exceptions=True)
+            await self.link.close()
+            for e in self.envs:
+                await e.close()
+            for r in self._sim_runners:
+                await r.cleanup()
+            if self._owns_policy:
+                await self.policy.close()
+            self._print_progress(final=True)
+        return self.stats
+
+    async def _watch(self, coro: Awaitable[Any], name: str) -> None:
+        """Run a coroutine; an unexpected exception is logged with its traceback and stops
+        the actor (a dead coroutine must never leave the process silently hung)."""
+        try:
+            await coro
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("actor %s: %s failed; stopping", self.actor_id, name)
+            self.failed = True
+            self.stop()
+
+    failed = False
+
+    async def _flush(self, deadline_s: float) -> None:
+        """Wait until the spool is acknowledged, at most `deadline_s`."""
+        end = time.monotonic() + deadline_s
+        while len(self.spool) and time.monotonic() < end:
+            self._wake_sender.set()
+            await asyncio.sleep(0.05)
+        if len(self.spool):
+            log.warning(
+                "actor %s: %d trajectories not acknowledged yet; they stay in %s for the next start",
+                self.actor_id,
+                len(self.spool),
+                self.config.spool_dir,
+            )
+
+    # ---- episodes ---------------------------------------------------------------------
+
+    async def _grant(self) -> wire.Grant | None:
+        assert self.link is not None
+        delay = 0.2
+        while not self._stopping.is_set():
+            self._req += 1
+            req = self._req
+            reply = await self.link.request(
+                wire.GrantRequest(self.actor_id, req, 1),
+                lambda m, req=req: isinstance(m, wire.GrantReply) and m.req == req,
+            )
+            if isinstance(reply, wire.GrantReply) and reply.grants:
+                self.stats.grants += 1
+                return reply.grants[0]
+            self.stats.grant_waits += 1
+            wait = reply.retry if isinstance(reply, wire.GrantReply) else delay
+            delay = min(5.0, delay * 2) if reply is None else 0.2
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), max(0.05, wait))
+        return None
+
+    async def _worker(self, env: Environment) -> None:
+        c = self.config
+        warned = False
+        while not self._stopping.is_set() and env.healthy:
+            if c.max_episodes and self.stats.episodes + self._episodes_running >= c.max_episodes:
+                break
+            if self.spool.full:
+                if not warned:
+                    log.warning(
+                        "actor %s: spool full (%d bytes); no new episodes until the learner "
+                        "acknowledges",
+                        self.actor_id,
+                        self.spool.bytes_used,
+                    )
+                    warned = True
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stopping.wait(), 0.5)
+                continue
+            warned = False
+            grant = await self._grant()
+            if grant is None:
+                break
+            self._episodes_running += 1
+            try:
+                traj = await run_episode(
+                    env,
+                    grant,
+                    self.policy,
+                    c.episode,
+                    actor_id=self.actor_id,
+                    on_step=self._stepped,
+                )
+                if traj is not None:
+                    await asyncio.to_thread(self.spool.put, traj)
+                    self._finished(traj)
+                    self._wake_sender.set()
+                else:
+                    self.stats.abandoned += 1
+            finally:
+                self._episodes_running -= 1
+        if c.max_episodes and self.stats.episodes >= c.max_episodes and not self._episodes_running:
+            self.stop()
+        if not env.healthy:
+            log.error(
+                "actor %s: env %d (%s) retired as unhealthy", self.actor_id, env.index, env.url
+            )
+            if not any(e.healthy for e in self.envs):
+                log.error("actor %s: no healthy environment left", self.actor_id)
+                self.stop()
+
+    def _stepped(self) -> None:
+        self.stats.steps += 1
+
+    def _finished(self, traj: Trajectory) -> None:
+        s = self.stats
+        s.episodes += 1
+        s.by_status[traj.status.value] = s.by_status.get(traj.status.value, 0) + 1
+        if traj.status == Status.OK and traj.checker_score >= 1.0:
+            s.successes += 1
+
+    # ---- delivery ---------------------------------------------------------------------
+
+    def _acked(self, ids: tuple[str, ...]) -> None:
+        for tid in ids:
+            self._inflight.pop(tid, None)
+            if self.spool.remove(tid):
+                self.stats.acked += 1
+        self._wake_sender.set()
+
+    async def _sender(self) -> None:
+        assert self.link is not None
+        c = self.config
+        ack_timeout = c.transport.ack_timeout_s
+        while True:
+            self._wake_sender.clear()
+            now = time.monotonic()
+            for tid in self.spool.ids():
+                sent = self._inflight.get(tid)
+                if sent is not None and now - sent < ack_timeout:
+                    continue
+                if sent is None and len(self._inflight) >= c.max_unacked:
+                    break
+                frames = await asyncio.to_thread(self.spool.frames, tid)
+                if frames is None:
+                    self._inflight.pop(tid, None)
+                    continue
+                if not await self.link.send(frames, timeout=1.0):
+                    break  # no room: the learner is slow or away; try again later
+                if sent is not None:
+                    self.stats.resent += 1
+                self.stats.sent += 1
+                self._inflight[tid] = time.monotonic()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake_sender.wait(), 0.5)
+
+    # ---- heartbeats, weights, progress ------------------------------------------------
+
+    async def _heartbeats(self) -> None:
+        assert self.link is not None
+        c = self.config.transport
+        seq = 0
+        while True:
+            seq += 1
+            stats = {
+                "episodes": self.stats.episodes,
+                "successes": self.stats.successes,
+                "steps": self.stats.steps,
+                "in_flight": self._episodes_running,
+                "spool": len(self.spool),
+                "spool_bytes": self.spool.bytes_used,
+            }
+            await self.link.heartbeat(
+                wire.Heartbeat(
+                    self.actor_id, "actor", seq, max(0, self.version), time.time(), stats
+                )
+            )
+            heard = self.link.last_heard
+            silent_for = time.monotonic() - (heard or self._t0)
+            if silent_for > c.peer_timeout_s and not self._learner_silent:
+                self._learner_silent = True
+                log.warning(
+                    "actor %s: the learner has not answered for %.0f s; collecting into the "
+                    "spool (%d waiting)",
+                    self.actor_id,
+                    silent_for,
+                    len(self.spool),
+                )
+            elif silent_for <= c.peer_timeout_s and self._learner_silent:
+                self._learner_silent = False
+                log.warning("actor %s: the learner answers again", self.actor_id)
+            await asyncio.sleep(c.heartbeat_s)
+
+    async def _weights(self) -> None:
+        assert self.link is not None
+        while True:
+            await asyncio.sleep(self.config.transport.heartbeat_s)
+            if self.link.learner_version <= self.version or not hasattr(
+                self.policy, "update_weights"
+            ):
+                continue
+            got = await fetch_weights(self.link)
+            if got is None:
+                continue
+            ann, data = got
+            if ann.version <= self.version:
+                continue
+            t0 = time.perf_counter()
+            await self.policy.update_weights(await self._weights_for_engine(ann, data), ann.version)
+            log.info(
+                "actor %s: policy v%d applied (%.1f MB, %s, %.2f s)",
+                self.actor_id,
+                ann.version,
+                ann.nbytes / 1e6,
+                "shared path" if isinstance(data, Path) else "streamed",
+                time.perf_counter() - t0,
+            )
+
+    async def _weights_for_engine(self, ann: wire.WeightsAnnounce, data: bytes | Path) -> Any:
+        """What `update_weights` takes: the raw stream for the scripted policy, else a state dict."""
+        from arpo.actor.scripted import ScriptedPolicy
+
+        if isinstance(self.policy, ScriptedPolicy):
+            return data
+
+        def load() -> Any:
+            import safetensors.torch
+
+            if isinstance(data, Path):
+                return safetensors.torch.load_file(str(data))
+            return safetensors.torch.load(data)
+
+        return await asyncio.to_thread(load)
+
+    def progress_line(self) -> str:
+        s = self.stats
+        dt = max(1e-9, time.monotonic() - self._t0)
+        learner = "learner SILENT" if self._learner_silent else "learner ok"
+        return (
+            f"[{self.actor_id}] episodes {s.episodes} (success {s.successes}) | "
+            f"{s.steps / dt:.1f} steps/s | in flight {self._episodes_running} | "
+            f"spool {len(self.spool)} ({self.spool.bytes_used / 1e6:.1f} MB) | "
+            f"policy v{max(0, self.version)} | {learner}"
+        )
+
+    def _print_progress(self, final: bool = False) -> None:
+        if self.config.progress_s <= 0:
+            return
+        tty = sys.stderr.isatty()
+        end = "\n" if final or not tty else ""
+        sys.stderr.write(("\r" if tty else "") + self.progress_line() + end)
+        sys.stderr.flush()
+
+    async def _progress(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.progress_s)
+            self._print_progress()
+
+
+def install_signal_handlers(actor: Actor) -> None:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, actor.stop)

@@ -1,0 +1,79 @@
+"""The configuration of `arpo-actor` (one dataclass, every field documented)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from typing import Literal
+
+from arpo.actor.episode import EpisodeConfig
+from arpo.config import fail, option
+from arpo.policy.engine import EngineConfig
+from arpo.transport import TransportConfig
+
+
+def default_actor_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+@dataclass
+class ActorConfig:
+    """One actor process: its environments, its policy, its spool, its links to the learner."""
+
+    actor_id: str = option("", "Name of this actor in records and logs (default: host-pid).")
+    envs: list[str] = option(
+        doc="Environment servers (OSWorld VMs or local desktops), e.g. http://10.0.0.5:5000.",
+        factory=list,
+    )
+    env_token: str = option("", "Bearer token for the environment servers (local desktops).")
+    sim_envs: int = option(0, "Also start this many simulated desktops in this process.")
+    sim_latency: str = option(
+        "none", "Simulated desktops' step latency: none, fixed:<ms>, lognormal:<ms>[,<sigma>]."
+    )
+    sim_slow_env: int = option(-1, "Index of one slow simulated desktop (-1: none).")
+    sim_slow_factor: float = option(1.0, "Latency multiplier of the slow simulated desktop.")
+    reset_before_setup: bool = option(
+        True, "POST /reset before each task's setup (local and simulated desktops; not VMs)."
+    )
+    policy: Literal["engine", "scripted"] = option(
+        "engine", "'engine': the policy engine below; 'scripted': replay task oracles (tests)."
+    )
+    engine: EngineConfig = option(EngineConfig(model="-"), "The policy engine.")
+    scripted_quit_prob: float = option(0.0, "Scripted policy: share of episodes given up early.")
+    scripted_garbage_prob: float = option(0.0, "Scripted policy: share of unparsable responses.")
+    episode: EpisodeConfig = option(EpisodeConfig(), "How episodes run.")
+    transport: TransportConfig = option(TransportConfig(), "Links to the learner.")
+    spool_dir: str = option("runs/actor-spool", "Folder of trajectories not yet acknowledged.")
+    spool_max_bytes: int = option(
+        2 << 30, "Spool size limit; when reached no new episode starts (nothing is dropped)."
+    )
+    max_unacked: int = option(32, "Trajectories sent and not yet acknowledged, at most.")
+    shutdown_deadline_s: float = option(
+        60.0, "On SIGTERM / Ctrl-C, in-flight episodes get this long to finish."
+    )
+    flush_deadline_s: float = option(
+        30.0, "Then the spool gets this long to be acknowledged (the rest stays on disk)."
+    )
+    max_episodes: int = option(0, "Stop after this many finished episodes (0: run until stopped).")
+    progress_s: float = option(5.0, "Interval of the progress line (0: none).")
+    weights_dir: str = option(
+        "", "Where weights fetched over the network are written when the engine loads folders."
+    )
+
+    def validate(self) -> None:
+        if not self.envs and self.sim_envs < 1:
+            fail("envs", "give environment URLs, or sim_envs=N to start simulated desktops")
+        for u in self.envs:
+            if not u.startswith(("http://", "https://")):
+                fail("envs", f"{u!r} must start with http:// or https://")
+        if self.sim_envs < 0:
+            fail("sim_envs", "must be >= 0")
+        if self.policy == "engine" and self.engine.model in ("", "-"):
+            fail("engine.model", "is required with policy='engine' (or use policy='scripted')")
+        if self.spool_max_bytes < 1:
+            fail("spool_max_bytes", "must be >= 1")
+        if self.max_unacked < 1:
+            fail("max_unacked", "must be >= 1")
+        if self.shutdown_deadline_s < 0 or self.flush_deadline_s < 0:
+            fail("shutdown_deadline_s", "deadlines must be >= 0 seconds")

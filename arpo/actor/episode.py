@@ -1,0 +1,263 @@
+"""One episode on one environment: setup, screenshot -> prompt -> engine -> parse -> execute, evaluate.
+
+    env = Environment(0, "http://127.0.0.1:5000", runner_config)
+    traj = await run_episode(env, grant, policy, EpisodeConfig(), actor_id="actor-0")
+
+The loop (the ARPO reference's, asynchronous per environment):
+
+1. reset + the task's setup steps (`TaskRunner.setup`); a failure is retried with capped
+   backoff (`reset_retries`); when all tries fail the environment is marked unhealthy
+   and the episode is delivered as `env_error` with no turns (the learner grants the
+   slot again);
+2. up to `max_steps` turns: screenshot, the turn's prompt ids (`EpisodePrompt`), one
+   sampled response (token ids + behaviour log-probs + the policy version that
+   produced them), parse (`try_parse_response`), execute the commands; the episode
+   ends on DONE / FAIL, on a parse failure (format reward -1) or at the step limit;
+3. evaluate with the task's checker; reward = checker score + `format_weight` * format
+   reward.
+
+Environment faults are not agent failures: a screenshot or an action that fails gives
+status `env_error`, a checker that cannot run `eval_error` (from the runner); such
+trajectories are delivered but not trained on. A policy failure (engine error) is not
+the environment's fault either: the episode is abandoned (returns None) and the grant
+expires on the learner side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from arpo import wire
+from arpo.config import fail, option
+from arpo.env.client import ClientConfig, EnvClient
+from arpo.env.runner import RunnerConfig, TaskRunner
+from arpo.env.task import Task
+from arpo.errors import EnvError, TaskError
+from arpo.policy import actions as A
+from arpo.policy.engine import Completion, SamplingParams
+from arpo.policy.prompt import EpisodePrompt, image_size, pixel_bounds
+from arpo.record import Status, Trajectory, Turn
+
+log = logging.getLogger("arpo.actor.episode")
+
+
+class EpisodePolicy(Protocol):
+    async def generate(
+        self, token_ids: Any, images: Sequence[Any] = (), params: SamplingParams | None = None
+    ) -> Completion: ...
+
+
+@dataclass
+class EpisodeConfig:
+    """How one episode runs."""
+
+    max_steps: int = option(15, "Turns per episode (the reference's 15).")
+    history_images: int = option(15, "Screenshots kept in the model's context.")
+    temperature: float = option(1.0, "Sampling temperature of rollouts.")
+    top_p: float = option(1.0, "Nucleus of rollouts.")
+    max_new_tokens: int = option(512, "Longest response per turn.")
+    format_weight: float = option(0.5, "reward = checker score + format_weight * format reward.")
+    scroll_clicks: int = option(5, "Wheel clicks per scroll action (the reference's 5).")
+    reset_retries: int = option(3, "Tries of reset + setup before the environment is unhealthy.")
+    reset_backoff_s: float = option(1.0, "Delay before the second try; doubles, capped at 30 s.")
+    step_timeout_s: float = option(600.0, "Longest policy call plus action of one turn.")
+
+    def validate(self) -> None:
+        if self.max_steps < 1:
+            fail("max_steps", "must be >= 1")
+        if self.reset_retries < 1:
+            fail("reset_retries", "must be >= 1")
+        if self.history_images < 1:
+            fail("history_images", "must be >= 1")
+        if not 0 < self.top_p <= 1:
+            fail("top_p", "must be in (0, 1]")
+
+
+class Environment:
+    """One environment server and the runner driving it; `healthy` turns False after
+    repeated reset failures (the actor then stops using it)."""
+
+    def __init__(
+        self, index: int, url: str, runner: RunnerConfig | None = None, token: str | None = None
+    ):
+        self.index = index
+        self.url = url
+        self.client = EnvClient(ClientConfig(base_url=url, token=token, max_retries=2))
+        self.runner = TaskRunner(self.client, runner)
+        self.healthy = True
+        self.busy_s = 0.0
+        """Seconds this environment spent in requests (reset, screenshots, actions, checks)."""
+
+    async def close(self) -> None:
+        self.runner.close()
+        await self.client.close()
+
+
+def _prompt_for(
+    policy: Any, instruction: str, cfg: EpisodeConfig
+) -> tuple[EpisodePrompt, int, int]:
+    """The episode's prompt builder and the (min, max) pixels of the model's image processor."""
+    processor = getattr(policy, "processor", None)
+    if processor is not None:
+        lo, hi = pixel_bounds(processor)
+        tok = processor.tokenizer
+    else:
+        lo, hi = policy.min_pixels, policy.max_pixels
+        tok = policy.tokenizer
+    prompt = EpisodePrompt(
+        tok, instruction, min_pixels=lo, max_pixels=hi, history_images=cfg.history_images
+    )
+    return prompt, lo, hi
+
+
+async def _timed(env: Environment, coro: Any) -> Any:
+    t0 = time.perf_counter()
+    try:
+        return await coro
+    finally:
+        env.busy_s += time.perf_counter() - t0
+
+
+async def reset_env(env: Environment, task: Task, cfg: EpisodeConfig) -> str | None:
+    """Reset + setup with retries; None on success, else the last error (env unhealthy)."""
+    delay = cfg.reset_backoff_s
+    err = ""
+    for attempt in range(cfg.reset_retries):
+        if attempt:
+            await asyncio.sleep(delay * (0.5 + random.random() / 2))
+            delay = min(30.0, delay * 2)
+        try:
+            await _timed(env, env.runner.setup(task))
+            return None
+        except EnvError as e:
+            err = f"{type(e).__name__}: {e}"
+            log.warning(
+                "env %d (%s): reset failed (try %d): %s", env.index, env.url, attempt + 1, err
+            )
+    env.healthy = False
+    log.error(
+        "env %d (%s): unhealthy after %d failed resets", env.index, env.url, cfg.reset_retries
+    )
+    return err
+
+
+async def run_episode(
+    env: Environment,
+    grant: wire.Grant,
+    policy: Any,
+    cfg: EpisodeConfig,
+    *,
+    actor_id: str,
+    on_step: Any = None,
+) -> Trajectory | None:
+    """Run the granted episode on `env`; the finished Trajectory (None if the policy failed)."""
+    t_start = time.perf_counter()
+    timings = {"reset": 0.0, "policy": 0.0, "env": 0.0, "evaluate": 0.0}
+
+    def finish(turns: list[Turn], score: float, fmt: float, status: Status) -> Trajectory:
+        timings["total"] = time.perf_counter() - t_start
+        return Trajectory(
+            task_id=grant.task_id,
+            turns=tuple(turns),
+            checker_score=score if status == Status.OK else 0.0,
+            format_reward=fmt,
+            reward=(score if status == Status.OK else 0.0) + cfg.format_weight * fmt,
+            status=status,
+            group_id=grant.group,
+            slot=grant.slot,
+            actor_id=actor_id,
+            timings=timings,
+        )
+
+    try:
+        task = Task.from_dict(json.loads(grant.task_json), domain="granted")
+    except (TaskError, ValueError) as e:
+        log.error("grant %s: the task cannot be read: %s", grant.grant_id, e)
+        return finish([], 0.0, 0.0, Status.EVAL_ERROR)
+
+    t0 = time.perf_counter()
+    err = await reset_env(env, task, cfg)
+    timings["reset"] = time.perf_counter() - t0
+    if err is not None:
+        return finish([], 0.0, 0.0, Status.ENV_ERROR)
+
+    episode = policy.episode(task) if hasattr(policy, "episode") else policy
+    prompt, lo, hi = _prompt_for(policy, task.instruction, cfg)
+    params = SamplingParams(
+        temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens
+    )
+    action_cfg = A.ActionConfig(scroll_clicks=cfg.scroll_clicks)
+    turns: list[Turn] = []
+    fmt = 0.0
+    frame: A.Frame | None = None
+    try:
+        for _ in range(cfg.max_steps):
+            t0 = time.perf_counter()
+            png = await _timed(env, env.client.screenshot())
+            if frame is None:
+                w, h = image_size(png)
+                frame = A.Frame.for_screen(w, h, min_pixels=lo, max_pixels=hi)
+            timings["env"] += time.perf_counter() - t0
+
+            prompt_ids = prompt.add_screenshot(png)
+            ids, images = prompt.model_input()
+            t0 = time.perf_counter()
+            comp = await asyncio.wait_for(episode.generate(ids, images, params), cfg.step_timeout_s)
+            timings["policy"] += time.perf_counter() - t0
+            parsed = A.try_parse_response(comp.text, frame, config=action_cfg)
+            response = np.asarray(comp.token_ids, np.int32)
+            turns.append(
+                Turn(
+                    prompt_ids=prompt_ids,
+                    screenshot=png,
+                    response_ids=response,
+                    logprobs=np.asarray(comp.logprobs, np.float32),
+                    policy_version=int(comp.policy_version),
+                    action=parsed.action,
+                    parsed=parsed.parsed,
+                )
+            )
+            if on_step is not None:
+                on_step()
+            if not parsed.parsed or len(response) == 0:
+                fmt = -1.0
+                break
+            prompt.add_response(response)
+            t0 = time.perf_counter()
+            terminal = False
+            for cmd in parsed.commands:
+                await _timed(env, env.runner.act(cmd))
+                terminal = cmd in (A.DONE, A.FAIL)
+            timings["env"] += time.perf_counter() - t0
+            if terminal:
+                break
+    except EnvError as e:
+        log.warning("env %d: step failed, episode is env_error: %s", env.index, e)
+        return finish(turns, 0.0, fmt, Status.ENV_ERROR)
+    except Exception:  # the policy engine failed (or timed out): not the env's fault
+        log.exception("grant %s: the policy failed; episode abandoned", grant.grant_id)
+        return None
+
+    t0 = time.perf_counter()
+    try:
+        result = await _timed(env, env.runner.evaluate(task))
+    except EnvError as e:
+        log.warning("env %d: evaluation failed: %s", env.index, e)
+        return finish(turns, 0.0, fmt, Status.ENV_ERROR)
+    except Exception:
+        log.exception("grant %s: the checker failed", grant.grant_id)
+        return finish(turns, 0.0, fmt, Status.EVAL_ERROR)
+    timings["evaluate"] = time.perf_counter() - t0
+    status = (
+        Status(result.status) if result.status in Status._value2member_map_ else Status.EVAL_ERROR
+    )
+    return finish(turns, result.score, fmt, status)

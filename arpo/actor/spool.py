@@ -1,0 +1,171 @@
+"""The actor's spool: every finished trajectory on local disk until the learner acknowledged it.
+
+    spool = Spool("runs/actor-0/spool", max_bytes=2 << 30)
+    spool.put(traj)              # encode, write <tid>.tmp, fsync, rename to <tid>.traj, fsync dir
+    frames = spool.frames(tid)   # the wire frames again, to (re)send
+    spool.remove(tid)            # once acknowledged
+    spool.ids()                  # what is waiting, oldest first (resent on start)
+
+A spool file is the trajectory's wire message (`arpo.wire`) framed for a file:
+b"ARPOSPL1", the frame count (u32), each frame's length (u64), then the frames. Reading
+it back runs the wire decoder, so a damaged file is detected; it is moved to `bad/`
+and logged, never sent. Left-over `.tmp` files (a crash while writing) are deleted on
+open: their trajectory was not yet reported as spooled, so nothing acknowledged is lost.
+
+`full` is true once the spool holds `max_bytes`: the actor then starts no new episode
+(it never drops a finished one).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import threading
+from pathlib import Path
+
+from arpo import wire
+from arpo.errors import WireError
+from arpo.record import Trajectory
+
+log = logging.getLogger("arpo.actor.spool")
+
+MAGIC = b"ARPOSPL1"
+_COUNT = struct.Struct("<I")
+_LEN = struct.Struct("<Q")
+SUFFIX = ".traj"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_frames(path: Path, frames: list[wire.Frame]) -> int:
+    """Write `frames` to `path` atomically (tmp + fsync + rename + fsync of the folder)."""
+    tmp = path.with_suffix(".tmp")
+    head = (
+        MAGIC + _COUNT.pack(len(frames)) + b"".join(_LEN.pack(memoryview(f).nbytes) for f in frames)
+    )
+    with open(tmp, "wb") as f:
+        f.write(head)
+        for fr in frames:
+            f.write(fr)
+        f.flush()
+        os.fsync(f.fileno())
+        size = f.tell()
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+    return size
+
+
+def read_frames(path: Path) -> list[memoryview]:
+    """The frames of a spool file; WireError if it is damaged."""
+    data = memoryview(path.read_bytes())
+    if len(data) < len(MAGIC) + _COUNT.size or data[: len(MAGIC)] != MAGIC:
+        raise WireError(f"{path.name}: not a spool file (bad magic or too short)")
+    (n,) = _COUNT.unpack_from(data, len(MAGIC))
+    pos = len(MAGIC) + _COUNT.size
+    if n > 4 * wire.MAX_TURNS + 8 or pos + n * _LEN.size > len(data):
+        raise WireError(f"{path.name}: frame table of {n} frames does not fit")
+    lens = [_LEN.unpack_from(data, pos + i * _LEN.size)[0] for i in range(n)]
+    pos += n * _LEN.size
+    if pos + sum(lens) != len(data):
+        raise WireError(f"{path.name}: frames hold {sum(lens)} bytes, file has {len(data) - pos}")
+    out = []
+    for n_bytes in lens:
+        out.append(data[pos : pos + n_bytes])
+        pos += n_bytes
+    return out
+
+
+class Spool:
+    """A folder of trajectories waiting for their acknowledgement (thread-safe)."""
+
+    def __init__(self, folder: str | Path, max_bytes: int = 2 << 30) -> None:
+        if max_bytes < 1:
+            raise ValueError(f"spool max_bytes must be >= 1, got {max_bytes}")
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.max_bytes = max_bytes
+        self._lock = threading.Lock()
+        self._sizes: dict[str, int] = {}
+        for tmp in self.folder.glob("*.tmp"):
+            log.warning("spool: deleting %s, left by a crash while it was written", tmp.name)
+            tmp.unlink(missing_ok=True)
+        files = sorted(self.folder.glob("*" + SUFFIX), key=lambda p: (p.stat().st_mtime, p.name))
+        for p in files:
+            self._sizes[p.name[: -len(SUFFIX)]] = p.stat().st_size
+
+    def _path(self, tid: str) -> Path:
+        if not tid or "/" in tid or "\\" in tid or tid.startswith("."):
+            raise ValueError(f"trajectory id {tid!r} cannot name a spool file")
+        return self.folder / (tid + SUFFIX)
+
+    def put(self, traj: Trajectory) -> int:
+        """Write `traj` durably; returns its size on disk."""
+        path = self._path(traj.trajectory_id)
+        size = write_frames(path, wire.encode(traj))
+        with self._lock:
+            self._sizes[traj.trajectory_id] = size
+        return size
+
+    def frames(self, tid: str) -> list[memoryview] | None:
+        """The wire frames of a spooled trajectory; None (and the file moved to bad/) if damaged."""
+        path = self._path(tid)
+        try:
+            frames = read_frames(path)
+            wire.decode(frames)
+            return frames
+        except FileNotFoundError:
+            with self._lock:
+                self._sizes.pop(tid, None)
+            return None
+        except WireError as e:
+            log.error("spool: %s is damaged (%s); moved to bad/, not sent", path.name, e)
+            (self.folder / "bad").mkdir(exist_ok=True)
+            os.replace(path, self.folder / "bad" / path.name)
+            with self._lock:
+                self._sizes.pop(tid, None)
+            return None
+
+    def load(self, tid: str) -> Trajectory | None:
+        frames = self.frames(tid)
+        if frames is None:
+            return None
+        msg = wire.decode(frames)
+        assert isinstance(msg, Trajectory)
+        return msg
+
+    def remove(self, tid: str) -> bool:
+        """Delete an acknowledged trajectory; False if it was not in the spool."""
+        with self._lock:
+            if self._sizes.pop(tid, None) is None:
+                return False
+        self._path(tid).unlink(missing_ok=True)
+        return True
+
+    def ids(self) -> list[str]:
+        """Spooled trajectory ids, oldest first."""
+        with self._lock:
+            return list(self._sizes)
+
+    def __contains__(self, tid: str) -> bool:
+        with self._lock:
+            return tid in self._sizes
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._sizes)
+
+    @property
+    def bytes_used(self) -> int:
+        with self._lock:
+            return sum(self._sizes.values())
+
+    @property
+    def full(self) -> bool:
+        return self.bytes_used >= self.max_bytes

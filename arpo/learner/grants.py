@@ -1,0 +1,301 @@
+"""Task grants: which episode each actor runs next, so groups fill evenly and staleness stays bounded.
+
+    book = GrantBook(tasks, GrantConfig(group_size=8, groups_per_step=16, max_staleness=1))
+    server = GrantServer(book, TransportConfig(control="tcp://127.0.0.1:5556"))
+    server.start()                              # answers GrantRequest / WeightsRequest / Heartbeat
+    server.publish_weights(version, safetensors_bytes, path)   # after each optimizer step
+    Ingest(store, ..., version=lambda: server.version, on_trajectory=book.complete)
+
+A grant is (task, group, slot) plus the task's JSON, so actors need no task files.
+
+- Groups: a new group takes the next task (round robin over the task list) and has
+  `group_size` slots; open slots of older groups are granted before a new group opens,
+  so every group fills up to its size.
+- Admission (AReaL's staleness control): with the learner at policy version v, at most
+  `(v + max_staleness + 1) * groups_per_step` groups are ever opened; the learner consumes
+  `groups_per_step` groups per version, so no episode granted now can be trained more than
+  `max_staleness` versions after its grant. When nothing may be granted, the reply is empty
+  with a `retry` delay.
+- Re-issue: a grant not completed within `grant_timeout_s` (its actor died, its
+  environment hung) goes to the next actor that asks, under a new grant id. If both
+  attempts deliver, the first to arrive fills the slot and the other is a surplus
+  (`complete` returns False: ingest acknowledges it but does not store it).
+- A trajectory with status env_error / eval_error / timeout does not fill its slot: the
+  slot is granted again, up to `max_attempts` times, then given up (counted).
+- A trajectory of a group the book does not know (granted before a learner restart) is
+  accepted as it is.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import json
+import logging
+import random
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from arpo import wire
+from arpo.config import fail, option
+from arpo.errors import WireError
+from arpo.record import Status, Trajectory
+from arpo.transport import RouterServer, TransportConfig, WeightsServer
+
+log = logging.getLogger("arpo.learner.grants")
+
+
+@dataclass
+class GrantConfig:
+    """How task grants are handed out."""
+
+    group_size: int = option(8, "Episodes per group (GRPO's G).")
+    groups_per_step: int = option(16, "Groups the learner consumes per policy version.")
+    max_staleness: int = option(
+        1, "Most policy versions between a grant and the training step that uses it."
+    )
+    grant_timeout_s: float = option(
+        1800.0, "A grant not completed this long is given to another actor."
+    )
+    max_attempts: int = option(
+        3, "Grants of one slot whose episodes failed for environment reasons before giving up."
+    )
+    retry_s: float = option(0.5, "When nothing can be granted, actors ask again after this.")
+    shuffle: bool = option(True, "Visit the tasks in a new random order every round.")
+    seed: int = option(0, "Seed of the task order.")
+
+    def validate(self) -> None:
+        if self.group_size < 1:
+            fail("group_size", "must be >= 1")
+        if self.groups_per_step < 1:
+            fail("groups_per_step", "must be >= 1")
+        if self.max_staleness < 0:
+            fail("max_staleness", "must be >= 0 (0: fully synchronous)")
+        if self.grant_timeout_s <= 0:
+            fail("grant_timeout_s", "must be > 0 seconds")
+        if self.max_attempts < 1:
+            fail("max_attempts", "must be >= 1")
+
+
+@dataclass
+class _Slot:
+    state: str = "open"  # open | granted | done | abandoned
+    grant_id: str = ""
+    actor: str = ""
+    issued: float = 0.0
+    attempts: int = 0
+
+
+@dataclass
+class _Group:
+    group_id: str
+    task_id: str
+    version: int
+    slots: list[_Slot] = field(default_factory=list)
+
+    def finished(self) -> bool:
+        return all(s.state in ("done", "abandoned") for s in self.slots)
+
+
+class GrantBook:
+    """The bookkeeping of grants (thread-safe; no sockets)."""
+
+    def __init__(self, tasks: Sequence[Mapping[str, Any]], config: GrantConfig | None = None):
+        if not tasks:
+            raise ValueError("GrantBook needs at least one task")
+        self.config = config or GrantConfig()
+        self._tasks: dict[str, str] = {}
+        for t in tasks:
+            tid = t.get("id")
+            if not isinstance(tid, str) or not tid:
+                raise ValueError(f"every task needs a string 'id', got {tid!r}")
+            self._tasks[tid] = json.dumps(t, ensure_ascii=False)
+        self._order = list(self._tasks)
+        self._rng = random.Random(self.config.seed)
+        self._cycle: list[str] = []
+        self._lock = threading.Lock()
+        self._groups: collections.OrderedDict[str, _Group] = collections.OrderedDict()
+        self._finished: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._counter = itertools.count()
+        self.version = 0
+        self.opened = 0
+        self.counts: collections.Counter[str] = collections.Counter()
+
+    def set_version(self, version: int) -> None:
+        with self._lock:
+            self.version = max(self.version, version)
+
+    def _admissible(self) -> bool:
+        c = self.config
+        return self.opened < (self.version + c.max_staleness + 1) * c.groups_per_step
+
+    def _next_task(self) -> str:
+        if not self._cycle:
+            self._cycle = list(self._order)
+            if self.config.shuffle:
+                self._rng.shuffle(self._cycle)
+        return self._cycle.pop(0)
+
+    def _grant(self, g: _Group, i: int, actor: str, now: float) -> wire.Grant:
+        s = g.slots[i]
+        s.attempts += 1
+        s.state, s.actor, s.issued = "granted", actor, now
+        s.grant_id = f"{g.group_id}/{i}/{s.attempts}"
+        return wire.Grant(
+            s.grant_id, g.task_id, g.group_id, i, self.version, self._tasks[g.task_id]
+        )
+
+    def request(self, actor: str, want: int = 1, now: float | None = None) -> list[wire.Grant]:
+        """Up to `want` grants for `actor`: open or expired slots first, then new groups."""
+        now = time.monotonic() if now is None else now
+        out: list[wire.Grant] = []
+        with self._lock:
+            timeout = self.config.grant_timeout_s
+            for g in self._groups.values():
+                for i, s in enumerate(g.slots):
+                    if len(out) >= want:
+                        break
+                    if s.state == "granted" and now - s.issued > timeout:
+                        self.counts["reissued"] += 1
+                        log.info(
+                            "grant %s (actor %s) expired; issuing it again", s.grant_id, s.actor
+                        )
+                        s.state = "open"
+                    if s.state == "open":
+                        out.append(self._grant(g, i, actor, now))
+            while len(out) < want and self._admissible():
+                task = self._next_task()
+                gid = f"{task}/g{next(self._counter)}"
+                g = _Group(
+                    gid, task, self.version, [_Slot() for _ in range(self.config.group_size)]
+                )
+                self._groups[gid] = g
+                self.opened += 1
+                for i in range(len(g.slots)):
+                    if len(out) >= want:
+                        break
+                    out.append(self._grant(g, i, actor, now))
+            self.counts["granted"] += len(out)
+            if not out:
+                self.counts["refused"] += 1
+        return out
+
+    def complete(self, traj: Trajectory) -> bool:
+        """Book a delivered trajectory; False when its slot was already filled (a surplus)."""
+        with self._lock:
+            if traj.group_id in self._finished:
+                self.counts["surplus"] += 1
+                return False
+            g = self._groups.get(traj.group_id)
+            if g is None or not 0 <= traj.slot < len(g.slots):
+                self.counts["unknown_group"] += 1
+                return True
+            s = g.slots[traj.slot]
+            if s.state in ("done", "abandoned"):
+                self.counts["surplus"] += 1
+                return False
+            if traj.status == Status.OK:
+                s.state = "done"
+                self.counts["completed"] += 1
+            elif s.attempts >= self.config.max_attempts:
+                s.state = "abandoned"
+                self.counts["abandoned"] += 1
+                log.warning(
+                    "slot %s/%d given up after %d attempts (last: %s)",
+                    g.group_id,
+                    traj.slot,
+                    s.attempts,
+                    traj.status.value,
+                )
+            else:
+                s.state = "open"  # an environment fault: grant the slot again
+                self.counts[f"regrant_{traj.status.value}"] += 1
+            if g.finished():
+                del self._groups[g.group_id]
+                self._finished[g.group_id] = None
+                while len(self._finished) > 100_000:
+                    self._finished.popitem(last=False)
+            return True
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            in_flight = sum(s.state == "granted" for g in self._groups.values() for s in g.slots)
+            return {
+                **self.counts,
+                "version": self.version,
+                "groups_opened": self.opened,
+                "groups_open": len(self._groups),
+                "in_flight": in_flight,
+            }
+
+
+class GrantServer:
+    """The control link's server: grants, weights and heartbeats (one thread)."""
+
+    def __init__(
+        self,
+        book: GrantBook,
+        transport: TransportConfig | None = None,
+        *,
+        weights: WeightsServer | None = None,
+        learner_id: str = "learner",
+    ) -> None:
+        self.book = book
+        self.transport = transport or TransportConfig()
+        self.weights = weights or WeightsServer()
+        self.learner_id = learner_id
+        self.rejected: collections.Counter[str] = collections.Counter()
+        self.actors: dict[str, float] = {}
+        self._seq = 0
+        self.server = RouterServer(
+            self.transport.control,
+            self.transport,
+            self.handle,
+            name="grants",
+            on_auth_failure=lambda ev: self.rejected.update(["unauthenticated"]),
+        )
+
+    @property
+    def version(self) -> int:
+        return self.book.version
+
+    def start(self) -> str:
+        return self.server.start()
+
+    def stop(self) -> None:
+        self.server.stop()
+
+    @property
+    def endpoint(self) -> str:
+        return self.server.endpoint
+
+    def publish_weights(self, version: int, data: bytes | memoryview, path: str = "") -> None:
+        """Serve new weights as `version`; grants from now on carry it."""
+        self.weights.publish(version, data, path)
+        self.book.set_version(version)
+
+    def handle(self, frames: list[bytes]) -> list[wire.Frames]:
+        try:
+            msg = wire.decode(frames)
+        except WireError as e:
+            self.rejected["malformed"] += 1
+            log.warning("grants: rejected a malformed message: %s", str(e)[:300])
+            return []
+        if isinstance(msg, wire.GrantRequest):
+            grants = self.book.request(msg.actor, msg.want)
+            retry = 0.0 if grants else self.book.config.retry_s
+            return [wire.encode(wire.GrantReply(msg.req, tuple(grants), retry))]
+        if isinstance(msg, wire.WeightsRequest):
+            return self.weights.handle(msg)
+        if isinstance(msg, wire.Heartbeat):
+            self.actors[msg.sender] = time.monotonic()
+            self._seq += 1
+            hb = wire.Heartbeat(
+                self.learner_id, "learner", self._seq, self.version, time.time(), {}
+            )
+            return [wire.encode(hb)]
+        self.rejected["unexpected"] += 1
+        return []

@@ -1,0 +1,286 @@
+"""The learner's ingest: trajectories off the data socket, into the replay store, acknowledged.
+
+    store = ReplayStore(max_bytes=8 << 30, fresh_capacity=64, replay_capacity=8)
+    ingest = Ingest(store, IngestConfig(), TransportConfig(data="tcp://127.0.0.1:5555"))
+    ingest.start()           # a thread: receive, decode, validate, store, acknowledge
+    ...
+    ingest.stats()           # counters: stored, duplicates, malformed by reason, ...
+    ingest.stop()
+
+For each message on the data link (a ROUTER, `arpo.transport`):
+
+1. size check (`max_trajectory_bytes`), then `wire.decode` (strict validation);
+2. a trajectory id already stored is a duplicate (the actor resent it because our ack
+   was lost): acknowledged again, not stored again;
+3. an `ok` trajectory goes into the store (`store.put(task, wire.to_item(traj))`); an
+   `env_error` / `eval_error` / `timeout` one is delivered but excluded from training:
+   counted by status, kept in a short list for inspection, not stored;
+4. `on_trajectory(traj, stored)` lets the grant book close the slot (and say whether the
+   slot was already filled by a re-issued grant: then the trajectory is a surplus and is
+   not stored);
+5. only then the acknowledgement goes back: the actor deletes its spool file.
+
+Heartbeats are answered with the learner's heartbeat (policy version, counters).
+Malformed messages are counted by reason and logged (rate-limited); nothing a peer sends
+stops the loop. Refused CURVE handshakes are counted as `unauthenticated`.
+
+Seen ids: a bounded set (`seen_capacity`, oldest forgotten first), optionally written to
+`seen_log` (one id per line, appended and flushed before the ack; fsynced every
+`seen_fsync_every` ids) and reloaded on start, so a restarted learner still drops
+duplicates of what it stored before. Like the store (which is durable only as of its last
+snapshot), the log is as durable as its last fsync.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from arpo import wire
+from arpo.config import fail, option
+from arpo.errors import BufferClosed, BufferError, WireError
+from arpo.record import Status, Trajectory
+from arpo.transport import RouterServer, TransportConfig
+
+log = logging.getLogger("arpo.learner.ingest")
+
+
+@dataclass
+class IngestConfig:
+    """The learner's receiving side."""
+
+    seen_capacity: int = option(1_000_000, "Trajectory ids remembered to drop duplicates.")
+    seen_log: str = option("", "File of seen ids (reloaded on start); empty: memory only.")
+    seen_fsync_every: int = option(64, "fsync the seen-id log every this many ids.")
+    excluded_keep: int = option(256, "Excluded (env_error...) trajectories kept for inspection.")
+    learner_id: str = option("learner", "Sender name in the learner's heartbeats.")
+
+    def validate(self) -> None:
+        if self.seen_capacity < 1:
+            fail("seen_capacity", "must be >= 1")
+        if self.seen_fsync_every < 1:
+            fail("seen_fsync_every", "must be >= 1")
+
+
+class SeenIds:
+    """A bounded set of trajectory ids, oldest forgotten first, optionally logged to a file."""
+
+    def __init__(self, capacity: int, path: str | Path | None = None, fsync_every: int = 64):
+        self.capacity = capacity
+        self._ids: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._path = Path(path) if path else None
+        self._fsync_every = fsync_every
+        self._unsynced = 0
+        self._lines = 0
+        self._file: Any = None
+        if self._path is not None:
+            if self._path.exists():
+                with self._path.open("r", encoding="utf-8", errors="replace") as f:
+                    for line in f:
+                        if line.endswith("\n") and line.strip():
+                            self._remember(line.strip())
+                            self._lines += 1
+            self._path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = self._path.open("a", encoding="utf-8")
+            if self._lines > 2 * capacity:
+                self._compact()
+
+    def __contains__(self, tid: str) -> bool:
+        return tid in self._ids
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def _remember(self, tid: str) -> None:
+        self._ids[tid] = None
+        self._ids.move_to_end(tid)
+        while len(self._ids) > self.capacity:
+            self._ids.popitem(last=False)
+
+    def add(self, tid: str) -> None:
+        self._remember(tid)
+        if self._file is not None:
+            self._file.write(tid + "\n")
+            self._file.flush()
+            self._lines += 1
+            self._unsynced += 1
+            if self._unsynced >= self._fsync_every:
+                self.sync()
+            if self._lines > 2 * self.capacity:
+                self._compact()
+
+    def sync(self) -> None:
+        if self._file is not None and self._unsynced:
+            os.fsync(self._file.fileno())
+            self._unsynced = 0
+
+    def _compact(self) -> None:
+        assert self._path is not None
+        tmp = self._path.with_suffix(self._path.suffix + ".tmp")
+        with tmp.open("w", encoding="utf-8") as f:
+            f.writelines(t + "\n" for t in self._ids)
+            f.flush()
+            os.fsync(f.fileno())
+        if self._file is not None:
+            self._file.close()
+        os.replace(tmp, self._path)
+        self._file = self._path.open("a", encoding="utf-8")
+        self._lines = len(self._ids)
+        self._unsynced = 0
+
+    def close(self) -> None:
+        if self._file is not None:
+            self.sync()
+            self._file.close()
+            self._file = None
+
+
+class Ingest:
+    """Receive, decode, validate, store, acknowledge (see the module docstring)."""
+
+    def __init__(
+        self,
+        store: Any,
+        config: IngestConfig | None = None,
+        transport: TransportConfig | None = None,
+        *,
+        version: Callable[[], int] = lambda: 0,
+        on_trajectory: Callable[[Trajectory], bool] | None = None,
+    ) -> None:
+        self.store = store
+        self.config = config or IngestConfig()
+        self.transport = transport or TransportConfig()
+        self._version = version
+        self._on_trajectory = on_trajectory
+        self.seen = SeenIds(
+            self.config.seen_capacity, self.config.seen_log or None, self.config.seen_fsync_every
+        )
+        self._lock = threading.Lock()
+        self.counts: collections.Counter[str] = collections.Counter()
+        self.rejected: collections.Counter[str] = collections.Counter()
+        """Malformed / refused messages by reason (the reason's first words)."""
+        self.excluded: collections.deque[Trajectory] = collections.deque(
+            maxlen=self.config.excluded_keep
+        )
+        self.actors: dict[str, float] = {}
+        """Actor id -> time.monotonic() of its last heartbeat."""
+        self._hb_seq = 0
+        self._last_log = 0.0
+        self.server = RouterServer(
+            self.transport.data,
+            self.transport,
+            self.handle,
+            name="ingest",
+            on_auth_failure=self._auth_failure,
+        )
+
+    # ---- lifecycle --------------------------------------------------------------------
+
+    def start(self) -> str:
+        """Bind the data endpoint and start the receiving thread; returns the endpoint."""
+        return self.server.start()
+
+    def stop(self) -> None:
+        self.server.stop()
+        self.seen.close()
+
+    @property
+    def endpoint(self) -> str:
+        return self.server.endpoint
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                **self.counts,
+                "rejected": dict(self.rejected),
+                "seen": len(self.seen),
+                "actors": len(self.actors),
+            }
+
+    # ---- the handler (server thread) --------------------------------------------------
+
+    def _reject(self, reason: str, detail: str) -> None:
+        with self._lock:
+            self.rejected[reason] += 1
+            self.counts["rejected_total"] += 1
+        now = time.monotonic()
+        if now - self._last_log > 1.0:  # a flood of garbage must not flood the log
+            self._last_log = now
+            log.warning("ingest: rejected a message (%s): %s", reason, detail[:300])
+
+    def _auth_failure(self, event: str) -> None:
+        self._reject("unauthenticated", f"handshake refused ({event})")
+
+    def handle(self, frames: list[bytes]) -> list[wire.Frames]:
+        size = sum(len(f) for f in frames)
+        with self._lock:
+            self.counts["messages"] += 1
+            self.counts["bytes"] += size
+        if size > self.transport.max_trajectory_bytes:
+            self._reject("oversized", f"{size} bytes > {self.transport.max_trajectory_bytes}")
+            return []
+        try:
+            msg = wire.decode(frames)
+        except WireError as e:
+            self._reject("malformed", str(e))
+            return []
+        if isinstance(msg, wire.Heartbeat):
+            return [self._heartbeat(msg)]
+        if not isinstance(msg, Trajectory):
+            self._reject("unexpected", f"a {type(msg).__name__} on the data link")
+            return []
+        return [wire.encode(wire.Ack((msg.trajectory_id,)))] if self._ingest(msg) else []
+
+    def _heartbeat(self, hb: wire.Heartbeat) -> wire.Frames:
+        with self._lock:
+            self.counts["heartbeats"] += 1
+            if hb.role == "actor":
+                self.actors[hb.sender] = time.monotonic()
+            self._hb_seq += 1
+            stats = {k: v for k, v in self.counts.items() if isinstance(v, int)}
+        reply = wire.Heartbeat(
+            self.config.learner_id,
+            "learner",
+            self._hb_seq,
+            max(0, self._version()),
+            time.time(),
+            dict(list(stats.items())[: wire.MAX_STATS]),
+        )
+        return wire.encode(reply)
+
+    def _ingest(self, traj: Trajectory) -> bool:
+        """Store (or exclude) a trajectory; True when it may be acknowledged."""
+        tid = traj.trajectory_id
+        if tid in self.seen:
+            with self._lock:
+                self.counts["duplicates"] += 1
+            return True
+        fresh = True
+        if self._on_trajectory is not None:
+            fresh = self._on_trajectory(traj)
+        if not fresh:
+            with self._lock:
+                self.counts["surplus"] += 1
+        elif traj.status != Status.OK:
+            with self._lock:
+                self.counts[f"excluded_{traj.status.value}"] += 1
+                self.excluded.append(traj)
+        else:
+            try:
+                self.store.put(traj.task_id, wire.to_item(traj))
+            except BufferClosed:  # shutting down: not acknowledged, the actor sends it again
+                return False
+            except BufferError as e:  # can never fit (larger than the store's budget)
+                self._reject("store", f"{tid}: {e}")
+            with self._lock:
+                self.counts["stored"] += 1
+                self.counts["steps"] += traj.steps
+        self.seen.add(tid)
+        return True
