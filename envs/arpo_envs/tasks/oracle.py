@@ -38,8 +38,7 @@ def calc_enter(ref: str, value: str) -> str:
 def calc_save() -> str:
     """Save in the current (xlsx) format, answering the keep-format dialog if it shows."""
     return (
-        "pyautogui.hotkey('ctrl', 's'); time.sleep(2.0); "
-        "pyautogui.press('enter'); time.sleep(1.5)"
+        "pyautogui.hotkey('ctrl', 's'); time.sleep(2.0); pyautogui.press('enter'); time.sleep(1.5)"
     )
 
 
