@@ -1,0 +1,80 @@
+"""Screenshots: an mss grab of the X screen with the pointer, PNG at compress level 1.
+
+Xvfb's framebuffer has no pointer in it; like OSWorld's server, which pastes the
+cursor image in, mss draws the current cursor image (XFixes) at its position. mss and
+python-xlib connections are not thread-safe, so every grab runs on one worker thread
+that owns both; `reconnect()` drops them after the X server restarted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+from concurrent.futures import ThreadPoolExecutor
+
+from PIL import Image
+
+
+class Screen:
+    """Grabs and encodes screenshots of one display on a dedicated thread."""
+
+    def __init__(self, display_name: str, draw_cursor: bool = True, compress_level: int = 1):
+        self.display_name = display_name
+        self.draw_cursor = draw_cursor
+        self.compress_level = compress_level
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="screenshot")
+        self._sct = None
+        self._xd = None
+
+    def _connect(self):
+        if self._sct is None:
+            import mss
+            from Xlib.display import Display
+
+            self._sct = mss.MSS(display=self.display_name, with_cursor=self.draw_cursor)
+            self._xd = Display(self.display_name)
+        return self._sct, self._xd
+
+    def _drop(self) -> None:
+        for obj in (self._sct, self._xd):
+            try:
+                if obj is not None:
+                    obj.close()
+            except Exception:
+                pass
+        self._sct = self._xd = None
+
+    def _grab_png(self) -> bytes:
+        try:
+            sct, _ = self._connect()
+            shot = sct.grab(sct.monitors[0])
+        except Exception:
+            self._drop()  # a restarted X server: connect anew once
+            sct, _ = self._connect()
+            shot = sct.grab(sct.monitors[0])
+        img = Image.frombuffer("RGB", shot.size, shot.bgra, "raw", "BGRX", 0, 1)
+        buf = io.BytesIO()
+        img.save(buf, "PNG", compress_level=self.compress_level)
+        return buf.getvalue()
+
+    def _pointer(self) -> tuple[int, int]:
+        _, xd = self._connect()
+        p = xd.screen().root.query_pointer()
+        return p.root_x, p.root_y
+
+    async def png(self) -> bytes:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self._grab_png)
+
+    async def pointer(self) -> tuple[int, int]:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self._pointer)
+
+    async def reconnect(self, display_name: str) -> None:
+        def _do() -> None:
+            self._drop()
+            self.display_name = display_name
+
+        await asyncio.get_running_loop().run_in_executor(self._pool, _do)
+
+    def close(self) -> None:
+        self._pool.submit(self._drop).result()
+        self._pool.shutdown(wait=True)

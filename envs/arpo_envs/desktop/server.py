@@ -1,0 +1,698 @@
+"""The local desktop's HTTP server: the OSWorld VM protocol over a real Xvfb desktop.
+
+    python -m arpo_envs.desktop.server --port 5200      # one desktop; `arpo-envs up` starts N
+
+One server process owns one display (Xvfb + openbox) and the applications started on
+it (LibreOffice Calc, mousepad, xterm, ...). Its home directory is
+`<root>/home`, seen by the apps as `/home/user` like on an OSWorld VM (see
+`home.private_home`).
+
+| method, path | body | answer |
+|---|---|---|
+| GET /screenshot | - | PNG of the screen with the pointer (mss, compress level 1) |
+| POST /execute, /setup/execute | {command: list or str, shell, timeout?} | {status, output, error, returncode}; `python -c` pyautogui code runs in process (`executor`), the rest as a subprocess; a timeout is 500 JSON |
+| POST /setup/launch | {command, shell} | text; started in its own session, not waited for |
+| POST /setup/upload | multipart file_path, file_data | text "File Uploaded: <n> bytes" |
+| POST /setup/open_file | {path, window_name?, timeout_seconds?} | text once a window titled after the file is up (Calc for spreadsheets, mousepad for text, xterm for folders) |
+| POST /setup/activate_window, /setup/close_window | {window_name, strict?, by_class?} | text (wmctrl; 200 even when nothing matched, as OSWorld) |
+| POST /file | form or JSON file_path | the file's bytes; 404 JSON if it does not exist |
+| POST /screen_size | - | {width, height} |
+| GET /platform | - | text "Linux" |
+| GET /terminal | - | {output: null, status} (no AT-SPI; a liveness ping) |
+| GET /accessibility | - | {AT: xml}: applications and their frames only (no AT-SPI, see `windows`) |
+| GET /cursor_position | - | [x, y] |
+| POST /run_python | {code} | {status, message, need_more, output, error, return_code} |
+| POST /run_bash_script | {script, timeout?, working_dir?} | {status, output (stdout+stderr), error, returncode} |
+| POST /reset | {restart_display?} | the project's: clean desktop, {status, seconds, killed, display_restarted} |
+| GET /desktop/info | - | the project's: display, root, home, pids of Xvfb and openbox |
+
+Errors are JSON (see `server_common`); the server keeps serving after any of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from arpo_envs.desktop import home as homes
+from arpo_envs.desktop.display import XDisplay
+from arpo_envs.desktop.executor import (
+    CommandResult,
+    InProcessRunner,
+    inprocess_code,
+    normalize,
+    run_subprocess,
+)
+from arpo_envs.desktop.procs import desktop_env, kill_marked
+from arpo_envs.desktop.screen import Screen
+from arpo_envs.desktop.windows import WindowList, accessibility_xml, matches, wmctrl
+from arpo_envs.server_common import RequestError, ServerSecurity, check_type, make_app, read_json
+
+log = logging.getLogger("arpo_envs.desktop")
+
+CALC_SUFFIXES = frozenset({".xlsx", ".xls", ".xlsm", ".ods", ".csv", ".tsv"})
+OFFICE_SUFFIXES = frozenset({".docx", ".doc", ".odt", ".rtf", ".pptx", ".ppt", ".odp"})
+MAX_UPLOAD = 512 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class DesktopConfig:
+    """One local desktop server."""
+
+    width: int = 1280
+    """Screen width in pixels (Xvfb's screen)."""
+    height: int = 720
+    """Screen height in pixels."""
+    host: str = "127.0.0.1"
+    """Address to bind; anything but loopback needs `token`."""
+    port: int = 5000
+    """TCP port (0: any free port)."""
+    token: str | None = None
+    """Bearer token every request must carry (None: no auth, loopback only)."""
+    display: int | None = None
+    """X display number; None lets Xvfb pick a free one."""
+    root: str | None = None
+    """Directory of this desktop's state (home, runtime dir, logs); default a new temp dir."""
+    files_template: str | None = None
+    """Directory copied into the home directory on every reset (the task files)."""
+    home_alias: str | None = "/home/user"
+    """Path at which the apps see the home directory (OSWorld's VM home); None: none."""
+    execute_timeout_s: float = 120.0
+    """Longest run of one /execute command (OSWorld's server: 120 s); requests may ask less."""
+    open_timeout_s: float = 60.0
+    """Longest wait for the window of /setup/open_file unless the request says otherwise."""
+    pause_s: float = 0.0
+    """pyautogui.PAUSE for in-process actions (its default 0.1 s per call would dominate)."""
+    draw_cursor: bool = True
+    """Draw the pointer into screenshots."""
+    inprocess: bool = True
+    """Run `python -c` pyautogui code in the server process (False: always a subprocess)."""
+
+    def __post_init__(self) -> None:
+        if self.width < 320 or self.height < 240:
+            raise ValueError(f"screen {self.width}x{self.height} is too small; use >= 320x240")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if self.execute_timeout_s <= 0 or self.open_timeout_s <= 0:
+            raise ValueError("execute_timeout_s and open_timeout_s must be > 0")
+        if self.files_template is not None and not Path(self.files_template).is_dir():
+            raise ValueError(f"files_template {self.files_template!r} is not a directory")
+        ServerSecurity(self.host, self.token)  # refuses an exposed address without a token
+
+
+class Desktop:
+    """The display, the home directory and the processes of one desktop."""
+
+    def __init__(self, config: DesktopConfig, root: Path, alias_mounted: bool):
+        self.config = config
+        self.root = root
+        self.home_dir = root / "home"
+        self.alias_mounted = alias_mounted
+        self.home = config.home_alias if alias_mounted and config.home_alias else str(self.home_dir)
+        self.env = desktop_env(root, ":0", self.home)
+        self.display = XDisplay(config.width, config.height, self.env, config.display)
+        self.lo_template: Path | None = None
+        self.runner: InProcessRunner | None = None
+        self.screen: Screen | None = None
+        self.launched: list[subprocess.Popen] = []
+        (root / "logs").mkdir(parents=True, exist_ok=True)
+
+    # ---- lifecycle ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.lo_template = homes.libreoffice_template()
+        self._rebuild_home()
+        self.display.start()
+        os.environ["DISPLAY"] = self.display.name  # pyautogui connects at import, to this
+        if self.config.inprocess:
+            self.runner = InProcessRunner(self.config.pause_s)
+        self.screen = Screen(self.display.name, self.config.draw_cursor)
+
+    def stop(self) -> None:
+        kill_marked(self.root, exclude=self.display.pids())
+        self.display.stop()
+        kill_marked(self.root)
+        if self.screen is not None:
+            with contextlib.suppress(Exception):
+                self.screen.close()
+
+    def _rebuild_home(self) -> None:
+        template = Path(self.config.files_template) if self.config.files_template else None
+        homes.rebuild_home(self.home_dir, template, self.lo_template)
+
+    def _reap(self) -> None:
+        self.launched = [p for p in self.launched if p.poll() is None]
+
+    async def reset(self, restart_display: bool) -> dict[str, Any]:
+        """Kill every app and command, rebuild the home directory, restart the display if it
+        died (or when asked), release held keys and centre the pointer."""
+        t0 = time.perf_counter()
+        killed = await asyncio.to_thread(kill_marked, self.root, self.display.pids())
+        self._reap()
+        restarted = False
+        if restart_display or not self.display.alive():
+            await asyncio.to_thread(self.display.stop)
+            await asyncio.to_thread(self.display.start)
+            restarted = True
+            if self.runner is not None:
+                self.runner.reconnect(self.display.name)
+            if self.screen is not None:
+                await self.screen.reconnect(self.display.name)
+        await asyncio.to_thread(self._rebuild_home)
+        if self.runner is not None:
+            await asyncio.to_thread(self._settle_input)
+        return {
+            "status": "success",
+            "seconds": round(time.perf_counter() - t0, 4),
+            "killed": killed,
+            "display_restarted": restarted,
+        }
+
+    def _settle_input(self) -> None:
+        assert self.runner is not None
+        p = self.runner.pyautogui
+        p.PAUSE = 0
+        for key in ("shift", "ctrl", "alt", "winleft"):
+            p.keyUp(key)
+        p.mouseUp()
+        p.moveTo(self.config.width // 2, self.config.height // 2)
+
+    # ---- paths ----------------------------------------------------------------------------
+
+    def path(self, raw: str) -> Path:
+        """A path of a request as this process sees it (`~`, `$VAR`, and the home alias when
+        it is not mounted)."""
+        p = os.path.expandvars(raw)
+        if p == "~" or p.startswith("~/"):
+            p = self.home + p[1:]
+        alias = self.config.home_alias
+        if alias and not self.alias_mounted and (p == alias or p.startswith(alias + "/")):
+            p = str(self.home_dir) + p[len(alias) :]
+        return Path(p)
+
+    def popen(self, argv: list[str] | str, shell: bool, cwd: str | None = None) -> subprocess.Popen:
+        log_file = open(self.root / "logs" / "launched.log", "ab")  # noqa: SIM115
+        try:
+            p = subprocess.Popen(
+                argv,
+                shell=shell,
+                env=self.env,
+                cwd=cwd or self.home,
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=log_file,
+                start_new_session=True,
+            )
+        finally:
+            log_file.close()
+        self._reap()
+        self.launched.append(p)
+        return p
+
+
+class DesktopServer:
+    """The aiohttp application of one desktop."""
+
+    def __init__(self, desktop: Desktop):
+        self.desk = desktop
+        self.config = desktop.config
+        self._reset_lock = asyncio.Lock()
+
+    def make_app(self) -> web.Application:
+        app = make_app(
+            ServerSecurity(self.config.host, self.config.token), client_max_size=MAX_UPLOAD
+        )
+        r = app.router
+        r.add_get("/screenshot", self.screenshot)
+        r.add_post("/execute", self.execute)
+        r.add_post("/setup/execute", self.execute)
+        r.add_post("/setup/launch", self.launch)
+        r.add_post("/setup/upload", self.upload)
+        r.add_post("/setup/open_file", self.open_file)
+        r.add_post("/setup/activate_window", self.activate_window)
+        r.add_post("/setup/close_window", self.close_window)
+        r.add_post("/file", self.file)
+        r.add_post("/screen_size", self.screen_size)
+        r.add_get("/platform", self.platform)
+        r.add_get("/terminal", self.terminal)
+        r.add_get("/accessibility", self.accessibility)
+        r.add_get("/cursor_position", self.cursor_position)
+        r.add_post("/run_python", self.run_python)
+        r.add_post("/run_bash_script", self.run_bash_script)
+        r.add_post("/reset", self.reset)
+        r.add_get("/desktop/info", self.info)
+        return app
+
+    # ---- screen ---------------------------------------------------------------------------
+
+    async def screenshot(self, request: web.Request) -> web.Response:
+        assert self.desk.screen is not None
+        return web.Response(body=await self.desk.screen.png(), content_type="image/png")
+
+    async def cursor_position(self, request: web.Request) -> web.Response:
+        assert self.desk.screen is not None
+        return web.json_response(list(await self.desk.screen.pointer()))
+
+    async def screen_size(self, request: web.Request) -> web.Response:
+        return web.json_response({"width": self.config.width, "height": self.config.height})
+
+    async def platform(self, request: web.Request) -> web.Response:
+        return web.Response(text="Linux")
+
+    async def terminal(self, request: web.Request) -> web.Response:
+        return web.json_response({"output": None, "status": "success"})
+
+    async def accessibility(self, request: web.Request) -> web.Response:
+        windows = await asyncio.to_thread(self._windows)
+        return web.json_response({"AT": accessibility_xml(windows)})
+
+    def _windows(self):
+        wl = WindowList(self.desk.display.name)
+        try:
+            return wl.windows()
+        finally:
+            wl.close()
+
+    # ---- commands -------------------------------------------------------------------------
+
+    @staticmethod
+    def _command(body: dict[str, Any]) -> tuple[str | list[str], bool]:
+        if "command" not in body:
+            raise RequestError("missing field 'command'")
+        command = body["command"]
+        check_type("command", command, (str, list))
+        shell = body.get("shell", False)
+        check_type("shell", shell, bool)
+        if isinstance(command, list) and not all(isinstance(a, str) for a in command):
+            raise RequestError("field 'command' must be a string or a list of strings")
+        if not command:
+            raise RequestError("field 'command' is empty")
+        return command, shell
+
+    def _timeout(self, body: dict[str, Any], name: str, default: float) -> float:
+        value = body.get(name, default)
+        check_type(name, value, (int, float))
+        if value <= 0:
+            raise RequestError(f"field {name!r} must be > 0, got {value}")
+        return float(min(value, default)) if name == "timeout" else float(value)
+
+    async def _run(self, command: str | list[str], shell: bool, timeout: float) -> CommandResult:
+        command = normalize(command, shell, self.desk.home)
+        runner = self.desk.runner
+        code = inprocess_code(command, shell)
+        async with self._reset_lock:
+            pass  # a running reset finishes first
+        if code is not None and runner is not None and runner.available():
+            return await runner.run(code, timeout)
+        try:
+            return await run_subprocess(
+                command, shell, env=self.desk.env, cwd=self.desk.home, timeout_s=timeout
+            )
+        except FileNotFoundError as e:
+            raise RequestError(f"no such program: {e.filename or command}", 400) from None
+        except PermissionError as e:
+            raise RequestError(f"not executable: {e.filename or command}", 400) from None
+
+    async def execute(self, request: web.Request) -> web.Response:
+        body = await read_json(request)
+        command, shell = self._command(body)
+        timeout = self._timeout(body, "timeout", self.config.execute_timeout_s)
+        res = await self._run(command, shell, timeout)
+        if res.timed_out:
+            return web.json_response(
+                {
+                    "status": "error",
+                    "message": f"command timed out after {timeout:g} s and was killed",
+                    "output": res.output,
+                    "error": res.error,
+                    "returncode": None,
+                },
+                status=500,
+            )
+        return web.json_response(
+            {
+                "status": "success",
+                "output": res.output,
+                "error": res.error,
+                "returncode": res.returncode,
+            }
+        )
+
+    async def run_python(self, request: web.Request) -> web.Response:
+        body = await read_json(request, {"code": str})
+        if not body["code"].strip():
+            raise RequestError("field 'code' is empty")
+        tmp = self.desk.root / "run"
+        with tempfile.NamedTemporaryFile("w", suffix=".py", dir=tmp, delete=False) as f:
+            f.write(body["code"])
+        try:
+            res = await run_subprocess(
+                [sys.executable, f.name],
+                False,
+                env=self.desk.env,
+                cwd=self.desk.home,
+                timeout_s=min(30.0, self.config.execute_timeout_s),
+            )
+        finally:
+            os.unlink(f.name)
+        if res.timed_out:
+            return web.json_response(
+                {
+                    "status": "error",
+                    "message": "Execution timeout: Code took too long to execute",
+                    "error": "TimeoutExpired",
+                    "need_more": False,
+                    "output": res.output,
+                },
+                status=500,
+            )
+        error = res.error or (
+            f"Process exited with code {res.returncode}" if res.returncode else ""
+        )
+        message = res.output + (("\n" if res.output else "") + error if error else "")
+        return web.json_response(
+            {
+                "status": "success" if res.returncode == 0 else "error",
+                "message": message,
+                "need_more": False,
+                "output": res.output,
+                "error": error,
+                "return_code": res.returncode,
+            }
+        )
+
+    async def run_bash_script(self, request: web.Request) -> web.Response:
+        body = await read_json(request, {"script": str})
+        if not body["script"].strip():
+            raise RequestError("field 'script' is empty")
+        timeout = self._timeout(body, "timeout", 100.0)
+        cwd = self.desk.home
+        if body.get("working_dir") is not None:
+            check_type("working_dir", body["working_dir"], str)
+            wd = self.desk.path(body["working_dir"])
+            if not wd.is_dir():
+                raise RequestError(f"working directory does not exist: {body['working_dir']}")
+            cwd = str(wd)
+        res = await run_subprocess(
+            ["/bin/bash", "-c", body["script"]],
+            False,
+            env=self.desk.env,
+            cwd=cwd,
+            timeout_s=timeout,
+            merge_stderr=True,
+        )
+        if res.timed_out:
+            return web.json_response(
+                {
+                    "status": "error",
+                    "output": f"Script execution timed out after {timeout:g} seconds",
+                    "error": "",
+                    "returncode": -1,
+                },
+                status=500,
+            )
+        return web.json_response(
+            {
+                "status": "success" if res.returncode == 0 else "error",
+                "output": res.output,
+                "error": "",
+                "returncode": res.returncode,
+            }
+        )
+
+    async def launch(self, request: web.Request) -> web.Response:
+        body = await read_json(request)
+        command, shell = self._command(body)
+        command = normalize(command, shell, self.desk.home)
+        try:
+            await asyncio.to_thread(self.desk.popen, command, shell)
+        except FileNotFoundError as e:
+            raise RequestError(f"no such program: {e.filename or command}", 400) from None
+        shown = command if isinstance(command, str) else " ".join(command)
+        return web.Response(text=f"{shown} launched successfully")
+
+    # ---- files ----------------------------------------------------------------------------
+
+    async def upload(self, request: web.Request) -> web.Response:
+        if not request.content_type.startswith("multipart/"):
+            raise RequestError("send multipart/form-data with fields file_path and file_data")
+        form = await request.post()
+        file_path, data = form.get("file_path"), form.get("file_data")
+        if not isinstance(file_path, str) or not file_path or data is None:
+            raise RequestError("file_path and file_data are required")
+        content = data.file.read() if isinstance(data, web.FileField) else str(data).encode()
+        target = self.desk.path(file_path)
+
+        def write() -> int:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(content)
+            return target.stat().st_size
+
+        try:
+            size = await asyncio.to_thread(write)
+        except OSError as e:
+            raise RequestError(f"cannot write {file_path}: {e.strerror}", 500) from None
+        return web.Response(text=f"File Uploaded: {size} bytes")
+
+    async def file(self, request: web.Request) -> web.StreamResponse:
+        if request.content_type == "application/json":
+            body = await read_json(request, {"file_path": str})
+            file_path = body["file_path"]
+        else:
+            form = await request.post()
+            file_path = form.get("file_path")
+            if not isinstance(file_path, str) or not file_path:
+                raise RequestError("file_path is required")
+        target = self.desk.path(file_path)
+        if not target.exists():
+            raise RequestError(f"File not found: {file_path}", 404)
+        if not target.is_file():
+            raise RequestError(f"not a regular file: {file_path}", 400)
+        try:
+            content = await asyncio.to_thread(target.read_bytes)
+        except OSError as e:
+            raise RequestError(f"cannot read {file_path}: {e.strerror}", 500) from None
+        return web.Response(
+            body=content,
+            content_type="application/octet-stream",
+            headers={"Content-Disposition": f'attachment; filename="{target.name}"'},
+        )
+
+    # ---- windows --------------------------------------------------------------------------
+
+    def _open_command(self, target: Path) -> tuple[list[str], str | None]:
+        """How to open `target`, and the working directory for it."""
+        suffix = target.suffix.lower()
+        if target.is_dir():
+            return ["xterm", "-T", target.name or str(target)], str(target)
+        if suffix in (".csv", ".tsv"):  # comma or tab, UTF-8, no Text Import dialog
+            sep = "44" if suffix == ".csv" else "9"
+            infilter = f"--infilter=Text - txt - csv (StarCalc):{sep},34,76,1"
+            return ["soffice", "--calc", "--norestore", "--nologo", infilter, str(target)], None
+        if suffix in CALC_SUFFIXES:
+            return ["soffice", "--calc", "--norestore", "--nologo", str(target)], None
+        if suffix in OFFICE_SUFFIXES:
+            return ["soffice", "--norestore", "--nologo", str(target)], None
+        return ["mousepad", str(target)], None
+
+    async def open_file(self, request: web.Request) -> web.Response:
+        body = await read_json(request, {"path": str})
+        raw = body["path"]
+        window_name = body.get("window_name")
+        if window_name is not None:
+            check_type("window_name", window_name, str)
+        timeout = self._timeout(body, "timeout_seconds", self.config.open_timeout_s)
+        target = self.desk.path(raw)
+        if target.exists():
+            argv, cwd = self._open_command(target)
+            candidates = [target.name, target.stem]
+        elif shutil.which(raw):
+            argv, cwd = [raw], None
+            candidates = [raw]
+        else:
+            raise RequestError(f"Application/file not found: {raw}", 404)
+        if window_name:
+            candidates = [window_name]
+        candidates = [c for c in candidates if c]
+        await asyncio.to_thread(self.desk.popen, argv, False, cwd)
+        win = await asyncio.to_thread(self._wait_window, candidates, timeout)
+        if win is None:
+            raise RequestError(
+                f"Failed to find window for {candidates} within {timeout:g} seconds", 500
+            )
+        await asyncio.to_thread(
+            subprocess.run,
+            ["wmctrl", "-i", "-a", hex(win.wid)],
+            env=self.desk.env,
+            capture_output=True,
+            timeout=10,
+        )
+        return web.Response(text="File opened and window activated successfully")
+
+    def _wait_window(self, candidates: list[str], timeout: float):
+        wl = WindowList(self.desk.display.name)
+        try:
+            return wl.wait_for(candidates, timeout)
+        finally:
+            wl.close()
+
+    async def _window_action(self, request: web.Request, action: str) -> tuple[bool, str]:
+        body = await read_json(request, {"window_name": str})
+        name = body["window_name"]
+        if not name:
+            raise RequestError("window_name required")
+        strict = body.get("strict", False)
+        by_class = body.get("by_class", False)
+        check_type("strict", strict, bool)
+        check_type("by_class", by_class, bool)
+        windows = await asyncio.to_thread(self._windows)
+        found = any(matches(w, name, strict, by_class) for w in windows)
+        if found:
+            await asyncio.to_thread(wmctrl, action, name, strict, by_class, self.desk.env)
+        return found, name
+
+    async def activate_window(self, request: web.Request) -> web.Response:
+        found, name = await self._window_action(request, "a")
+        if not found:  # OSWorld's server answers 200 here too
+            return web.Response(text=f"Window {name} not found; nothing activated")
+        return web.Response(text="Window activated successfully")
+
+    async def close_window(self, request: web.Request) -> web.Response:
+        found, name = await self._window_action(request, "c")
+        if not found:
+            return web.Response(text=f"Window {name} not found; nothing closed")
+        return web.Response(text="Window closed successfully.")
+
+    # ---- the project's endpoints ------------------------------------------------------------
+
+    async def reset(self, request: web.Request) -> web.Response:
+        body = await read_json(request)
+        restart = body.get("restart_display", False)
+        check_type("restart_display", restart, bool)
+        async with self._reset_lock:
+            if self.desk.runner is not None:
+                async with self.desk.runner._lock:
+                    answer = await self.desk.reset(restart)
+            else:
+                answer = await self.desk.reset(restart)
+        return web.json_response(answer)
+
+    async def info(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "display": self.desk.display.name,
+                "root": str(self.desk.root),
+                "home": self.desk.home,
+                "home_dir": str(self.desk.home_dir),
+                "pid": os.getpid(),
+                "xvfb_pid": self.desk.display.xvfb.pid if self.desk.display.xvfb else None,
+                "wm_pid": self.desk.display.wm.pid if self.desk.display.wm else None,
+                "inprocess": self.desk.runner is not None,
+            }
+        )
+
+
+# ---- one server process ------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m arpo_envs.desktop.server", description="one local desktop server"
+    )
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=5000, help="0: any free port")
+    p.add_argument("--token", default=None, help="bearer token (default: $ARPO_ENV_TOKEN)")
+    p.add_argument("--width", type=int, default=1280)
+    p.add_argument("--height", type=int, default=720)
+    p.add_argument("--display", type=int, default=None, help="X display number (default: free)")
+    p.add_argument("--root", default=None, help="state directory (default: a new temp dir)")
+    p.add_argument("--files-template", default=None, help="copied into home on every reset")
+    p.add_argument("--home-alias", default="/home/user", help="'' for none")
+    p.add_argument("--execute-timeout", type=float, default=120.0)
+    p.add_argument("--no-inprocess", action="store_true", help="every command as a subprocess")
+    p.add_argument("--no-cursor", action="store_true", help="no pointer in screenshots")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    try:
+        config = DesktopConfig(
+            width=args.width,
+            height=args.height,
+            host=args.host,
+            port=args.port,
+            token=args.token or os.environ.get("ARPO_ENV_TOKEN") or None,
+            display=args.display,
+            root=args.root,
+            files_template=args.files_template,
+            home_alias=args.home_alias or None,
+            execute_timeout_s=args.execute_timeout,
+            inprocess=not args.no_inprocess,
+            draw_cursor=not args.no_cursor,
+        )
+    except ValueError as e:
+        print(f"desktop server: {e}", file=sys.stderr)
+        return 2
+    own_root = config.root is None
+    root = Path(config.root or tempfile.mkdtemp(prefix="arpo-desktop-")).resolve()
+    (root / "home").mkdir(parents=True, exist_ok=True)
+    # before any thread exists: a mount namespace is per thread
+    mounted = bool(config.home_alias) and homes.private_home(root / "home", config.home_alias)
+    desk = Desktop(config, root, mounted)
+    try:
+        desk.start()
+        asyncio.run(_serve(desk))
+    finally:
+        desk.stop()
+        if own_root:
+            shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+async def _serve(desk: Desktop) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        loop.add_signal_handler(sig, stop.set)
+    server = DesktopServer(desk)
+    runner = web.AppRunner(server.make_app(), access_log=None, handle_signals=False)
+    await runner.setup()
+    cfg = desk.config
+    site = web.TCPSite(runner, cfg.host, cfg.port, reuse_address=True)
+    await site.start()
+    port = runner.addresses[0][1]
+    host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
+    ready = {
+        "event": "ready",
+        "url": f"http://{host}:{port}",
+        "display": desk.display.name,
+        "root": str(desk.root),
+        "home": desk.home,
+        "pid": os.getpid(),
+    }
+    print(json.dumps(ready), flush=True)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
