@@ -6,6 +6,7 @@
 #   make test       the whole test suite (what .ci/run calls)
 #   make test-all   the test suite plus the slow tests
 #   make bench      the side-by-side benchmarks (run alone on the machine)
+#   make sysdeps    the Debian packages of the local desktop (Xvfb, openbox, Calc, ...)
 
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
@@ -19,7 +20,11 @@ export VIRTUAL_ENV := $(abspath $(VENV))
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup build demo test test-all lint rust-test py-test bench clean
+.PHONY: setup sysdeps build demo test test-all lint rust-test py-test bench clean
+
+# Debian packages of the local desktop (arpo_envs.desktop) and its tests.
+SYSDEPS := xvfb openbox libreoffice-calc mousepad xterm xdotool wmctrl x11-utils fonts-dejavu-core
+APT_LOCK := -o DPkg::Lock::Timeout=600
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -27,14 +32,33 @@ $(VENV)/bin/python:
 $(DEPS_STAMP): pyproject.toml scripts/deps.py envs/pyproject.toml | $(VENV)/bin/python
 	$(PY) scripts/deps.py $(EXTRAS) > $(VENV)/requirements.txt
 	$(PY) -m pip install -q -r $(VENV)/requirements.txt
-	$(PY) -m pip install -q -e envs
+	$(PY) -m pip install -q -e 'envs[desktop]'
 	rm -f $(VENV)/.deps-* && touch $@
 
 # maturin develop: incremental cargo build in release mode, installs arpo editable.
 build: $(DEPS_STAMP)
 	maturin develop --release -q
 
-setup: build
+# Installs only what is missing (a second run costs one dpkg query per package).
+sysdeps:
+	@missing=""; \
+	for p in $(SYSDEPS); do \
+	  case "$$(dpkg -s $$p 2>/dev/null)" in \
+	    *"Status: install ok installed"*) ;; \
+	    *) missing="$$missing $$p" ;; \
+	  esac; \
+	done; \
+	if [ -n "$$missing" ]; then \
+	  sudo=""; [ "$$(id -u)" = 0 ] || sudo="sudo"; \
+	  echo "sysdeps: installing$$missing"; \
+	  for try in 1 2 3 4 5; do \
+	    $$sudo apt-get $(APT_LOCK) update -q && break; sleep 15; \
+	  done; \
+	  $$sudo env DEBIAN_FRONTEND=noninteractive apt-get $(APT_LOCK) install -y -q \
+	    --no-install-recommends $$missing; \
+	fi
+
+setup: sysdeps build
 
 demo: setup
 	$(PY) -m arpo.cli demo

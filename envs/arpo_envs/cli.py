@@ -5,6 +5,8 @@
     arpo-envs sim --host 0.0.0.0 --token "$ARPO_ENV_TOKEN"  # exposed: a token is required
     arpo-envs sim-tasks --out /tmp/sim_tasks -n 16       # OSWorld-schema tasks + oracles
     arpo-envs sim-bench -n 8                             # step latency and throughput
+    arpo-envs up -n 8 --base-port 5200                   # 8 real Xvfb desktops (5200..5207)
+    arpo-envs up -n 8 --detach; arpo-envs down           # in the background; stop from any shell
 
 `sim` prints one line per desktop (`env <i> <url>`) once all are listening, and
 stops cleanly on Ctrl-C or SIGTERM.
@@ -85,6 +87,40 @@ def _sim_bench(args: argparse.Namespace) -> int:
     return bench(args.n, args.episodes, extra)
 
 
+def _up(args: argparse.Namespace) -> int:
+    from arpo_envs.desktop.fleet import FleetConfig, up, wait_foreground
+
+    token = args.token or os.environ.get("ARPO_ENV_TOKEN") or None
+    try:
+        kwargs = {"state_file": Path(args.state)} if args.state else {}
+        cfg = FleetConfig(
+            n=args.n,
+            base_port=args.base_port,
+            host=args.host,
+            token=token,
+            width=args.width,
+            height=args.height,
+            files_template=args.files_template,
+            **kwargs,
+        )
+        up(cfg, announce=lambda s: print(s, flush=True))
+    except (ValueError, RuntimeError) as e:
+        print(f"arpo-envs up: {e}", file=sys.stderr)
+        return 1
+    if args.detach:
+        print(f"arpo-envs up: detached; stop with `arpo-envs down` (state {cfg.state_file})")
+        return 0
+    wait_foreground(cfg.state_file)
+    return 0
+
+
+def _down(args: argparse.Namespace) -> int:
+    from arpo_envs.desktop.fleet import down
+
+    down(Path(args.state) if args.state else None, grace_s=args.grace)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="arpo-envs", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -138,6 +174,25 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--latency", default="none", help="latency of the desktops (see sim)")
     b.add_argument("--encode-in-loop", action="store_true", help="see sim --encode-in-loop")
     b.set_defaults(func=_sim_bench)
+
+    u = sub.add_parser("up", help="start N local desktops (Xvfb + openbox + real apps)")
+    u.add_argument("-n", type=int, default=1, help="number of desktops (default 1)")
+    u.add_argument(
+        "--base-port", type=int, default=5200, help="desktop i on base-port + i (0: any free)"
+    )
+    u.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    u.add_argument("--token", default=None, help="bearer token (default: $ARPO_ENV_TOKEN)")
+    u.add_argument("--width", type=int, default=1280)
+    u.add_argument("--height", type=int, default=720)
+    u.add_argument("--files-template", default=None, help="directory copied to home on reset")
+    u.add_argument("--state", default=None, help="state file (default $ARPO_DESKTOP_STATE or /tmp)")
+    u.add_argument("--detach", action="store_true", help="return once all desktops answer")
+    u.set_defaults(func=_up)
+
+    d = sub.add_parser("down", help="stop the desktops started by `up` (from any shell)")
+    d.add_argument("--state", default=None, help="state file of `up`")
+    d.add_argument("--grace", type=float, default=10.0, help="seconds before SIGKILL")
+    d.set_defaults(func=_down)
     return p
 
 
