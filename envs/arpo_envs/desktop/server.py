@@ -532,8 +532,11 @@ class DesktopServer:
         await asyncio.to_thread(self.desk.popen, argv, False, cwd)
         win = await asyncio.to_thread(self._wait_window, candidates, timeout)
         if win is None:
+            titles = [w.title for w in await asyncio.to_thread(self._windows)]
             raise RequestError(
-                f"Failed to find window for {candidates} within {timeout:g} seconds", 500
+                f"Failed to find window for {candidates} within {timeout:g} seconds "
+                f"(windows: {titles})",
+                500,
             )
         await asyncio.to_thread(
             subprocess.run,

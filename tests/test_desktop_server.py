@@ -1,0 +1,288 @@
+"""The local desktop server against a real Xvfb display with real applications (no mocks).
+
+One server process serves the whole module (start ~1 s); tests that break the desktop
+on purpose start their own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from arpo_envs.desktop.procs import marked_pids
+from PIL import Image
+from test_desktop_common import Desk, require_desktop, running_desk, start_desk, stop_desk_proc
+from test_desktop_common import wait_until as until
+
+from arpo.env.client import ClientConfig, EnvClient
+
+
+@pytest.fixture(scope="module")
+def desk(tmp_path_factory) -> Desk:
+    require_desktop()
+    root = tmp_path_factory.mktemp("desk")
+    d = start_desk(root, "--execute-timeout", "30")
+    yield d
+    stop_desk_proc(d.proc)
+    assert d.proc.returncode == 0
+    assert marked_pids(d.root) == [], "processes of the desktop outlived its server"
+    assert not os.path.exists(f"/tmp/.X{d.display[1:]}-lock")
+
+
+@pytest.fixture
+def clean(desk: Desk) -> Desk:
+    """The shared desktop, reset before the test."""
+    assert desk.post("/reset").status == 200
+    return desk
+
+
+def test_screenshot_is_a_png_of_the_screen_size(clean: Desk) -> None:
+    a = clean.get("/screenshot")
+    assert a.status == 200
+    assert a.body[:8] == b"\x89PNG\r\n\x1a\n"
+    img = Image.open(io.BytesIO(a.body))
+    size = clean.post("/screen_size").json()
+    assert img.size == (size["width"], size["height"]) == (1280, 720)
+    assert clean.get("/platform").text == "Linux"
+    assert clean.get("/terminal").json()["status"] == "success"
+
+
+def test_pyautogui_moves_the_real_pointer_and_returns_what_it_printed(clean: Desk) -> None:
+    r = clean.act("pyautogui.moveTo(123, 321); print(pyautogui.position()); print('done')")
+    assert r == {
+        "status": "success",
+        "output": "Point(x=123, y=321)\ndone\n",
+        "error": "",
+        "returncode": 0,
+    }
+    assert clean.get("/cursor_position").json() == [123, 321]
+    # the X server itself agrees (xdotool is a separate X client)
+    assert clean.sh("xdotool getmouselocation")["output"].startswith("x:123 y:321")
+    # OSWorld's platform query through /execute
+    assert clean.act("import platform; print(platform.system())")["output"] == "Linux\n"
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "print('a'); print('b', 2)",
+        "x = pyautogui.size(); print(x.width, x.height)",
+        "1 / 0",
+        "print('before'); raise ValueError('bad value')",
+        "exit(3)",
+        "pyautogui.no_such_function()",
+    ],
+)
+def test_in_process_answer_equals_a_subprocess_answer(clean: Desk, code: str) -> None:
+    full = "import pyautogui; import time; pyautogui.FAILSAFE = False; " + code
+    fast = clean.post("/execute", {"command": ["python", "-c", full]}).json()
+    # the same program as a real interpreter: shell=True never runs in process
+    slow = clean.post(
+        "/execute", {"command": f'{sys.executable} -c "{full}"', "shell": True}
+    ).json()
+    assert fast["returncode"] == slow["returncode"]
+    assert fast["output"] == slow["output"]
+    # tracebacks name the same frames; pyautogui's own file paths are the same module
+    assert fast["error"].splitlines()[-1:] == slow["error"].splitlines()[-1:]
+    assert fast["error"].count("\n") == slow["error"].count("\n")
+
+
+def test_in_process_actions_are_fast(clean: Desk) -> None:
+    t0 = time.perf_counter()
+    for i in range(20):
+        clean.act(f"pyautogui.moveTo({100 + i}, 100)")
+    per_action = (time.perf_counter() - t0) / 20
+    assert per_action < 0.1, f"{per_action * 1e3:.0f} ms per action: not run in process?"
+
+
+def test_bad_input_is_answered_with_json_and_the_server_keeps_serving(clean: Desk) -> None:
+    cases = [
+        (clean.request("POST", "/execute", raw=b"{not json"), 400, "malformed JSON"),
+        (clean.post("/execute", {"shell": True}), 400, "command"),
+        (clean.post("/execute", {"command": ["ls", 3]}), 400, "list of strings"),
+        (clean.post("/execute", {"command": []}), 400, "empty"),
+        (clean.post("/execute", {"command": ["no-such-program-xyz"]}), 400, "no such program"),
+        (clean.post("/execute", {"command": "ls", "timeout": "1"}), 400, "timeout"),
+        (clean.get("/no/such/endpoint"), 404, "unknown endpoint"),
+        (clean.get("/execute"), 405, "not allowed"),
+        (clean.file("/home/user/does-not-exist.txt"), 404, "not found"),
+        (clean.file("/home/user"), 400, "not a regular file"),
+        (clean.request("POST", "/file", form={}), 400, "file_path"),
+        (clean.post("/setup/open_file", {"path": "/home/user/missing.xlsx"}), 404, "not found"),
+        (clean.post("/setup/open_file", {}), 400, "path"),
+        (clean.request("POST", "/setup/upload", form={"file_path": "/tmp/x"}), 400, "multipart"),
+        (clean.post("/setup/activate_window", {"strict": True}), 400, "window_name"),
+        (clean.post("/setup/launch", {"command": ["no-such-program-xyz"]}), 400, "no such"),
+        (clean.post("/run_python", {}), 400, "code"),
+        (clean.post("/run_bash_script", {"script": "ls", "working_dir": "/nope"}), 400, "working"),
+        (clean.post("/reset", {"restart_display": "yes"}), 400, "restart_display"),
+    ]
+    for answer, status, words in cases:
+        assert answer.status == status, (answer.status, answer.body)
+        body = answer.json()
+        assert body["status"] == "error"
+        assert words.lower() in body["message"].lower(), body
+    assert clean.get("/platform").text == "Linux"
+    assert clean.act("print(1)")["output"] == "1\n"
+
+
+def test_a_hanging_command_times_out_and_the_server_still_answers(clean: Desk) -> None:
+    for command in (
+        ["sleep", "30"],  # a subprocess: its group is killed
+        ["python", "-c", "import pyautogui; import time; time.sleep(30)"],  # in process
+        ["python", "-c", "import pyautogui\nwhile True: pass"],  # in process, busy
+    ):
+        t0 = time.perf_counter()
+        a = clean.post("/execute", {"command": command, "timeout": 1})
+        took = time.perf_counter() - t0
+        assert a.status == 500
+        body = a.json()
+        assert body["status"] == "error" and "timed out" in body["message"]
+        assert took < 5, took
+        assert clean.get("/terminal").status == 200
+    until(lambda: clean.act("print('alive')")["output"] == "alive\n", timeout=10)
+    assert not any(
+        Path(f"/proc/{p}/cmdline").read_bytes().startswith(b"sleep")
+        for p in marked_pids(clean.root)
+    )
+
+
+def test_upload_file_and_paths_as_the_apps_see_them(clean: Desk) -> None:
+    payload = os.urandom(200_000)
+
+    async def upload() -> None:
+        async with EnvClient(ClientConfig(base_url=clean.url)) as env:
+            assert "200000 bytes" in await env.upload("/home/user/Documents/blob.bin", payload)
+            assert await env.get_file("~/Documents/blob.bin") == payload
+
+    asyncio.run(upload())
+    assert clean.file("/home/user/Documents/blob.bin").body == payload
+    # commands see the same file at the same path (the VM's home, /home/user)
+    r = clean.sh("wc -c < /home/user/Documents/blob.bin; echo $HOME; pwd")
+    assert r["output"].split() == ["200000", "/home/user", "/home/user"]
+
+
+def test_run_python_and_run_bash_script(clean: Desk) -> None:
+    r = clean.post("/run_python", {"code": "import os\nprint(os.getcwd())"}).json()
+    assert (r["status"], r["output"], r["return_code"]) == ("success", "/home/user\n", 0)
+    r = clean.post("/run_python", {"code": "raise SystemExit(4)"}).json()
+    assert (r["status"], r["return_code"]) == ("error", 4)
+    r = clean.post("/run_bash_script", {"script": "echo out; echo err >&2; exit 2"}).json()
+    assert (r["status"], r["output"], r["returncode"]) == ("error", "out\nerr\n", 2)
+    a = clean.post("/run_bash_script", {"script": "sleep 20", "timeout": 1})
+    assert a.status == 500 and "timed out" in a.json()["output"]
+
+
+def test_typing_into_a_real_xterm(clean: Desk) -> None:
+    assert clean.post("/setup/launch", {"command": ["xterm", "-T", "typing-test"]}).status == 200
+    until(lambda: "typing-test" in clean.windows())
+    assert clean.post("/setup/activate_window", {"window_name": "typing-test"}).status == 200
+    time.sleep(0.3)  # xterm maps its window before its shell reads input
+    clean.act("pyautogui.write('echo typed-by-pyautogui > ~/typed.txt\\n')")
+    until(lambda: clean.file("/home/user/typed.txt").status == 200)
+    assert until(lambda: clean.file("/home/user/typed.txt").body) == b"typed-by-pyautogui\n"
+
+
+def test_typing_into_mousepad_and_saving(clean: Desk) -> None:
+    async def upload() -> None:
+        async with EnvClient(ClientConfig(base_url=clean.url)) as env:
+            await env.upload("/home/user/note.txt", b"first line\n")
+
+    asyncio.run(upload())
+    a = clean.post("/setup/open_file", {"path": "/home/user/note.txt"})
+    assert a.status == 200, a.body
+    assert any("note.txt" in t for t in clean.windows())
+    clean.act("pyautogui.hotkey('ctrl', 'End'); pyautogui.write('second line')")
+    # the title shows the unsaved edit (xdotool reads the real window title)
+    title = clean.sh("xdotool getactivewindow getwindowname")["output"]
+    assert "note.txt" in title
+    clean.act("pyautogui.hotkey('ctrl', 's')")
+    until(lambda: b"second line" in clean.file("/home/user/note.txt").body)
+    assert clean.file("/home/user/note.txt").body.startswith(b"first line\nsecond line")
+
+
+def test_calc_opens_a_generated_file_and_saves_without_the_format_dialog(clean: Desk) -> None:
+    rows = "name,score\nada,1\nbob,2\n"
+    r = clean.post(
+        "/run_bash_script", {"script": f"printf '{rows}' > /home/user/Desktop/scores.csv"}
+    )
+    assert r.json()["returncode"] == 0
+    t0 = time.perf_counter()
+    a = clean.post("/setup/open_file", {"path": "/home/user/Desktop/scores.csv"})
+    assert a.status == 200, a.body
+    opened_s = time.perf_counter() - t0
+    until(lambda: any(t.startswith("scores.csv - LibreOffice Calc") for t in clean.windows()))
+    time.sleep(1.0)  # the window is mapped before Calc takes keyboard input
+    clean.act("pyautogui.hotkey('ctrl', 'Home'); pyautogui.write('changed\\n')")
+    clean.act("pyautogui.hotkey('ctrl', 's')")
+    # Keep-current-format is switched off in the profile: ctrl+s writes the CSV at once
+    until(lambda: clean.file("/home/user/Desktop/scores.csv").body.startswith(b'"changed",'))
+    assert opened_s < 30
+    assert any(
+        b"soffice.bin" in Path(f"/proc/{p}/cmdline").read_bytes() for p in marked_pids(clean.root)
+    )
+
+
+def test_reset_restores_a_clean_desktop_quickly(clean: Desk) -> None:
+    times = []
+    for i in range(5):
+        clean.sh(f"touch ~/junk{i}.txt ~/Desktop/.~lock.junk{i}.xlsx#")
+        assert clean.post("/setup/launch", {"command": ["xterm", "-T", f"doomed{i}"]}).status == 200
+        until(lambda i=i: f"doomed{i}" in clean.windows())
+        clean.act("pyautogui.keyDown('shift'); pyautogui.moveTo(5, 5)")
+        t0 = time.perf_counter()
+        body = clean.post("/reset").json()
+        times.append(time.perf_counter() - t0)
+        assert body["status"] == "success" and body["killed"] >= 1
+        assert clean.windows() == []
+        assert clean.file(f"/home/user/junk{i}.txt").status == 404
+        assert clean.sh("ls -A ~/Desktop")["output"] == ""
+        assert clean.get("/cursor_position").json() == [640, 360]
+        assert clean.act("print(pyautogui.position())")["output"] == "Point(x=640, y=360)\n"
+    median = statistics.median(times)
+    print(
+        f"reset median {median * 1e3:.0f} ms over {len(times)} resets (max {max(times) * 1e3:.0f})"
+    )
+    assert median < 1.5
+
+
+def test_reset_restarts_a_dead_display(tmp_path) -> None:
+    require_desktop()
+    with running_desk(tmp_path / "d") as d:
+        info = d.get("/desktop/info").json()
+        os.kill(info["xvfb_pid"], 9)
+        time.sleep(0.2)
+        body = d.post("/reset").json()
+        assert body["display_restarted"] is True
+        assert d.get("/desktop/info").json()["display"] == info["display"]
+        img = Image.open(io.BytesIO(d.get("/screenshot").body))
+        assert img.size == (1280, 720)
+        assert d.act("pyautogui.moveTo(50, 60); print(pyautogui.position())")["output"] == (
+            "Point(x=50, y=60)\n"
+        )
+        forced = d.post("/reset", {"restart_display": True}).json()
+        assert forced["display_restarted"] is True
+
+
+def test_token_is_required_when_set_and_exposed_binds_need_one(tmp_path) -> None:
+    require_desktop()
+    with running_desk(tmp_path / "t", token="s3cret") as d:
+        a = d.get("/platform", token=False)
+        assert a.status == 401 and a.json()["status"] == "error"
+        assert d.get("/platform", token="wrong").status == 401
+        assert d.get("/platform").text == "Linux"
+    r = subprocess.run(
+        [sys.executable, "-m", "arpo_envs.desktop.server", "--host", "0.0.0.0", "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={k: v for k, v in os.environ.items() if k != "ARPO_ENV_TOKEN"},
+    )
+    assert r.returncode == 2 and "without a token" in r.stderr
