@@ -181,40 +181,41 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def desktop_url() -> Iterator[str]:
+def desktop_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """URL of one real local desktop: $ARPO_DESKTOP_URL, or one started with `arpo-envs up`."""
     if os.environ.get("ARPO_DESKTOP_URL"):
         yield os.environ["ARPO_DESKTOP_URL"]
         return
     try:
-        import arpo_envs.desktop  # noqa: F401
+        import arpo_envs.desktop.fleet  # noqa: F401  (`arpo-envs up`)
     except ImportError:
-        pytest.skip("the local desktop server (arpo_envs.desktop) is not installed")
+        pytest.skip("the local desktop server (arpo_envs.desktop.fleet) is not installed")
     missing = [
         b for b in ("Xvfb", "openbox", "soffice", "mousepad", "xterm") if not shutil.which(b)
     ]
     if missing:
         pytest.skip(f"the local desktop needs {missing} (see the Makefile's desktop packages)")
     port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "arpo_envs.cli", "up", "-n", "1", "--base-port", str(port)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    url, lines, deadline = None, [], time.monotonic() + 120
-    assert proc.stdout is not None
-    while url is None and time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        m = re.match(r"env 0 (\S+)", line.strip())
+    tmp = tmp_path_factory.mktemp("desktop")
+    log = tmp / "up.log"
+    with log.open("w") as out:  # a file, not a pipe: `up` may print while nobody reads
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "arpo_envs.cli", "up", "-n", "1", "--base-port", str(port)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            # its own state file, not the machine-wide one a developer's `up` uses
+            env={**os.environ, "ARPO_DESKTOP_STATE": str(tmp / "state.json")},
+        )
+    url, deadline = None, time.monotonic() + 120
+    while url is None and proc.poll() is None and time.monotonic() < deadline:
+        m = re.search(r"^env 0 (\S+)", log.read_text(), re.M)
         url = m.group(1) if m else None
+        time.sleep(0.2)
     if url is None:
         proc.kill()
-        pytest.fail("arpo-envs up did not announce a desktop:\n" + "".join(lines[-30:]))
+        proc.wait()
+        pytest.fail("arpo-envs up did not announce a desktop:\n" + log.read_text()[-3000:])
     try:
         yield url
     finally:
@@ -262,11 +263,13 @@ def test_doing_nothing_fails_a_subset_on_the_desktop(desktop_url):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)
 def test_oracles_solve_every_task_on_the_desktop(desktop_url):
     _check_oracles(desktop_url, suite())
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)
 def test_doing_nothing_fails_every_task_on_the_desktop(desktop_url):
     _check_noop(desktop_url, suite())
 

@@ -459,6 +459,28 @@ def calc_tasks() -> list[LocalTask]:
             cells={"E4": {"method": "eq", "ref": "OSAKA"}},
         )
     )
+    book = _set(_copy(SCORES), "D1", "Total")
+    for i, row in enumerate(SCORES[1:], start=2):
+        _set(book, f"D{i}", row[1] + row[2])
+    for col, idx in (("B", 1), ("C", 2), ("D", None)):
+        vals = [r[1] + r[2] if idx is None else r[idx] for r in SCORES[1:]]
+        _set(book, f"{col}7", sum(vals) / len(vals))
+    t.append(
+        calc_task(
+            "calc-gradebook",
+            "gradebook.xlsx",
+            "In gradebook.xlsx, add a Total column (header Total in D1, Math plus Art for each "
+            "student in D2:D6), then put the average of each of the columns Math, Art and Total "
+            "in row 7 (B7:D7).",
+            SCORES,
+            book,
+            [calc_enter("D1", "Total")]
+            + [calc_enter(f"D{i}", f"=B{i}+C{i}") for i in range(2, 7)]
+            + [calc_enter(f"{c}7", f"=AVERAGE({c}2:{c}6)") for c in "BCD"]
+            + [calc_save()],
+            cells={"D7": {"method": "approx:0.01", "ref": 155.8}},
+        )
+    )
     return t
 
 
@@ -787,6 +809,24 @@ def os_tasks() -> list[LocalTask]:
             ),
         )
     )
+    t.append(
+        os_task(
+            "os-sort-by-type",
+            f"In {WORK}, move the .jpg files into a new directory images and the .txt files "
+            "into a new directory texts.",
+            "touch a.jpg b.jpg notes.txt todo.txt keep.md",
+            [
+                shell(f"cd {WORK}"),
+                shell("mkdir images texts"),
+                shell("mv *.jpg images/"),
+                shell("mv *.txt texts/"),
+            ],
+            _command_check(
+                f"cd {WORK} && ls -p | tr '\\n' ' ' && ls images texts | tr '\\n' ' '",
+                "images/ keep.md texts/ images: a.jpg b.jpg  texts: notes.txt todo.txt ",
+            ),
+        )
+    )
     return t
 
 
@@ -851,6 +891,31 @@ def multi_tasks() -> list[LocalTask]:
             ],
             domain="multi_apps",
             apps=["libreoffice_calc", "os"],
+        )
+    )
+    prices = [("Coffee", 3.2), ("Tea", 2.5), ("Juice", 4.1)]
+    menu_text = "".join(f"{n}: {p}\n" for n, p in prices)
+    t.append(
+        calc_task(
+            "multi-price-list-to-sheet",
+            "menu.xlsx",
+            "menu.txt (open in the editor) lists drinks with their prices. Copy them into "
+            "menu.xlsx below the headers: names in A2:A4, prices in B2:B4, in the same order.",
+            [["Drink", "Price"]],
+            [["Drink", "Price"], *[[n, p] for n, p in prices]],
+            [
+                a
+                for i, (n, p) in enumerate(prices, start=2)
+                for a in (calc_enter(f"A{i}", n), calc_enter(f"B{i}", str(p)))
+            ]
+            + [calc_save()],
+            extra_config=[
+                _upload("multi-price-list-to-sheet", "menu.txt", f"{HOME}/menu.txt"),
+                _open(f"{HOME}/menu.txt"),
+            ],
+            extra_files={"menu.txt": _text(menu_text)},
+            domain="multi_apps",
+            apps=["libreoffice_calc", "mousepad"],
         )
     )
     # Sheet -> text: the report is opened last, so the editor has the focus.
@@ -950,7 +1015,22 @@ def write_suite(out: Path = SUITE_DIR) -> dict[str, list[str]]:
             writer(folder / t.id / name)
         index.setdefault(t.domain, []).append(t.id)
     (out / "test_all.json").write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+    (out / "README.md").write_text(_readme(tasks), encoding="utf-8")
     return index
+
+
+def _readme(tasks: list[LocalTask]) -> str:
+    rows = "".join(
+        f"| {t.id} | {t.domain} | {len(t.raw['oracle'])} | {t.raw['evaluator']['func']} |\n"
+        for t in tasks
+    )
+    return (
+        "# Local task suite\n\n"
+        "Written by `python -m arpo_envs.tasks.generate` (do not edit by hand). OSWorld's task\n"
+        "schema; `oracle` is the list of pyautogui actions that solves the task; steps is its\n"
+        "length. Files a task uploads are in the folder named after it, beside its task file.\n\n"
+        "| id | domain | steps | checker |\n|---|---|---|---|\n" + rows
+    )
 
 
 if __name__ == "__main__":
