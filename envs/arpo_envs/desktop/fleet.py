@@ -131,14 +131,18 @@ def up(cfg: FleetConfig, announce=print) -> list[Member]:
         for i in range(cfg.n):
             tag = cfg.base_port + i if cfg.base_port else i
             root = os.path.join(cfg.root_base, f"arpo-desktop-{tag}-{os.urandom(3).hex()}")
-            p = subprocess.Popen(
-                _server_cmd(cfg, i, root),
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                start_new_session=True,
-                text=True,
-            )
+            os.makedirs(root)
+            # stderr to a file: an inherited terminal or pipe would outlive a detached `up`
+            with open(os.path.join(root, "server.log"), "ab") as log:
+                p = subprocess.Popen(
+                    _server_cmd(cfg, i, root),
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=log,
+                    start_new_session=True,
+                    text=True,
+                )
             procs.append(p)
             members.append(Member(i, p.pid, root=root))
             assert p.stdout is not None
@@ -153,7 +157,10 @@ def up(cfg: FleetConfig, announce=print) -> list[Member]:
                 i = key.data
                 line = key.fileobj.readline()  # type: ignore[union-attr]
                 if not line:
-                    raise RuntimeError(f"desktop {i} exited with code {procs[i].wait()}")
+                    code = procs[i].wait()
+                    raise RuntimeError(
+                        f"desktop {i} exited with code {code}: {_log_tail(members[i])}"
+                    )
                 with contextlib.suppress(json.JSONDecodeError):
                     msg = json.loads(line)
                     if msg.get("event") == "ready":
@@ -162,7 +169,10 @@ def up(cfg: FleetConfig, announce=print) -> list[Member]:
                         pending.discard(i)
             for i in list(pending):
                 if procs[i].poll() is not None:
-                    raise RuntimeError(f"desktop {i} exited with code {procs[i].returncode}")
+                    code = procs[i].returncode
+                    raise RuntimeError(
+                        f"desktop {i} exited with code {code}: {_log_tail(members[i])}"
+                    )
         for m in members:
             if not _health(m.url, cfg.token):
                 raise RuntimeError(f"desktop {m.index} at {m.url} does not answer GET /platform")
@@ -179,6 +189,14 @@ def up(cfg: FleetConfig, announce=print) -> list[Member]:
     for m in members:
         announce(f"env {m.index} {m.url} display {m.display} pid {m.pid}")
     return members
+
+
+def _log_tail(m: Member, lines: int = 5) -> str:
+    try:
+        text = Path(m.root, "server.log").read_text(errors="replace")
+    except OSError:
+        return "(no log)"
+    return " | ".join(text.strip().splitlines()[-lines:]) or "(empty log)"
 
 
 def _pid_alive(pid: int) -> bool:

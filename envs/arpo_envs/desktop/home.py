@@ -120,6 +120,28 @@ def libreoffice_template() -> Path | None:
     return target
 
 
+OFFICE_COMMANDS = ("soffice", "libreoffice", "localc", "lowriter", "loimpress")
+
+
+def write_office_wrappers(bin_dir: Path, profile: Path) -> None:
+    """Put `soffice`, `libreoffice`, ... in `bin_dir` (first on the desktop's PATH), each
+    running the real one with this desktop's profile spelled out as its own path.
+
+    LibreOffice hands a document to an already running instance that uses the same
+    profile path, through a socket in /tmp named after that path. Every desktop's apps
+    see their home as /home/user, so without this a Calc started on one desktop would
+    open its document in the Calc of another desktop (or of the host).
+    """
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    for name in OFFICE_COMMANDS:
+        real = shutil.which(name, path=os.defpath + ":/usr/bin:/usr/local/bin")
+        if real is None:
+            continue
+        script = bin_dir / name
+        script.write_text(f'#!/bin/sh\nexec {real} "-env:UserInstallation=file://{profile}" "$@"\n')
+        script.chmod(0o755)
+
+
 def rebuild_home(home: Path, files_template: Path | None, lo_template: Path | None) -> None:
     """Empty `home` (the directory itself stays: it may be a mount point) and fill it anew:
     the task files template, the standard folders, the LibreOffice profile."""

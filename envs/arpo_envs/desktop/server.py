@@ -125,6 +125,9 @@ class Desktop:
         self.alias_mounted = alias_mounted
         self.home = config.home_alias if alias_mounted and config.home_alias else str(self.home_dir)
         self.env = desktop_env(root, ":0", self.home)
+        # each desktop's LibreOffice under its own profile path (see write_office_wrappers)
+        homes.write_office_wrappers(root / "bin", self.home_dir / ".config" / "libreoffice" / "4")
+        self.env["PATH"] = f"{root / 'bin'}:{self.env.get('PATH', os.defpath)}"
         self.display = XDisplay(config.width, config.height, self.env, config.display)
         self.lo_template: Path | None = None
         self.runner: InProcessRunner | None = None

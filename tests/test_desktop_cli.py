@@ -1,0 +1,115 @@
+"""`arpo-envs up` / `arpo-envs down` with real desktops: endpoints answer, nothing is left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from arpo_envs.desktop.fleet import orphans
+from test_desktop_common import Desk, require_desktop
+from test_desktop_common import wait_until as until
+
+CLI = [sys.executable, "-m", "arpo_envs.cli"]
+
+
+def _desk(member: dict) -> Desk:
+    return Desk(member["url"], member["display"], member["root"], "/home/user", member["pid"], None)
+
+
+def _soffice_pids() -> set[int]:
+    out = set()
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                if b"soffice.bin" in Path(f"/proc/{entry.name}/cmdline").read_bytes():
+                    out.add(int(entry.name))
+            except OSError:
+                pass
+    return out
+
+
+def _assert_nothing_left(members: list[dict], state: Path) -> None:
+    roots = [m["root"] for m in members]
+    assert orphans(roots) == [], "processes of a stopped desktop are still running"
+    for m in members:
+        n = m["display"][1:]
+        assert not Path(f"/tmp/.X{n}-lock").exists(), f"stale lock of display :{n}"
+        assert not Path(f"/tmp/.X11-unix/X{n}").exists()
+        assert not Path(m["root"]).exists()
+        assert not _pid_alive(m["pid"])
+    assert not state.exists()
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_up_detached_then_down_leaves_no_orphans(tmp_path) -> None:
+    require_desktop()
+    state = tmp_path / "state.json"
+    try:
+        r = subprocess.run(
+            [*CLI, "up", "-n", "2", "--base-port", "0", "--detach", "--state", str(state)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.count("\nenv ") == 2, r.stdout
+        members = json.loads(state.read_text())["servers"]
+        assert len({m["display"] for m in members}) == 2
+        assert len({m["url"] for m in members}) == 2
+        before = _soffice_pids()
+        for m in members:
+            d = _desk(m)
+            assert d.get("/platform").text == "Linux"
+            assert d.get("/terminal").json()["status"] == "success"
+        # leave real apps running: Calc (soffice.bin, its lock file) and an xterm
+        d = _desk(members[0])
+        d.sh("printf 'x,y\\n1,2\\n' > ~/t.csv")
+        assert d.post("/setup/open_file", {"path": "/home/user/t.csv"}).status == 200
+        assert Path(members[0]["root"], "home", ".~lock.t.csv#").exists()
+        _desk(members[1]).post("/setup/launch", {"command": ["xterm"]})
+        until(lambda: _soffice_pids() - before)
+        assert orphans([m["root"] for m in members])
+    finally:
+        down = subprocess.run(
+            [*CLI, "down", "--state", str(state)], capture_output=True, text=True, timeout=60
+        )
+    assert down.returncode == 0, down.stderr
+    assert "stopped 2 desktops" in down.stdout
+    _assert_nothing_left(members, state)
+    assert not (_soffice_pids() - before)
+
+
+def test_up_in_the_foreground_stops_everything_on_sigterm(tmp_path) -> None:
+    require_desktop()
+    state = tmp_path / "state.json"
+    out_file = tmp_path / "up.out"
+    with open(out_file, "w") as out:
+        proc = subprocess.Popen(
+            [*CLI, "up", "-n", "2", "--base-port", "0", "--state", str(state)], stdout=out
+        )
+    try:
+        until(lambda: out_file.read_text().count("\nenv ") == 2 or proc.poll(), timeout=120)
+        assert proc.poll() is None, out_file.read_text()
+        members = json.loads(state.read_text())["servers"]
+        for m in members:
+            assert _desk(m).get("/platform").text == "Linux"
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            subprocess.run([*CLI, "down", "--state", str(state)], timeout=60)
+            proc.wait(timeout=30)
+    assert proc.returncode == 0
+    assert "stopped 2 desktops" in out_file.read_text()
+    _assert_nothing_left(members, state)
