@@ -53,9 +53,6 @@ if TYPE_CHECKING:
     import torch
     from PIL import Image
 
-ImageInput = "Image.Image | bytes | bytearray | memoryview"
-Weights = "Mapping[str, torch.Tensor] | str | Path"
-
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
@@ -265,10 +262,10 @@ class Engine(abc.ABC):
     async def generate(
         self,
         token_ids: Sequence[int] | np.ndarray,
-        images: Sequence[Any] = (),
+        images: Sequence[Image.Image | bytes] = (),
         params: SamplingParams | None = None,
     ) -> Completion:
-        """Sample one response to the prompt `token_ids` showing `images`."""
+        """Sample one response to the prompt `token_ids` showing `images` (PIL or PNG bytes)."""
         self._ensure_async()
         assert self._gate is not None and self._slots is not None
         params = params or SamplingParams()
@@ -286,7 +283,9 @@ class Engine(abc.ABC):
                 await self._gate.leave()
         return self._completion(out_ids, out_lps, params, version)
 
-    async def update_weights(self, weights: Any, version: int) -> None:
+    async def update_weights(
+        self, weights: Mapping[str, torch.Tensor] | str | Path, version: int
+    ) -> None:
         """Serve new weights (a state dict or a checkpoint folder) as `version`."""
         self._ensure_async()
         assert self._gate is not None
