@@ -1,7 +1,11 @@
 """Screenshots: an mss grab of the X screen with the pointer, PNG at compress level 1.
 
 Xvfb's framebuffer has no pointer in it; like OSWorld's server, which pastes the
-cursor image in, mss draws the current cursor image (XFixes) at its position. mss and
+cursor image in, mss draws the current cursor image (XFixes) at its position. The PNG
+is written by the simulated desktop's band encoder (`sim.png`: no row filters, zlib
+level 1, and only the bands that changed since the last screenshot are compressed
+again): Pillow's encoder spends most of its time choosing row filters (~4x slower on
+a Calc screen). mss and
 python-xlib connections are not thread-safe, so every grab runs on one worker thread
 that owns both; `reconnect()` drops them after the X server restarted.
 """
@@ -9,10 +13,11 @@ that owns both; `reconnect()` drops them after the X server restarted.
 from __future__ import annotations
 
 import asyncio
-import io
 from concurrent.futures import ThreadPoolExecutor
 
 from PIL import Image
+
+from arpo_envs.sim.png import BandPngEncoder
 
 
 class Screen:
@@ -24,6 +29,7 @@ class Screen:
         self.compress_level = compress_level
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="screenshot")
         self._sct = None
+        self._encoder = BandPngEncoder(band_rows=16, level=compress_level)
         self._xd = None
 
     def _connect(self):
@@ -53,13 +59,16 @@ class Screen:
             sct, _ = self._connect()
             shot = sct.grab(sct.monitors[0])
         img = Image.frombuffer("RGB", shot.size, shot.bgra, "raw", "BGRX", 0, 1)
-        buf = io.BytesIO()
-        img.save(buf, "PNG", compress_level=self.compress_level)
-        return buf.getvalue()
+        return self._encoder.encode(img)
 
     def _pointer(self) -> tuple[int, int]:
-        _, xd = self._connect()
-        p = xd.screen().root.query_pointer()
+        try:
+            _, xd = self._connect()
+            p = xd.screen().root.query_pointer()
+        except Exception:
+            self._drop()  # a restarted X server
+            _, xd = self._connect()
+            p = xd.screen().root.query_pointer()
         return p.root_x, p.root_y
 
     async def png(self) -> bytes:
