@@ -282,6 +282,12 @@ def main(argv: list[str] | None = None) -> int:
             + " | ".join(str(r["tokens_per_s"][c]) for c in cols)
             + f" | {r['update_state_dict_s']} | {r['update_folder_s']} |"
         )
+    if max(load_before) >= 1.0 or max(report["load_average_after"]) >= 2.0:
+        lines.append(
+            "\nThe machine was busy during this run (load average of 1 or more before, "
+            "or of 2 or more after, on 2 cores): other processes took CPU time, so the "
+            "figures are lower bounds and their ratios are noisy."
+        )
     for k, why in skipped.items():
         lines.append(f"\n{k} skipped: {why}")
     (out_dir / f"engines-{date}.md").write_text("\n".join(lines) + "\n")
