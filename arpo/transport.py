@@ -390,7 +390,7 @@ class ActorLink:
 
     - `send(frames)`: a trajectory on the data link (waits up to `send_timeout_s` for room);
     - acknowledgements and learner heartbeats arriving on the data link go to `on_ack(ids)`
-      and update `learner_version` / `last_heard`;
+      and update `learner_version` / `last_heard["data"]`;
     - `request(msg, match)`: one control request at a time, the first reply for which
       `match(reply)` is true, or None after `request_timeout_s`.
     """
@@ -412,8 +412,10 @@ class ActorLink:
         self._reader: asyncio.Task | None = None
         self.learner_version = -1
         """The newest policy version the learner publishes (from its heartbeats); -1 unknown."""
-        self.last_heard = 0.0
-        """time.monotonic() of the last message from the learner (0: never)."""
+        self.last_heard = {"data": 0.0}
+        """time.monotonic() of the last message from the learner's ingest (0: never)."""
+        self.control_timeouts = 0
+        """Control requests that got no answer in time (consecutive; 0 after an answer)."""
         self.bad_messages = 0
 
     def start(self) -> None:
@@ -425,9 +427,9 @@ class ActorLink:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reader
             self._reader = None
-        self.data.close(self.config.linger_ms)
-        self.control.close(self.config.linger_ms)
-        self._ctx.term()
+        # destroy() closes whatever socket is still open, with a bounded linger: a queued
+        # message to a learner that is gone must not keep the process alive.
+        self._ctx.destroy(linger=self.config.linger_ms)
 
     async def send(self, frames: Frames, timeout: float | None = None) -> bool:
         """Queue one message on the data link; False when there was no room in time."""
@@ -440,8 +442,11 @@ class ActorLink:
             return False
         return True
 
-    def _heard(self, msg: wire.Message) -> None:
-        self.last_heard = time.monotonic()
+    def _heard(self, msg: wire.Message, link: str) -> None:
+        if link == "control":
+            self.control_timeouts = 0
+        else:
+            self.last_heard[link] = time.monotonic()
         if isinstance(msg, wire.Heartbeat) and msg.role == "learner":
             self.learner_version = max(self.learner_version, msg.version)
 
@@ -454,15 +459,15 @@ class ActorLink:
                 self.bad_messages += 1
                 log.warning("actor %s: malformed message from the learner: %s", self.actor_id, e)
                 continue
-            self._heard(msg)
+            self._heard(msg, "data")
             if isinstance(msg, wire.Ack):
                 self._on_ack(msg.ids)
 
     async def heartbeat(self, hb: wire.Heartbeat) -> None:
-        """Send a heartbeat on both links (never waits: a full queue skips it)."""
-        for sock in (self.data, self.control):
-            with contextlib.suppress(zmq.Again):
-                sock.send_multipart(wire.encode(hb), zmq.NOBLOCK)
+        """Send a heartbeat on the data link (never waits: a full queue skips it). The
+        control link needs none: every request there is answered or times out."""
+        with contextlib.suppress(zmq.Again):
+            self.data.send_multipart(wire.encode(hb), zmq.NOBLOCK)
 
     async def request(
         self,
@@ -483,7 +488,7 @@ class ActorLink:
                 return None
             while (left := deadline - loop.time()) > 0:
                 if not await self.control.poll(max(1, int(left * 1000)), zmq.POLLIN):
-                    return None
+                    break
                 frames = await self.control.recv_multipart()
                 try:
                     reply = wire.decode(frames)
@@ -491,9 +496,10 @@ class ActorLink:
                     self.bad_messages += 1
                     log.warning("actor %s: malformed control reply: %s", self.actor_id, e)
                     continue
-                self._heard(reply)
+                self._heard(reply, "control")
                 if match(reply):
                     return reply
+            self.control_timeouts += 1
             return None
 
 

@@ -83,7 +83,8 @@ class Actor:
         self._inflight: dict[str, float] = {}  # trajectory id -> time sent (monotonic)
         self._episodes_running = 0
         self._req = 0
-        self._learner_silent = False
+        self.silent_links: set[str] = set()
+        """Links ("data", "control") on which the learner has been silent too long."""
         self._t0 = time.monotonic()
         self._sim_runners: list[Any] = []
         self._owns_policy = policy is None
@@ -190,19 +191,26 @@ class Actor:
             await asyncio.gather(*workers, return_exceptions=True)
             await self._flush(c.flush_deadline_s)
         finally:
+            log.debug("actor %s: stopping services", self.actor_id)
             for t in service_tasks:
                 t.cancel()
             await asyncio.gather(*service_tasks, return_exceptions=True)
             for w in workers:
                 w.cancel()
             await asyncio.gather(*workers, return_exceptions=True)
+            log.debug("actor %s: closing the links", self.actor_id)
             await self.link.close()
-            for e in self.envs:
-                await e.close()
-            for r in self._sim_runners:
-                await r.cleanup()
-            if self._owns_policy:
-                await self.policy.close()
+            log.debug("actor %s: closing environments and policy", self.actor_id)
+            # Bounded, so a stuck connection cannot keep a stopping actor alive.
+            for what, closing in (
+                ("environments", [e.close() for e in self.envs]),
+                ("simulated desktops", [r.cleanup() for r in self._sim_runners]),
+                ("policy", [self.policy.close()] if self._owns_policy else []),
+            ):
+                try:
+                    await asyncio.wait_for(asyncio.gather(*closing), 15.0)
+                except TimeoutError:
+                    log.warning("actor %s: closing the %s timed out", self.actor_id, what)
             self._print_progress(final=True)
         return self.stats
 
@@ -372,20 +380,31 @@ class Actor:
                     self.actor_id, "actor", seq, max(0, self.version), time.time(), stats
                 )
             )
-            heard = self.link.last_heard
-            silent_for = time.monotonic() - (heard or self._t0)
-            if silent_for > c.peer_timeout_s and not self._learner_silent:
-                self._learner_silent = True
-                log.warning(
-                    "actor %s: the learner has not answered for %.0f s; collecting into the "
-                    "spool (%d waiting)",
-                    self.actor_id,
-                    silent_for,
-                    len(self.spool),
-                )
-            elif silent_for <= c.peer_timeout_s and self._learner_silent:
-                self._learner_silent = False
-                log.warning("actor %s: the learner answers again", self.actor_id)
+            now = time.monotonic()
+            silent_control = self.link.control_timeouts > 0
+            if silent_control and "control" not in self.silent_links:
+                self.silent_links.add("control")
+                log.warning("actor %s: the learner's grant server does not answer", self.actor_id)
+            elif not silent_control and "control" in self.silent_links:
+                self.silent_links.discard("control")
+                log.warning("actor %s: the learner's grant server answers again", self.actor_id)
+            for name, heard in self.link.last_heard.items():
+                silent_for = now - max(heard, self._t0)
+                if silent_for > c.peer_timeout_s and name not in self.silent_links:
+                    self.silent_links.add(name)
+                    log.warning(
+                        "actor %s: the learner's %s link has not answered for %.0f s; "
+                        "collecting into the spool (%d waiting)",
+                        self.actor_id,
+                        name,
+                        silent_for,
+                        len(self.spool),
+                    )
+                elif silent_for <= c.peer_timeout_s and name in self.silent_links:
+                    self.silent_links.discard(name)
+                    log.warning(
+                        "actor %s: the learner's %s link answers again", self.actor_id, name
+                    )
             await asyncio.sleep(c.heartbeat_s)
 
     async def _weights(self) -> None:
@@ -432,7 +451,8 @@ class Actor:
     def progress_line(self) -> str:
         s = self.stats
         dt = max(1e-9, time.monotonic() - self._t0)
-        learner = "learner SILENT" if self._learner_silent else "learner ok"
+        silent = ",".join(sorted(self.silent_links))
+        learner = f"learner SILENT ({silent})" if silent else "learner ok"
         return (
             f"[{self.actor_id}] episodes {s.episodes} (success {s.successes}) | "
             f"{s.steps / dt:.1f} steps/s | in flight {self._episodes_running} | "

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import logging
+import signal
 import sys
 
 from arpo.config import describe, load_config
@@ -26,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="arpo-actor", description="Run episodes for the learner.")
     ap.add_argument("--config", help="TOML file with config fields")
     ap.add_argument("--show-config", action="store_true", help="list every config field and exit")
-    ap.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    ap.add_argument("--log-level", default="INFO", help="level of arpo's logs (default INFO)")
     ap.add_argument("overrides", nargs="*", metavar="field=value", help="override a config field")
     args = ap.parse_args(argv)
 
@@ -41,11 +43,14 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"arpo-actor: {e}", file=sys.stderr)
         return 2
+    # `kill -USR1 <pid>` prints every thread's stack to stderr (a hung actor explains itself).
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     logging.basicConfig(
-        level=args.log_level.upper(),
+        level=logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    logging.getLogger("arpo").setLevel(args.log_level.upper())
 
     async def run() -> bool:
         actor = Actor(cfg)
