@@ -110,16 +110,24 @@ async def measure(urls: list[str], seconds: float) -> dict:
 
 def memory_of(pids: list[int]) -> dict:
     rss = pss = 0
+    by_name: dict[str, float] = {}
     for pid in pids:
         try:
+            name = Path(f"/proc/{pid}/comm").read_text().strip()
             for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
                 if line.startswith("Rss:"):
                     rss += int(line.split()[1])
                 elif line.startswith("Pss:"):
                     pss += int(line.split()[1])
+                    by_name[name] = by_name.get(name, 0.0) + int(line.split()[1]) / 1024
         except OSError:
             pass
-    return {"rss_mib": rss / 1024, "pss_mib": pss / 1024, "processes": len(pids)}
+    return {
+        "rss_mib": rss / 1024,
+        "pss_mib": pss / 1024,
+        "processes": len(pids),
+        "pss_mib_by_process": {k: round(v, 1) for k, v in sorted(by_name.items())},
+    }
 
 
 async def open_calc(urls: list[str]) -> float:
@@ -200,7 +208,7 @@ def sim_run(n: int, seconds: float) -> tuple[dict, dict]:
                 urls.append(line.split()[2])
         res = asyncio.run(measure(urls, seconds))
         mem = memory_of([proc.pid])
-        mem = {k: (v / n if k != "processes" else v) for k, v in mem.items()}
+        mem = {k: (v / n if k in ("rss_mib", "pss_mib") else v) for k, v in mem.items()}
     finally:
         proc.terminate()
         proc.wait(timeout=10)
@@ -264,7 +272,11 @@ def render(results: dict) -> str:
         "| env | memory per environment |",
         "|---|---|",
         f"| real (server + Xvfb + openbox + Calc) | PSS {results['memory']['real']['pss_mib']:.0f} MiB, "
-        f"RSS {results['memory']['real']['rss_mib']:.0f} MiB ({results['memory']['real']['processes']} processes) |",
+        f"RSS {results['memory']['real']['rss_mib']:.0f} MiB; PSS by process: "
+        + ", ".join(
+            f"{k} {v:.0f}" for k, v in results["memory"]["real"]["pss_mib_by_process"].items()
+        )
+        + " |",
         f"| sim (one process for all, divided by n) | PSS {results['memory']['sim']['pss_mib']:.0f} MiB, "
         f"RSS {results['memory']['sim']['rss_mib']:.0f} MiB |",
         "",

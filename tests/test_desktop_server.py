@@ -286,3 +286,13 @@ def test_token_is_required_when_set_and_exposed_binds_need_one(tmp_path) -> None
         env={k: v for k, v in os.environ.items() if k != "ARPO_ENV_TOKEN"},
     )
     assert r.returncode == 2 and "without a token" in r.stderr
+
+
+def test_shell_commands_find_python_with_pyautogui_and_paths_expand_in_the_desktop(
+    clean: Desk,
+) -> None:
+    r = clean.sh("python3 -c 'import pyautogui; print(tuple(pyautogui.size()))'")
+    assert (r["output"], r["returncode"]) == ("(1280, 720)\n", 0), r
+    clean.sh("echo hello > ~/Documents/h.txt")
+    assert clean.file("$HOME/Documents/h.txt").body == b"hello\n"
+    assert clean.file("~/Documents/h.txt").body == b"hello\n"

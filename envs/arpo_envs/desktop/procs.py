@@ -58,6 +58,19 @@ def desktop_env(root: Path, display: str, home: str) -> dict[str, str]:
     return env
 
 
+def write_python_wrappers(bin_dir: Path) -> None:
+    """`python` and `python3` in `bin_dir` (first on the desktop's PATH) run this interpreter,
+    which has pyautogui, as `python` does on an OSWorld VM; shell commands of tasks
+    (`python3 -c "import pyautogui; ..."`) then work as they do there."""
+    import sys
+
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    for name in ("python", "python3"):
+        script = bin_dir / name
+        script.write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+        script.chmod(0o755)
+
+
 def marked_pids(root: Path | str, exclude: Iterable[int] = ()) -> list[int]:
     """Live processes (not zombies) whose environment carries the marker of `root`."""
     needle = f"{MARKER}={root}\0".encode()

@@ -37,6 +37,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -58,7 +59,7 @@ from arpo_envs.desktop.executor import (
     normalize,
     run_subprocess,
 )
-from arpo_envs.desktop.procs import desktop_env, kill_marked
+from arpo_envs.desktop.procs import desktop_env, kill_marked, write_python_wrappers
 from arpo_envs.desktop.screen import Screen
 from arpo_envs.desktop.windows import WindowList, accessibility_xml, matches, wmctrl
 from arpo_envs.server_common import RequestError, ServerSecurity, check_type, make_app, read_json
@@ -68,6 +69,7 @@ log = logging.getLogger("arpo_envs.desktop")
 CALC_SUFFIXES = frozenset({".xlsx", ".xls", ".xlsm", ".ods", ".csv", ".tsv"})
 OFFICE_SUFFIXES = frozenset({".docx", ".doc", ".odt", ".rtf", ".pptx", ".ppt", ".odp"})
 MAX_UPLOAD = 512 * 1024 * 1024
+_VAR = re.compile(r"\$(?:\{(\w+)\}|(\w+))")  # $NAME or ${NAME}, expanded in the desktop's env
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +129,7 @@ class Desktop:
         self.env = desktop_env(root, ":0", self.home)
         # each desktop's LibreOffice under its own profile path (see write_office_wrappers)
         homes.write_office_wrappers(root / "bin", self.home_dir / ".config" / "libreoffice" / "4")
+        write_python_wrappers(root / "bin")
         self.env["PATH"] = f"{root / 'bin'}:{self.env.get('PATH', os.defpath)}"
         self.display = XDisplay(config.width, config.height, self.env, config.display)
         self.lo_template: Path | None = None
@@ -200,7 +203,7 @@ class Desktop:
     def path(self, raw: str) -> Path:
         """A path of a request as this process sees it (`~`, `$VAR`, and the home alias when
         it is not mounted)."""
-        p = os.path.expandvars(raw)
+        p = _VAR.sub(lambda m: self.env.get(m.group(1) or m.group(2), m.group(0)), raw)
         if p == "~" or p.startswith("~/"):
             p = self.home + p[1:]
         alias = self.config.home_alias
@@ -694,6 +697,8 @@ async def _serve(desk: Desktop) -> None:
         "pid": os.getpid(),
     }
     print(json.dumps(ready), flush=True)
+    # nothing more for whoever started us (who may close the pipe): the rest goes to stderr
+    os.dup2(2, 1)
     try:
         await stop.wait()
     finally:
