@@ -78,8 +78,13 @@ def test_up_detached_then_down_leaves_no_orphans(tmp_path) -> None:
         assert d.post("/setup/open_file", {"path": "/home/user/t.csv"}).status == 200
         assert Path(members[0]["root"], "home", ".~lock.t.csv#").exists()
         _desk(members[1]).post("/setup/launch", {"command": ["xterm"]})
+        # a process that is no X client does not die with the display: down must find it
+        _desk(members[1]).post("/setup/launch", {"command": ["sleep", "300"]})
         until(lambda: _soffice_pids() - before)
         assert orphans([m["root"] for m in members])
+        # a server killed hard cannot clean up after itself
+        os.kill(members[1]["pid"], signal.SIGKILL)
+        until(lambda: not _pid_alive(members[1]["pid"]))
     finally:
         down = subprocess.run(
             [*CLI, "down", "--state", str(state)], capture_output=True, text=True, timeout=60
