@@ -237,6 +237,7 @@ def test_reset_restores_a_clean_desktop_quickly(clean: Desk) -> None:
         assert clean.post("/setup/launch", {"command": ["xterm", "-T", f"doomed{i}"]}).status == 200
         until(lambda i=i: f"doomed{i}" in clean.windows())
         clean.act("pyautogui.keyDown('shift'); pyautogui.moveTo(5, 5)")
+        clean.sh("wmctrl -s 1")
         t0 = time.perf_counter()
         body = clean.post("/reset").json()
         times.append(time.perf_counter() - t0)
@@ -244,6 +245,7 @@ def test_reset_restores_a_clean_desktop_quickly(clean: Desk) -> None:
         assert clean.windows() == []
         assert clean.file(f"/home/user/junk{i}.txt").status == 404
         assert clean.sh("ls -A ~/Desktop")["output"] == ""
+        assert "0  * " in clean.sh("wmctrl -d")["output"]  # back on the first workspace
         assert clean.get("/cursor_position").json() == [640, 360]
         assert clean.act("print(pyautogui.position())")["output"] == "Point(x=640, y=360)\n"
     median = statistics.median(times)

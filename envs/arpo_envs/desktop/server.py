@@ -180,6 +180,10 @@ class Desktop:
             if self.screen is not None:
                 await self.screen.reconnect(self.display.name)
         await asyncio.to_thread(self._rebuild_home)
+        # back to the first workspace, in case an action switched (openbox has several)
+        await asyncio.to_thread(
+            subprocess.run, ["wmctrl", "-s", "0"], env=self.env, capture_output=True, timeout=10
+        )
         if self.runner is not None:
             await asyncio.to_thread(self._settle_input)
         return {
