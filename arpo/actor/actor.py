@@ -409,11 +409,11 @@ class Actor:
 
     async def _weights(self) -> None:
         assert self.link is not None
+        refused = -1  # a version the engine rejected is not fetched again
         while True:
             await asyncio.sleep(self.config.transport.heartbeat_s)
-            if self.link.learner_version <= self.version or not hasattr(
-                self.policy, "update_weights"
-            ):
+            newest = self.link.learner_version
+            if newest <= max(self.version, refused) or not hasattr(self.policy, "update_weights"):
                 continue
             got = await fetch_weights(self.link)
             if got is None:
@@ -422,7 +422,18 @@ class Actor:
             if ann.version <= self.version:
                 continue
             t0 = time.perf_counter()
-            await self.policy.update_weights(await self._weights_for_engine(ann, data), ann.version)
+            try:
+                weights = await self._weights_for_engine(ann, data)
+                await self.policy.update_weights(weights, ann.version)
+            except Exception:
+                refused = ann.version
+                log.exception(
+                    "actor %s: policy v%d could not be applied; still serving v%d",
+                    self.actor_id,
+                    ann.version,
+                    self.version,
+                )
+                continue
             log.info(
                 "actor %s: policy v%d applied (%.1f MB, %s, %.2f s)",
                 self.actor_id,
