@@ -380,3 +380,37 @@ def test_cli_rejects_a_bad_field() -> None:
         [sys.executable, "-m", "arpo.actor.cli", "policy=scripted"], capture_output=True, text=True
     )
     assert p.returncode == 2 and "sim_envs=N" in p.stderr
+
+
+def test_full_spool_stops_new_episodes_and_drops_nothing(learner_factory, tmp_path: Path) -> None:
+    tasks = sim_tasks(per_family=1, families=["click_button", "menu_pick"])
+    lr = learner_factory(tasks, GrantConfig(group_size=4, groups_per_step=10, max_staleness=0))
+    lr.stop_ingest()  # nothing is acknowledged: the spool can only grow
+    cfg = ActorConfig(
+        sim_envs=2,
+        policy="scripted",
+        spool_dir=str(tmp_path / "spool"),
+        spool_max_bytes=600_000,  # a few trajectories (each a few 100 KB of PNGs)
+        transport=lr.transport(ack_timeout_s=2.0),
+        progress_s=0,
+    )
+
+    async def go() -> tuple[Actor, int]:
+        actor = Actor(cfg)
+        run = asyncio.create_task(actor.run())
+        await async_wait_for(lambda: actor.spool.full, "a full spool")
+        # Episodes under way when it filled still finish and are kept; no new one starts.
+        await async_wait_for(lambda: actor._episodes_running == 0, "running episodes to end")
+        at_full = actor.stats.episodes
+        await asyncio.sleep(2.0)
+        assert actor.stats.episodes == at_full and actor._episodes_running == 0
+        await asyncio.to_thread(lr.start_ingest)
+        await async_wait_for(lambda: actor.stats.episodes > at_full, "episodes after the drain")
+        actor.stop()
+        await asyncio.wait_for(run, 120)
+        return actor, at_full
+
+    actor, at_full = asyncio.run(go())
+    trajs = lr.drain()
+    assert len(trajs) == actor.stats.episodes > at_full  # every episode delivered, none dropped
+    assert len({t.trajectory_id for t in trajs}) == len(trajs)
