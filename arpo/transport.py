@@ -433,6 +433,10 @@ class ActorLink:
 
     async def send(self, frames: Frames, timeout: float | None = None) -> bool:
         """Queue one message on the data link; False when there was no room in time."""
+        # Try at once: polling first would cost an event-loop round trip per message.
+        with contextlib.suppress(zmq.Again):
+            self.data.send_multipart(list(frames), zmq.NOBLOCK, copy=False)
+            return True
         t = self.config.send_timeout_s if timeout is None else timeout
         if not await self.data.poll(int(t * 1000), zmq.POLLOUT):
             return False

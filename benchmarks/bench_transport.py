@@ -1,0 +1,240 @@
+"""Trajectories actor -> store over TCP loopback, next to a raw socket moving the same bytes.
+
+    .venv/bin/python benchmarks/bench_transport.py            # full run, writes benchmarks/results/
+    .venv/bin/python benchmarks/bench_transport.py --quick    # a few seconds, no results file
+
+Workload: the realistic record of the tests (15 turns, 15 real PNG screenshots of about
+90 KB, about 20k tokens, 1.37 MB on the wire), `n` distinct trajectories (distinct ids,
+shared PNG buffers). The receiving side runs in its own process (the learner), the
+sending side in this one (the actor); each row times first byte sent -> last
+acknowledgement received. Rows:
+
+- raw TCP             one socket, the same bytes length-prefixed; the receiver reads them
+                      into a buffer and answers one byte at the end (no decoding, no store)
+- arpo transport      ActorLink (DEALER, asyncio) -> Ingest (ROUTER): decode + validate +
+                      `wire.to_item` + `store.put` + an ack per trajectory; at most 32 unacked
+- arpo + spool        the same with the actor's spool: write + fsync + rename before the
+                      send, delete on the ack (the actor's whole delivery path)
+
+Correctness is checked before the figures are reported: every trajectory is in the store
+once, and one taken back out equals the one sent, byte for byte.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import multiprocessing as mp
+import os
+import socket
+import struct
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from bench_wire import machine  # noqa: E402
+from conftest import make_png, make_trajectory  # noqa: E402
+
+from arpo import wire  # noqa: E402
+from arpo.record import Trajectory  # noqa: E402
+
+
+def workload(n: int) -> list[Trajectory]:
+    rng = np.random.default_rng(0)
+    pngs = [make_png(rng) for _ in range(15)]
+    base = make_trajectory(rng, pngs=pngs)
+    return [dataclasses.replace(base, trajectory_id=uuid.uuid4().hex) for _ in range(n)]
+
+
+# ---------------------------------------------------------------------------- learner process
+
+
+def _learner(q: mp.Queue, done: mp.Event, n: int) -> None:
+    from arpo.buffer import ReplayStore
+    from arpo.learner.ingest import Ingest
+    from arpo.transport import TransportConfig
+
+    store = ReplayStore(max_bytes=8 << 30, fresh_capacity=n + 1, seed=0)
+    ingest = Ingest(store, transport=TransportConfig(data="tcp://127.0.0.1:0", rcvhwm=1000))
+    q.put(ingest.start())
+    done.wait()
+    ingest.stop()
+    task = store.tasks()[0]
+    first = wire.from_item(store.take_group(task, 1, timeout=0)[0])
+    q.put(
+        {
+            "stored": ingest.stats().get("stored", 0),
+            "duplicates": ingest.stats().get("duplicates", 0),
+            "first_id": first.trajectory_id,
+            "first": b"".join(bytes(f) for f in wire.encode(first)),
+        }
+    )
+
+
+def _raw_receiver(q: mp.Queue, total: int) -> None:
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    q.put(srv.getsockname()[1])
+    conn, _ = srv.accept()
+    buf = bytearray(8 << 20)
+    view = memoryview(buf)
+    got = 0
+    while got < total:
+        k = conn.recv_into(view)
+        if not k:
+            break
+        got += k
+    conn.sendall(b"k")
+    conn.close()
+    srv.close()
+    q.put(got)
+
+
+# ---------------------------------------------------------------------------- senders
+
+
+def run_raw(trajs: list[Trajectory]) -> float:
+    msgs = []
+    for t in trajs:
+        frames = [bytes(f) for f in wire.encode(t)]
+        head = struct.pack("<I", len(frames)) + b"".join(struct.pack("<Q", len(f)) for f in frames)
+        msgs.append([head, *frames])
+    total = sum(len(x) for m in msgs for x in m)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_raw_receiver, args=(q, total))
+    p.start()
+    port = q.get(timeout=60)
+    s = socket.create_connection(("127.0.0.1", port))
+    t0 = time.perf_counter()
+    for m in msgs:
+        s.sendmsg(m)
+    assert s.recv(1) == b"k"
+    el = time.perf_counter() - t0
+    s.close()
+    assert q.get(timeout=60) == total
+    p.join(30)
+    return el
+
+
+async def _send_all(endpoint: str, trajs: list[Trajectory], spool_dir: str | None) -> float:
+    from arpo.actor.spool import Spool
+    from arpo.transport import ActorLink, TransportConfig
+
+    pending: set[str] = set()
+    wake = asyncio.Event()
+    spool = Spool(spool_dir, max_bytes=1 << 40) if spool_dir else None
+
+    def on_ack(ids: tuple[str, ...]) -> None:
+        for i in ids:
+            pending.discard(i)
+            if spool is not None:
+                spool.remove(i)
+        wake.set()
+
+    link = ActorLink(
+        TransportConfig(data=endpoint, control="tcp://127.0.0.1:1", sndhwm=64),
+        on_ack=on_ack,
+        actor_id="bench",
+    )
+    link.start()
+    window = 32
+    t0 = time.perf_counter()
+    for t in trajs:
+        while len(pending) >= window:
+            wake.clear()
+            await wake.wait()
+        if spool is not None:
+            await asyncio.to_thread(spool.put, t)
+            frames = await asyncio.to_thread(spool.frames, t.trajectory_id)
+        else:
+            frames = wire.encode(t)
+        pending.add(t.trajectory_id)
+        assert await link.send(frames, timeout=60)
+    while pending:
+        wake.clear()
+        await asyncio.wait_for(wake.wait(), 60)
+    el = time.perf_counter() - t0
+    await link.close()
+    return el
+
+
+def run_arpo(trajs: list[Trajectory], spool: bool) -> float:
+    ctx = mp.get_context("spawn")
+    q, done = ctx.Queue(), ctx.Event()
+    p = ctx.Process(target=_learner, args=(q, done, len(trajs)))
+    p.start()
+    endpoint = q.get(timeout=120)
+    with tempfile.TemporaryDirectory(dir=ROOT / "runs" if (ROOT / "runs").is_dir() else None) as d:
+        el = asyncio.run(_send_all(endpoint, trajs, d if spool else None))
+        assert not list(Path(d).glob("*.traj")), "spool not emptied by the acks"
+    done.set()
+    res = q.get(timeout=120)
+    p.join(60)
+    # Correctness before figures: all stored once, and exactly what was sent.
+    assert res["stored"] == len(trajs) and res["duplicates"] == 0, res
+    sent = next(t for t in trajs if t.trajectory_id == res["first_id"])
+    assert res["first"] == b"".join(bytes(f) for f in wire.encode(sent))
+    return el
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("-n", type=int, default=400, help="trajectories per row")
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    n, repeats = (40, 1) if args.quick else (args.n, args.repeats)
+    trajs = workload(n)
+    nbytes = sum(sum(memoryview(f).nbytes for f in wire.encode(t)) for t in trajs)
+    load = os.getloadavg()
+    rows: dict[str, list[float]] = {"raw TCP": [], "arpo transport": [], "arpo + spool": []}
+    for _ in range(repeats):
+        rows["raw TCP"].append(run_raw(trajs))
+        rows["arpo transport"].append(run_arpo(trajs, spool=False))
+        rows["arpo + spool"].append(run_arpo(trajs, spool=True))
+    best = {k: min(v) for k, v in rows.items()}
+    raw = best["raw TCP"]
+    lines = [
+        f"# Transport: {n} realistic trajectories ({nbytes / n / 1e6:.2f} MB each) actor -> store,"
+        " TCP loopback",
+        "",
+        "| path | trajectories/s | GB/s | vs raw | runs (s) |",
+        "|---|---:|---:|---:|---|",
+    ]
+    for k, el in best.items():
+        lines.append(
+            f"| {k} | {n / el:,.0f} | {nbytes / el / 1e9:.2f} | {raw / el:.2f} | "
+            + ", ".join(f"{x:.3f}" for x in rows[k])
+            + " |"
+        )
+    info = machine()
+    info["load_before"] = [round(x, 2) for x in load]
+    info["load_after"] = [round(x, 2) for x in os.getloadavg()]
+    lines += ["", "best of the runs; " + json.dumps(info)]
+    text = "\n".join(lines)
+    print(text)
+    if not args.quick:
+        out = ROOT / "benchmarks" / "results"
+        out.mkdir(parents=True, exist_ok=True)
+        day = info["date"][:10]
+        (out / f"transport-{day}.md").write_text(text + "\n")
+        (out / f"transport-{day}.json").write_text(
+            json.dumps({"machine": info, "n": n, "bytes": nbytes, "seconds": rows}, indent=2)
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
