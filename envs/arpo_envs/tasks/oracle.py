@@ -3,7 +3,8 @@
 An oracle is a list of actions, each one pyautogui code string as an agent would send it (the
 server runs it after OSWorld's prefix `import pyautogui; import time; ...`). The helpers here
 are keyboard-driven and wait where an application needs time, so the same oracle works on a
-loaded machine:
+loaded machine (Calc runs shortcuts such as the Name Box's asynchronously: keys typed too
+soon after one land in the grid):
 
 - Calc: the Name Box (ctrl+shift+F5, then ctrl+a: focusing it does not select its text) moves to a cell or selects a range; saving is ctrl+s
   followed by Enter, which picks "Use Excel 2007-365!" if the keep-format dialog shows and only
@@ -23,10 +24,10 @@ def write(text: str) -> str:
 def calc_goto(ref: str) -> str:
     """Move the cell cursor to `ref` ("B7") or select a range ("D2:D5") through the Name Box."""
     return (
-        "pyautogui.hotkey('ctrl', 'shift', 'f5'); time.sleep(0.5); "
+        "pyautogui.hotkey('ctrl', 'shift', 'f5'); time.sleep(1.0); "
         "pyautogui.hotkey('ctrl', 'a'); time.sleep(0.1); "
         f"pyautogui.write({ref!r}, interval=0.03); time.sleep(0.2); "
-        "pyautogui.press('enter'); time.sleep(0.4)"
+        "pyautogui.press('enter'); time.sleep(0.6)"
     )
 
 
