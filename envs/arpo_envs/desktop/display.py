@@ -66,8 +66,22 @@ class XDisplay:
     def alive(self) -> bool:
         return all(p is not None and p.poll() is None for p in (self.xvfb, self.wm))
 
-    def start(self, timeout_s: float = 10.0) -> None:
-        """Start Xvfb (keeping the display number of an earlier start) and openbox."""
+    def start(self, timeout_s: float = 10.0, attempts: int = 3) -> None:
+        """Start Xvfb (keeping the display number of an earlier start) and openbox.
+
+        Retried: a display picked by Xvfb can still be taken by a server of another
+        user of the machine whose lock file went missing (Xvfb then fails on its socket).
+        """
+        for attempt in range(attempts):
+            try:
+                self._start(timeout_s)
+                return
+            except DisplayError:
+                self.stop()
+                if attempt == attempts - 1:
+                    raise
+
+    def _start(self, timeout_s: float) -> None:
         if self.number is not None:
             remove_stale_lock(self.number)
         read_fd, write_fd = os.pipe()
