@@ -48,6 +48,19 @@ from arpo.transport import ActorLink, fetch_weights
 log = logging.getLogger("arpo.actor")
 
 
+async def wait_event(event: asyncio.Event, timeout: float) -> bool:
+    """Wait for `event` at most `timeout` seconds; True if it is set.
+
+    `asyncio.timeout`, not `asyncio.wait_for`: on Python 3.11 wait_for can swallow a
+    cancellation that arrives as the event is set, and a loop around it then never ends
+    (a shutdown that hangs).
+    """
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(timeout):
+            await event.wait()
+    return event.is_set()
+
+
 @dataclass
 class ActorStats:
     """Counters of one actor (also sent in its heartbeats)."""
@@ -208,7 +221,8 @@ class Actor:
                 ("policy", [self.policy.close()] if self._owns_policy else []),
             ):
                 try:
-                    await asyncio.wait_for(asyncio.gather(*closing), 15.0)
+                    async with asyncio.timeout(15.0):
+                        await asyncio.gather(*closing)
                 except TimeoutError:
                     log.warning("actor %s: closing the %s timed out", self.actor_id, what)
             self._print_progress(final=True)
@@ -260,8 +274,7 @@ class Actor:
             self.stats.grant_waits += 1
             wait = reply.retry if isinstance(reply, wire.GrantReply) else delay
             delay = min(5.0, delay * 2) if reply is None else 0.2
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stopping.wait(), max(0.05, wait))
+            await wait_event(self._stopping, max(0.05, wait))
         return None
 
     async def _worker(self, env: Environment) -> None:
@@ -279,8 +292,7 @@ class Actor:
                         self.spool.bytes_used,
                     )
                     warned = True
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._stopping.wait(), 0.5)
+                await wait_event(self._stopping, 0.5)
                 continue
             warned = False
             grant = await self._grant()
@@ -356,8 +368,7 @@ class Actor:
                     self.stats.resent += 1
                 self.stats.sent += 1
                 self._inflight[tid] = time.monotonic()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake_sender.wait(), 0.5)
+            await wait_event(self._wake_sender, 0.5)
 
     # ---- heartbeats, weights, progress ------------------------------------------------
 

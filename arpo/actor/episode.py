@@ -211,7 +211,8 @@ async def run_episode(
             prompt_ids = prompt.add_screenshot(png)
             ids, images = prompt.model_input()
             t0 = time.perf_counter()
-            comp = await asyncio.wait_for(episode.generate(ids, images, params), cfg.step_timeout_s)
+            async with asyncio.timeout(cfg.step_timeout_s):
+                comp = await episode.generate(ids, images, params)
             timings["policy"] += time.perf_counter() - t0
             parsed = A.try_parse_response(comp.text, frame, config=action_cfg)
             response = np.asarray(comp.token_ids, np.int32)
