@@ -2,7 +2,7 @@
 
 Run it alone on the machine (2 cores: anything in the background distorts it):
 
-    .venv/bin/python benchmarks/bench_store.py              # full run, about 5 minutes
+    .venv/bin/python benchmarks/bench_store.py              # full run, about 4 minutes
     .venv/bin/python benchmarks/bench_store.py --quick      # 10-second smoke run, writes nothing
 
 The full run writes benchmarks/results/store-<date>.md and .json (date, machine, commit,
@@ -44,7 +44,9 @@ readable, not bytes moved), latency of one sample(8) call including the touch (p
 CPU use of the process in cores (a Python store pinned at 1.0 core with 4 threads is
 GIL-bound), and peak RSS of the subprocess against the payload it holds. The machine's
 memcpy bandwidth (numpy copy into touched memory and into fresh pages) is measured in its
-own subprocess as the physical limit of any store that copies.
+own subprocess as the physical limit of any store that copies. For each subprocess the
+parent also records how many cores other processes on the machine used meanwhile (from
+/proc/stat); the report flags a store whose run was disturbed.
 """
 
 from __future__ import annotations
@@ -983,8 +985,8 @@ def main() -> None:
             f"Linux {info['kernel']}. Commit {info['commit']}"
             f"{' (uncommitted changes)' if info['dirty'] else ''}. Versions: "
             + ", ".join(f"{k} {v}" for k, v in info["versions"].items())
-            + ".\n\nCommand: `python benchmarks/bench_store.py "
-            + " ".join(sys.argv[1:])
+            + ".\n\nCommand: `"
+            + " ".join(["python benchmarks/bench_store.py", *sys.argv[1:]])
             + "`\n\n"
         )
         stem.with_suffix(".md").write_text(header + md + "\n")
