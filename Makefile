@@ -102,6 +102,7 @@ test-all: lint rust-test
 
 bench: setup
 	$(PY) benchmarks/bench_wire.py
+	$(PY) benchmarks/bench_store.py
 
 clean:
 	rm -rf $(VENV) target
