@@ -277,7 +277,7 @@ class GrantServer:
         self.weights.publish(version, data, path)
         self.book.set_version(version)
 
-    def handle(self, frames: list[bytes]) -> list[wire.Frames]:
+    def handle(self, frames: list[Any]) -> list[wire.Frames]:
         try:
             msg = wire.decode(frames)
         except WireError as e:

@@ -218,8 +218,8 @@ class Ingest:
     def _auth_failure(self, event: str) -> None:
         self._reject("unauthenticated", f"handshake refused ({event})")
 
-    def handle(self, frames: list[bytes]) -> list[wire.Frames]:
-        size = sum(len(f) for f in frames)
+    def handle(self, frames: list[Any]) -> list[wire.Frames]:
+        size = sum(len(f) for f in frames)  # bytes or zmq.Frame
         with self._lock:
             self.counts["messages"] += 1
             self.counts["bytes"] += size
