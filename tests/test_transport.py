@@ -205,3 +205,28 @@ def test_actor_link_reconnects_after_the_learner_restarts(png_pool: list[bytes])
     asyncio.run(go())
     assert len(acked) >= 2 and store.fresh_len("0b17a146-2934-46c7-8727-73ff6b6483e8") == 2
     store.close()
+
+
+def _bench(script: str) -> str:
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    p = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / script), "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        cwd=root,
+    )
+    assert p.returncode == 0, p.stderr[-2000:]
+    return p.stdout
+
+
+def test_transport_benchmark_quick_mode_checks_and_runs() -> None:
+    assert "| arpo + spool |" in _bench("bench_transport.py")
+
+
+@pytest.mark.slow
+def test_rollout_benchmark_quick_mode_checks_and_runs() -> None:
+    assert "| 0.75 |" in _bench("bench_rollout.py")
