@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 
 import aiohttp
+from _machine import cpu_model
 from arpo_envs.desktop.fleet import FleetConfig, down, up
 from arpo_envs.desktop.procs import marked_pids
 from PIL import Image
@@ -217,14 +218,7 @@ def sim_run(n: int, seconds: float) -> tuple[dict, dict]:
 
 
 def machine() -> dict:
-    cpu = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_model()
     mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     return {
         "cpu": cpu,

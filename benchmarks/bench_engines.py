@@ -40,6 +40,7 @@ import urllib.request
 from pathlib import Path
 
 import numpy as np
+from _machine import cpu_model
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -74,14 +75,7 @@ def build_prompt(model_dir: Path, n_images: int):
 
 
 def machine() -> dict:
-    cpu = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_model()
     mem = ""
     try:
         kb = int(Path("/proc/meminfo").read_text().split()[1])

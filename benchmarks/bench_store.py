@@ -73,6 +73,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from _machine import cpu_model
 
 REPO = Path(__file__).resolve().parent.parent
 STORES = ("arpo", "dict-copy", "dict-ref", "torchrl-lazy", "torchrl-list", "cpprb")
@@ -736,14 +737,7 @@ def _spawn(which: str, cfg: BenchConfig) -> dict[str, Any]:
 
 
 def machine_info() -> dict[str, Any]:
-    cpu = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_model()
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
     def git(*args: str) -> str:

@@ -36,6 +36,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
+from _machine import cpu_model  # noqa: E402
 from conftest import make_png, make_trajectory  # noqa: E402
 
 from arpo import wire  # noqa: E402
@@ -43,14 +44,7 @@ from arpo.record import Trajectory  # noqa: E402
 
 
 def machine() -> dict[str, object]:
-    cpu = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_model()
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     try:
         commit = subprocess.run(
