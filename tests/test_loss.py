@@ -6,6 +6,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from arpo.config import validate
 from arpo.errors import ConfigError
@@ -69,6 +71,7 @@ def test_hand_computed_values_and_metrics():
     assert m["clip/dual_frac"] == pytest.approx(0.25)
     # ESS = (sum w)^2 / (n sum w^2) = 3.75^2 / (4 * (0.25 + 4 + 0.0625 + 1)) = 14.0625 / 21.25
     assert m["weight/ess"] == pytest.approx(14.0625 / 21.25)
+    assert m["weight/truncated_frac"] == pytest.approx(0.25)
     assert "loss/kl" not in m
     # Only token (0,1) is unclipped: d/dlogp of w * (-A r) / 2 / 2 = 2 * (-1 * 1) / 4 = -0.5.
     torch.testing.assert_close(grad, t([[0.0, -0.5], [0.0, 0.0]]), rtol=0, atol=1e-12)
@@ -96,6 +99,34 @@ def test_fresh_data_equals_plain_grpo(seed, eps):
     torch.testing.assert_close(grad, ref_logp.grad, rtol=1e-12, atol=1e-12)
     assert m["weight/ess"] == pytest.approx(1.0)
     assert m["clip/low_frac"] + m["clip/high_frac"] > 0  # the clip was exercised
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    scale=st.floats(0.0, 30.0),
+    agg=st.sampled_from(["seq-mean-token-mean", "token-mean"]),
+    correct=st.booleans(),
+    floor=st.floats(0.0, 1.0),
+)
+def test_token_losses_stay_within_the_clip_bounds(seed, scale, agg, correct, floor):
+    # Per token, A > 0: loss in [-(1 + eps_high) A, 0]; A < 0: loss in [(1 - eps_low)|A|, c|A|];
+    # times w in [0, w_max]. So the loss is finite and |loss| <= w_max * c * max|A|,
+    # whatever the log-ratios, in float32 as in training.
+    g = torch.Generator().manual_seed(seed)
+    b, n = 4, 7
+    prox = -torch.rand(b, n, generator=g) * 5
+    logp = prox + scale * torch.randn(b, n, generator=g)
+    behav = prox + scale * torch.randn(b, n, generator=g)
+    adv = 3 * torch.randn(b, generator=g)
+    mask = torch.rand(b, n, generator=g) < 0.7
+    replay = torch.rand(b, generator=g) < 0.5
+    cfg = LossConfig(agg=agg, correct_replay=correct, replay_w_min=floor)
+    loss, m, grad = run(logp, prox, behav, adv, mask, replay, cfg)
+    assert torch.isfinite(loss) and torch.all(torch.isfinite(grad))
+    assert abs(loss.item()) <= cfg.w_max * cfg.dual_clip * adv.abs().max().item() + 1e-5
+    assert torch.all(grad[~mask] == 0)
+    assert 0.0 <= m["weight/ess"] <= 1.0 + 1e-6
 
 
 @pytest.mark.parametrize("adv, sign", [(1.5, -1.0), (-1.5, 1.0)])

@@ -180,11 +180,10 @@ def arpo_loss(
 
     pg_loss = aggregate(w * loss_tok, mask, cfg.agg)
     loss = pg_loss
-    kl_value = None
+    kl = None
     if ref_logp is not None:
         d = torch.where(mask, ref_logp.detach().to(dtype) - logp, zero)
         kl = aggregate(torch.exp(d) - d - 1.0, mask, cfg.agg)
-        kl_value = kl
         if cfg.kl_coef > 0:
             loss = loss + cfg.kl_coef * kl
 
@@ -207,11 +206,12 @@ def arpo_loss(
             "weight/replay_mean": _masked_mean(w, mask & replay_tok),
             # Normalised effective sample size (sum w)^2 / (n sum w^2), in [0, 1].
             "weight/ess": float(wm.sum()) ** 2 / (n_tok * w_sq) if n_tok and w_sq else 0.0,
+            "weight/truncated_frac": int((wm >= cfg.w_max).sum()) / max(n_tok, 1),
             "clip/low_frac": int(clip_low.sum()) / max(n_tok, 1),
             "clip/high_frac": int(clip_high.sum()) / max(n_tok, 1),
             "clip/dual_frac": int(clip_dual.sum()) / max(n_tok, 1),
             "tokens": float(n_tok),
         }
-        if kl_value is not None:
-            metrics["loss/kl"] = float(kl_value)
+        if kl is not None:
+            metrics["loss/kl"] = float(kl)
     return loss, metrics
