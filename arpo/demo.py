@@ -6,8 +6,9 @@
 Synthetic actors (threads) play episodes of synthetic tasks with a fixed success
 probability per task, build real trajectory records (PNG screenshots, token ids,
 behaviour log-probs), and stream them over a real ZeroMQ socket in the wire
-format. The learner side decodes them, puts them into the Rust replay store keyed
-by task, takes complete groups, applies ARPO's replay of successes to groups
+format to the learner's ingest (`arpo.learner.ingest`), which validates them, puts
+them into the Rust replay store keyed by task and acknowledges them. The learner
+side then takes complete groups, applies ARPO's replay of successes to groups
 without one, computes group advantages, and at the end snapshots the store and
 restores it. Part 7 replaces this with the real training run.
 """
@@ -28,7 +29,9 @@ from arpo import wire
 from arpo.buffer import ReplayStore
 from arpo.config import fail, option
 from arpo.learner.groups import ReplayConfig, advantages, needs_replay
+from arpo.learner.ingest import Ingest, IngestConfig
 from arpo.record import Status, Trajectory, Turn
+from arpo.transport import TransportConfig
 
 
 @dataclass
@@ -58,10 +61,10 @@ class DemoConfig:
             fail("success", "must be a non-empty list of probabilities in [0, 1]")
         if self.actors < 1:
             fail("actors", "must be at least 1")
-        if not self.endpoint.startswith(("tcp://127.", "tcp://localhost", "ipc://", "inproc://")):
+        if not self.endpoint.startswith(("tcp://127.", "tcp://localhost", "ipc://")):
             fail(
                 "endpoint",
-                "the demo binds to loopback only: use tcp://127.0.0.1, ipc:// or inproc://",
+                "the demo binds to loopback only: use tcp://127.0.0.1 or ipc://PATH",
             )
 
 
@@ -130,58 +133,42 @@ def run(cfg: DemoConfig) -> dict[str, object]:
     for _ in range(cfg.actors):
         grants.put(None)
 
+    store = ReplayStore(
+        max_bytes=1 << 30, fresh_capacity=4096, replay_capacity=cfg.replay.capacity, seed=cfg.seed
+    )
+    # The learner's real ingest (decode, validate, drop duplicates, store, acknowledge).
+    port = ":0" if cfg.endpoint.startswith("tcp") else ""
+    ingest = Ingest(store, IngestConfig(), TransportConfig(data=cfg.endpoint + port))
+    addr = ingest.start()
     ctx = zmq.Context()
-    pull = ctx.socket(zmq.PULL)
-    pull.setsockopt(zmq.RCVHWM, 256)
-    port = pull.bind_to_random_port(cfg.endpoint) if cfg.endpoint.startswith("tcp") else None
-    addr = f"{cfg.endpoint}:{port}" if port else cfg.endpoint
-    if port is None:
-        pull.bind(addr)
     errors: list[BaseException] = []
 
     def actor(i: int) -> None:
         rng = np.random.default_rng([cfg.seed, i])
-        push = ctx.socket(zmq.PUSH)
-        push.setsockopt(zmq.SNDHWM, 64)
-        push.setsockopt(zmq.LINGER, 5000)
-        push.connect(addr)
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.SNDHWM, 64)
+        sock.setsockopt(zmq.LINGER, 5000)
+        sock.connect(addr)
+        sent = acked = 0
         try:
             while (g := grants.get()) is not None:
                 task, group, slot = g
                 traj = _episode(rng, task, probs[task], (group, slot), cfg, f"actor-{i}")
-                push.send_multipart(wire.encode(traj), copy=False)
+                sock.send_multipart(wire.encode(traj), copy=False)
+                sent += 1
+                while sock.poll(0):
+                    acked += len(wire.decode(sock.recv_multipart()).ids)
+            while acked < sent:  # every trajectory is in the store once its ack is back
+                if not sock.poll(60_000):
+                    raise TimeoutError(f"actor-{i}: {sent - acked} trajectories never acknowledged")
+                acked += len(wire.decode(sock.recv_multipart()).ids)
         except BaseException as e:  # surfaced by the main thread
             errors.append(e)
         finally:
-            push.close()
-
-    store = ReplayStore(
-        max_bytes=1 << 30, fresh_capacity=4096, replay_capacity=cfg.replay.capacity, seed=cfg.seed
-    )
-    total = cfg.iterations * len(tasks) * cfg.group_size
-    received = {"n": 0, "bytes": 0, "bad": 0}
-
-    def ingest() -> None:
-        poller = zmq.Poller()
-        poller.register(pull, zmq.POLLIN)
-        while received["n"] + received["bad"] < total and not errors:
-            if not poller.poll(200):
-                continue
-            frames = pull.recv_multipart(copy=False)
-            try:
-                traj = wire.decode(frames)
-            except wire.WireError as e:
-                received["bad"] += 1
-                print(f"[ingest] rejected a malformed message: {e}")
-                continue
-            assert isinstance(traj, Trajectory)
-            store.put(traj.task_id, wire.to_item(traj))
-            received["n"] += 1
-            received["bytes"] += sum(len(f.buffer) for f in frames)
+            sock.close()
 
     t0 = time.perf_counter()
     threads = [threading.Thread(target=actor, args=(i,), daemon=True) for i in range(cfg.actors)]
-    threads.append(threading.Thread(target=ingest, daemon=True))
     for th in threads:
         th.start()
 
@@ -195,9 +182,9 @@ def run(cfg: DemoConfig) -> dict[str, object]:
         for t in tasks:
             items = store.take_group(t, cfg.group_size, timeout=120.0)
             group = [wire.from_item(x) for x in items]
-            for tr in group:
+            for item, tr in zip(items, group, strict=True):
                 if tr.checker_score > cfg.replay.admit_score_above:
-                    store.add_success(t, wire.to_item(tr))
+                    store.add_success(t, item)  # the same stored item: no copy
             rewards = [tr.reward for tr in group]
             fresh_rewards, buffered = list(rewards), store.replay_len(t)
             used = "-"
@@ -237,8 +224,14 @@ def run(cfg: DemoConfig) -> dict[str, object]:
     store.snapshot(snap)
     restored = ReplayStore.restore(snap)
     same = all(restored.replay_len(t) == store.replay_len(t) for t in tasks)
-    pull.close(0)
+    stats = ingest.stats()
+    ingest.stop()
     ctx.term()
+    received = {
+        "n": stats.get("stored", 0),
+        "bytes": stats.get("bytes", 0),
+        "bad": stats.get("rejected_total", 0),
+    }
     summary = {
         "trajectories": received["n"],
         "rejected": received["bad"],

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
     ("script", "args", "expect"),
     [
         ("bench_wire.py", ["--quick"], "decode is"),
-        ("bench_store.py", ["--quick", "--stores", "arpo,dict-ref"], "arpo"),
+        ("bench_store.py", ["--quick", "--stores", "arpo,dict-ref"], "| sampled traj/s (1w+1r) |"),
     ],
 )
 def test_benchmark_quick_mode_runs(script: str, args: list[str], expect: str) -> None:

@@ -38,23 +38,10 @@ from arpo.errors import EngineError
 from arpo.policy import actions as A
 from arpo.policy.engine import Completion, SamplingParams
 from arpo.policy.prompt import image_size
+from arpo.policy.tiny import QWEN_SPECIAL_TOKENS
 
-_SPECIAL = (
-    "<|endoftext|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<|object_ref_start|>",
-    "<|object_ref_end|>",
-    "<|box_start|>",
-    "<|box_end|>",
-    "<|quad_start|>",
-    "<|quad_end|>",
-    "<|vision_start|>",
-    "<|vision_end|>",
-    "<|vision_pad|>",
-    "<|image_pad|>",
-    "<|video_pad|>",
-)
+# Qwen's special tokens, in their order (the same list the tiny model's tokenizer carries).
+_SPECIAL = QWEN_SPECIAL_TOKENS
 
 
 class ByteTokenizer:

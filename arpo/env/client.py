@@ -357,13 +357,7 @@ class EnvClient:
         by_class: bool = False,
         timeout: float | None = None,
     ) -> str:
-        return await self._request(
-            "POST",
-            "/setup/activate_window",
-            json_body={"window_name": window_name, "strict": strict, "by_class": by_class},
-            timeout=timeout,
-            expect="text",
-        )
+        return await self._window("/setup/activate_window", window_name, strict, by_class, timeout)
 
     async def close_window(
         self,
@@ -373,9 +367,15 @@ class EnvClient:
         by_class: bool = False,
         timeout: float | None = None,
     ) -> str:
+        return await self._window("/setup/close_window", window_name, strict, by_class, timeout)
+
+    async def _window(
+        self, path: str, window_name: str, strict: bool, by_class: bool, timeout: float | None
+    ) -> str:
+        """The window endpoints share OSWorld's body {window_name, strict, by_class}."""
         return await self._request(
             "POST",
-            "/setup/close_window",
+            path,
             json_body={"window_name": window_name, "strict": strict, "by_class": by_class},
             timeout=timeout,
             expect="text",

@@ -49,7 +49,6 @@ With the reference settings (15 images, 15 steps) the window never drops anythin
 from __future__ import annotations
 
 import io
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,9 +56,8 @@ from typing import Any
 import numpy as np
 
 from arpo.errors import EngineError
-
-IMAGE_FACTOR = 28
-MAX_RATIO = 200
+from arpo.policy import actions as _actions
+from arpo.policy.actions import IMAGE_FACTOR
 
 
 def smart_resize(
@@ -69,24 +67,18 @@ def smart_resize(
     min_pixels: int = 56 * 56,
     max_pixels: int = 28 * 28 * 1280,
 ) -> tuple[int, int]:
-    """Qwen2.5-VL's resize rule: both sides multiples of `factor`, area within
-    [min_pixels, max_pixels], aspect ratio kept as closely as possible."""
-    if max(height, width) / min(height, width) > MAX_RATIO:
-        raise EngineError(
-            f"absolute aspect ratio must be smaller than {MAX_RATIO}, "
-            f"got {max(height, width) / min(height, width)}"
+    """Qwen2.5-VL's resize rule in Qwen's own argument and result order (height, width).
+
+    The rule itself lives in `arpo.policy.actions.smart_resize` (which maps the model's
+    coordinates back to the screen, so both must agree); this only reorders and maps its
+    error to EngineError."""
+    try:
+        w, h = _actions.smart_resize(
+            width=width, height=height, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels
         )
-    h_bar = round(height / factor) * factor
-    w_bar = round(width / factor) * factor
-    if h_bar * w_bar > max_pixels:
-        beta = math.sqrt((height * width) / max_pixels)
-        h_bar = max(factor, math.floor(height / beta / factor) * factor)
-        w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
-        h_bar = math.ceil(height * beta / factor) * factor
-        w_bar = math.ceil(width * beta / factor) * factor
-    return h_bar, w_bar
+    except ValueError as e:
+        raise EngineError(str(e)) from None
+    return h, w
 
 
 def image_size(image: Any) -> tuple[int, int]:
