@@ -29,16 +29,50 @@ Seen ids: a bounded set (`seen_capacity`, oldest forgotten first), optionally wr
 `seen_fsync_every` ids) and reloaded on start, so a restarted learner still drops
 duplicates of what it stored before. Like the store (which is durable only as of its last
 snapshot), the log is as durable as its last fsync.
+
+Journal (`journal_dir`): a write-ahead log of every trajectory that goes into the store,
+so an acknowledged trajectory survives a learner crash. Before an `ok` trajectory is put
+into the store, the frames it arrived in are appended to the current segment
+`journal-<n:08d>.log` and flushed; the segment is fsynced every `journal_fsync_every`
+records (1, the default: before every ack, which is what the ack promises; with N > 1 a
+killed process still loses nothing, the kernel has the bytes, but a power loss or kernel
+crash can lose up to N - 1 acknowledged trajectories; an fsync of a 400 KB record costs
+about 2 ms on the project machine). Only `ok` trajectories are journaled: the others are
+counted and not stored. A record is
+
+    b"ARJ1", n_frames (u32), payload bytes (u64) | n_frames lengths (u64) | frames | crc32
+
+(little-endian; the CRC covers everything before it), so a torn tail is detected and
+skipped by the reader. A checkpoint (`arpo.learner.checkpoint`) pairs the journal with a
+store snapshot; inserting is paused for the length of the snapshot (about 0.2 s for a
+200 MB store here; messages wait in ZeroMQ's queues meanwhile), so the snapshot holds
+exactly the segments before the rotation and none after:
+
+    with ingest.paused():
+        seg = ingest.rotate_journal()      # segments < seg are in the snapshot
+        store.snapshot(path)
+    ...                                    # the checkpoint is complete
+    ingest.prune_journal(seg)              # delete segments < seg
+
+    # on resume: the store from the snapshot, then what arrived after it
+    store = ReplayStore.restore(path)
+    ingest = Ingest(store, config, transport)
+    ingest.replay_journal(seg)             # re-inserts segments >= seg, marks them seen
+    ingest.start()
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
+import re
+import struct
 import threading
 import time
-from collections.abc import Callable
+import zlib
+from collections.abc import Callable, Container, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -61,12 +95,25 @@ class IngestConfig:
     seen_fsync_every: int = option(64, "fsync the seen-id log every this many ids.")
     excluded_keep: int = option(256, "Excluded (env_error...) trajectories kept for inspection.")
     learner_id: str = option("learner", "Sender name in the learner's heartbeats.")
+    journal_dir: str = option(
+        "",
+        "Folder of the write-ahead journal of stored trajectories (replayed on resume); "
+        "empty: no journal, a crash loses what arrived after the last store snapshot.",
+    )
+    journal_fsync_every: int = option(
+        1,
+        "fsync the journal every this many records; 1 fsyncs before every ack (the ack "
+        "promises durability); N > 1 is faster, but a power loss can lose up to N - 1 "
+        "acknowledged trajectories (a crash of the process alone loses none).",
+    )
 
     def validate(self) -> None:
         if self.seen_capacity < 1:
             fail("seen_capacity", "must be >= 1")
         if self.seen_fsync_every < 1:
             fail("seen_fsync_every", "must be >= 1")
+        if self.journal_fsync_every < 1:
+            fail("journal_fsync_every", "must be >= 1 (1: fsync before every ack)")
 
 
 class SeenIds:
@@ -142,6 +189,262 @@ class SeenIds:
             self._file = None
 
 
+# ---------------------------------------------------------------------------- the journal
+
+JOURNAL_MAGIC = b"ARJ1"
+_RECORD_PREFIX = struct.Struct("<4sIQ")  # magic, number of frames, payload bytes
+_CRC = struct.Struct("<I")
+_MAX_FRAMES = 3 + 2 * wire.MAX_TURNS
+"""Most frames a journal record may declare (a trajectory has 5 + turns frames)."""
+_SEGMENT = re.compile(r"^journal-(\d{8,})\.log$")
+
+
+def segment_path(journal_dir: str | Path, n: int) -> Path:
+    """The file of journal segment `n`."""
+    return Path(journal_dir) / f"journal-{n:08d}.log"
+
+
+def list_segments(journal_dir: str | Path) -> list[int]:
+    """The segment numbers present in `journal_dir`, ascending ([] when it does not exist)."""
+    try:
+        names = os.listdir(journal_dir)
+    except FileNotFoundError:
+        return []
+    return sorted(int(m.group(1)) for m in map(_SEGMENT.match, names) if m)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class Journal:
+    """The append side of the journal: one open segment, records appended and flushed.
+
+    Not thread-safe on its own: the `Ingest` calls it under its store lock. Opening a
+    journal starts a new segment after the highest one present, so a segment written
+    before a crash (possibly with a torn tail) is never appended to.
+    """
+
+    def __init__(self, journal_dir: str | Path, fsync_every: int = 1) -> None:
+        self.dir = Path(journal_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.fsync_every = fsync_every
+        existing = list_segments(self.dir)
+        self.segment = existing[-1] + 1 if existing else 0
+        self._unsynced = 0
+        self.records = 0
+        self.bytes = 0
+        self._file: Any = None
+        self._open()
+
+    def _open(self) -> None:
+        # Created eagerly and the folder fsynced: the newest segment number always exists
+        # on disk, so a restarted learner never reuses a number below a checkpoint's.
+        self._file = segment_path(self.dir, self.segment).open("ab")
+        _fsync_dir(self.dir)
+
+    def append(self, frames: Sequence[Any]) -> None:
+        """Append one record (the message's frames) and flush it; fsync per `fsync_every`.
+
+        On a write error the segment is cut back to where the record began (so no torn
+        record sits before later ones) and the OSError is raised.
+        """
+        f = self._file
+        views = [memoryview(getattr(fr, "buffer", fr)).cast("B") for fr in frames]
+        lengths = struct.pack(f"<{len(views)}Q", *(v.nbytes for v in views))
+        prefix = _RECORD_PREFIX.pack(JOURNAL_MAGIC, len(views), sum(v.nbytes for v in views))
+        start = f.tell()
+        try:
+            crc = zlib.crc32(lengths, zlib.crc32(prefix))
+            f.write(prefix)
+            f.write(lengths)
+            for v in views:
+                crc = zlib.crc32(v, crc)
+                f.write(v)
+            f.write(_CRC.pack(crc))
+            f.flush()
+            self._unsynced += 1
+            if self._unsynced >= self.fsync_every:
+                self.sync()
+        except OSError:
+            with contextlib.suppress(OSError):
+                f.seek(start)
+                f.truncate(start)
+                f.flush()
+            raise
+        self.records += 1
+        self.bytes += f.tell() - start
+
+    def sync(self) -> None:
+        """fsync the open segment (a sync point: it waits for the disk)."""
+        if self._file is not None and self._unsynced:
+            os.fsync(self._file.fileno())
+            self._unsynced = 0
+
+    def rotate(self) -> int:
+        """Close the current segment (fsynced) and start the next; returns the new number."""
+        self.close()
+        self.segment += 1
+        self._open()
+        return self.segment
+
+    def prune(self, before: int) -> int:
+        """Delete the segments numbered below `before` (never the open one); returns how many."""
+        before = min(before, self.segment)
+        gone = 0
+        for n in list_segments(self.dir):
+            if n < before:
+                segment_path(self.dir, n).unlink(missing_ok=True)
+                gone += 1
+        if gone:
+            _fsync_dir(self.dir)
+        return gone
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.flush()
+            self._unsynced = 1  # always fsync on close
+            self.sync()
+            self._file.close()
+            self._file = None
+
+
+@dataclass
+class JournalRecord:
+    """One record read back from the journal: its segment number, offset and frames."""
+
+    segment: int
+    offset: int
+    frames: list[bytes]
+
+
+def read_segment(
+    path: str | Path, counts: collections.Counter[str] | None = None
+) -> Iterator[JournalRecord]:
+    """The intact records of one segment file, in order.
+
+    Reading stops at the first record that is cut short (`counts["torn"]`: a crash during
+    the write) or fails its checks (`counts["corrupt"]`: bad magic, lengths or CRC), since
+    the records after it cannot be located; it never raises for the file's contents.
+    Nothing is allocated beyond the file's own size, whatever a record declares.
+    """
+    counts = counts if counts is not None else collections.Counter()
+    path = Path(path)
+    n = int(m.group(1)) if (m := _SEGMENT.match(path.name)) else -1
+    with path.open("rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        while True:
+            offset = f.tell()
+            prefix = f.read(_RECORD_PREFIX.size)
+            if not prefix:
+                return
+            bad = ""
+            if len(prefix) < _RECORD_PREFIX.size:
+                counts["torn"] += 1
+                bad = "a record prefix cut short"
+            else:
+                magic, n_frames, payload = _RECORD_PREFIX.unpack(prefix)
+                end = offset + _RECORD_PREFIX.size + 8 * n_frames + payload + _CRC.size
+                if magic != JOURNAL_MAGIC or n_frames > _MAX_FRAMES:
+                    counts["corrupt"] += 1
+                    bad = "no record starts here (bad magic or frame count)"
+                elif end > size:
+                    counts["torn"] += 1
+                    bad = f"a record of {end - offset} bytes cut short at the end of the file"
+                else:
+                    raw = f.read(8 * n_frames)
+                    lengths = struct.unpack(f"<{n_frames}Q", raw)
+                    crc = zlib.crc32(raw, zlib.crc32(prefix))
+                    if sum(lengths) != payload:
+                        counts["corrupt"] += 1
+                        bad = "frame lengths disagree with the record's size"
+                    else:
+                        frames = [f.read(k) for k in lengths]
+                        for fr in frames:
+                            crc = zlib.crc32(fr, crc)
+                        (stored,) = _CRC.unpack(f.read(_CRC.size))
+                        if stored != crc:
+                            counts["corrupt"] += 1
+                            bad = "CRC mismatch"
+                        else:
+                            counts["records"] += 1
+                            yield JournalRecord(n, offset, frames)
+                            continue
+            log.warning(
+                "journal %s: %s at offset %d; the rest of the segment (%d bytes) is skipped",
+                path,
+                bad,
+                offset,
+                size - offset,
+            )
+            counts["skipped_bytes"] += size - offset
+            return
+
+
+def replay_journal(
+    journal_dir: str | Path,
+    store: Any,
+    from_segment: int,
+    *,
+    seen: Any = None,
+    known_ids: Container[str] = (),
+) -> dict[str, int]:
+    """Put every trajectory of segments >= `from_segment` back into `store`, in order.
+
+    For resuming after `ReplayStore.restore` of a snapshot taken with the ingest paused
+    right after `rotate_journal()` returned `from_segment`: that snapshot holds everything
+    of the segments below and nothing of the rest, so each record is inserted once.
+    `known_ids` (ids already in the store) are skipped, and so is an id met twice in the
+    replay. Every replayed id is added to `seen` (the ingest's `SeenIds`, if given), so a
+    resend by an actor is a duplicate even if the seen-id log lost its unsynced tail.
+
+    Returns counts: segments, records, replayed, duplicates, torn, corrupt, malformed
+    (a record whose frames do not decode), rejected (the store refused the item),
+    skipped_bytes. Bad records are counted and logged, never raised.
+    """
+    counts: collections.Counter[str] = collections.Counter()
+    replayed: set[str] = set()
+    for n in list_segments(journal_dir):
+        if n < from_segment:
+            continue
+        counts["segments"] += 1
+        for rec in read_segment(segment_path(journal_dir, n), counts):
+            try:
+                traj = wire.decode(rec.frames)
+            except WireError as e:
+                counts["malformed"] += 1
+                log.warning("journal segment %d offset %d: %s", n, rec.offset, e)
+                continue
+            if not isinstance(traj, Trajectory):
+                counts["malformed"] += 1
+                continue
+            tid = traj.trajectory_id
+            if tid in replayed or tid in known_ids:
+                counts["duplicates"] += 1
+                continue
+            try:
+                store.put(traj.task_id, wire.to_item(traj))
+            except BufferClosed:
+                raise
+            except BufferError as e:
+                counts["rejected"] += 1
+                log.warning("journal: the store refused %s: %s", tid, e)
+            else:
+                counts["replayed"] += 1
+            replayed.add(tid)
+            if seen is not None and tid not in seen:
+                seen.add(tid)
+    for key in ("segments", "records", "replayed", "duplicates", "torn", "corrupt"):
+        counts.setdefault(key, 0)
+    for key in ("malformed", "rejected", "skipped_bytes"):
+        counts.setdefault(key, 0)
+    return dict(counts)
+
+
 class Ingest:
     """Receive, decode, validate, store, acknowledge (see the module docstring)."""
 
@@ -163,6 +466,15 @@ class Ingest:
             self.config.seen_capacity, self.config.seen_log or None, self.config.seen_fsync_every
         )
         self._lock = threading.Lock()
+        """Guards the counters (short holds, taken by `stats()` from any thread)."""
+        self._store_lock = threading.RLock()
+        """Held from "journal append" to "seen" for every stored trajectory, and by
+        `paused()`: while a checkpoint holds it, no trajectory is half-way in."""
+        self.journal = (
+            Journal(self.config.journal_dir, self.config.journal_fsync_every)
+            if self.config.journal_dir
+            else None
+        )
         self.counts: collections.Counter[str] = collections.Counter()
         self.rejected: collections.Counter[str] = collections.Counter()
         """Malformed / refused messages by reason (the reason's first words)."""
@@ -189,7 +501,63 @@ class Ingest:
 
     def stop(self) -> None:
         self.server.stop()
-        self.seen.close()
+        with self._store_lock:
+            self.seen.close()
+            if self.journal is not None:
+                self.journal.close()
+
+    # ---- durability (called by the learner's checkpoint and resume) -------------------
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Hold off inserting for the duration: messages wait in ZeroMQ's queues meanwhile.
+
+        Inside, the store, the journal and the seen ids agree: every trajectory is either
+        stored, journaled and seen, or none of them.
+        """
+        with self._store_lock:
+            yield
+
+    def rotate_journal(self) -> int:
+        """Close the current journal segment (fsynced) and start the next; returns its number.
+
+        The returned number is the first segment NOT in a store snapshot taken after this
+        call with the ingest still paused (`with ingest.paused(): seg =
+        ingest.rotate_journal(); store.snapshot(p)`). Without a journal it returns 0 and
+        does nothing. The seen-id log is fsynced too.
+        """
+        with self._store_lock:
+            self.seen.sync()
+            if self.journal is None:
+                return 0
+            return self.journal.rotate()
+
+    def prune_journal(self, before: int) -> int:
+        """Delete journal segments numbered below `before`; returns how many went."""
+        with self._store_lock:
+            return 0 if self.journal is None else self.journal.prune(before)
+
+    def replay_journal(self, from_segment: int, *, known_ids: Container[str] = ()) -> dict:
+        """`replay_journal` of this ingest's journal into its store, marking the ids seen.
+
+        Call it on resume, after restoring the store and before `start()`; returns the
+        counts of the module function.
+        """
+        if not self.config.journal_dir:
+            return {}
+        with self._store_lock:
+            counts = replay_journal(
+                self.config.journal_dir,
+                self.store,
+                from_segment,
+                seen=self.seen,
+                known_ids=known_ids,
+            )
+            self.seen.sync()
+        with self._lock:
+            self.counts["journal_replayed"] += counts["replayed"]
+        log.info("ingest: replayed the journal from segment %d: %s", from_segment, counts)
+        return counts
 
     @property
     def endpoint(self) -> str:
@@ -236,7 +604,7 @@ class Ingest:
         if not isinstance(msg, Trajectory):
             self._reject("unexpected", f"a {type(msg).__name__} on the data link")
             return []
-        return [wire.encode(wire.Ack((msg.trajectory_id,)))] if self._ingest(msg) else []
+        return [wire.encode(wire.Ack((msg.trajectory_id,)))] if self._ingest(msg, frames) else []
 
     def _heartbeat(self, hb: wire.Heartbeat) -> wire.Frames:
         with self._lock:
@@ -255,7 +623,7 @@ class Ingest:
         )
         return wire.encode(reply)
 
-    def _ingest(self, traj: Trajectory) -> bool:
+    def _ingest(self, traj: Trajectory, frames: Sequence[Any] = ()) -> bool:
         """Store (or exclude) a trajectory; True when it may be acknowledged."""
         tid = traj.trajectory_id
         if tid in self.seen:
@@ -273,14 +641,27 @@ class Ingest:
                 self.counts[f"excluded_{traj.status.value}"] += 1
                 self.excluded.append(traj)
         else:
-            try:
-                self.store.put(traj.task_id, wire.to_item(traj))
-            except BufferClosed:  # shutting down: not acknowledged, the actor sends it again
-                return False
-            except BufferError as e:  # can never fit (larger than the store's budget)
-                self._reject("store", f"{tid}: {e}")
-            with self._lock:
-                self.counts["stored"] += 1
-                self.counts["steps"] += traj.steps
+            with self._store_lock:
+                if self.journal is not None:
+                    try:
+                        # Written ahead: a crash after this line replays it on resume.
+                        self.journal.append(frames or wire.encode(traj))
+                    except OSError as e:  # disk full...: not acknowledged, the actor resends
+                        with self._lock:
+                            self.counts["journal_errors"] += 1
+                        log.error("ingest: journal write failed, %s not acknowledged: %s", tid, e)
+                        return False
+                try:
+                    self.store.put(traj.task_id, wire.to_item(traj))
+                except BufferClosed:  # shutting down: not acknowledged, the actor sends it again
+                    return False
+                except BufferError as e:  # can never fit (larger than the store's budget)
+                    self._reject("store", f"{tid}: {e}")
+                else:
+                    with self._lock:
+                        self.counts["stored"] += 1
+                        self.counts["steps"] += traj.steps
+                self.seen.add(tid)
+            return True
         self.seen.add(tid)
         return True
