@@ -16,7 +16,7 @@ from arpo import cli, wire
 from arpo.buffer import ReplayStore
 from arpo.config import load_config, validate
 from arpo.errors import ArpoError, ConfigError, TaskError
-from arpo.learner.grants import GrantBook, GrantConfig
+from arpo.learner.grants import GrantBook, GrantConfig, GrantServer
 from arpo.learner.select import (
     SelectConfig,
     SelectionTally,
@@ -50,6 +50,7 @@ def test_every_task_gets_n_runs_and_the_counts_match_what_ingest_stored(
             tasks=str(pool),
             runs_per_task=n,
             min_successes=2,
+            max_successes=3,
             out=str(tmp_path / "sel" / "selection.json"),
             transport=LOOPBACK,
             local_actor=True,
@@ -85,13 +86,14 @@ def test_every_task_gets_n_runs_and_the_counts_match_what_ingest_stored(
         assert all(tr.status == Status.OK for tr in trs)
     successes = sum(c["successes"] for c in result["tasks"].values())
     assert 0 < successes < 6 * n  # the scripted policy gave up some episodes
-    assert result["selected"] == [t for t in ids if result["tasks"][t]["successes"] >= 2]
+    assert result["selected"] == [t for t in ids if 2 <= result["tasks"][t]["successes"] <= 3]
     assert progress[-1] == (6 * n, 6 * n) and progress[0][0] <= progress[-1][0]
 
     out = Path(cfg.out)
     on_disk = json.loads(out.read_text())
     assert on_disk == result and on_disk["complete"] is True
     assert on_disk["runs_per_task"] == n and on_disk["min_successes"] == 2
+    assert on_disk["max_successes"] == 3 and on_disk["success_score"] == 1.0
     assert on_disk["created"].endswith("+00:00")
     assert load_selection(out) == result["selected"]
     assert sorted(p.name for p in out.parent.iterdir()) == [
@@ -143,6 +145,20 @@ def test_a_timeout_writes_an_incomplete_result_that_load_selection_refuses(
     assert data["complete"] is False and data["selected"] == []
     with pytest.raises(ConfigError, match="did not finish"):
         load_selection(out)
+
+
+def test_an_endpoint_in_use_is_an_error_naming_the_field(pool: Path, tmp_path: Path) -> None:
+    first = validate(SelectConfig(tasks=str(pool), out=str(tmp_path / "a.json"),
+                                  transport=LOOPBACK, timeout_s=0.2))  # fmt: skip
+    book = GrantBook(load_task_pool(pool))
+    taken = GrantServer(book, LOOPBACK)
+    endpoint = taken.start()
+    try:
+        first.transport = TransportConfig(data=endpoint, control="tcp://127.0.0.1:0")
+        with pytest.raises(ArpoError, match=r"cannot bind transport\.data"):
+            run_selection(first)
+    finally:
+        taken.stop()
 
 
 def test_a_local_actor_that_exits_is_an_error_with_its_log(pool: Path, tmp_path: Path) -> None:

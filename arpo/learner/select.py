@@ -333,6 +333,13 @@ def _tail(path: Path, n: int = 3000) -> str:
 # ---------------------------------------------------------------------------- the run
 
 
+def _bind(start: Callable[[], str], field: str, endpoint: str) -> str:
+    try:
+        return start()
+    except Exception as e:  # zmq's bind errors (address in use, ...) and refusals
+        raise ArpoError(f"cannot bind {field} = {endpoint!r}: {e}") from e
+
+
 def run_selection(
     cfg: SelectConfig,
     *,
@@ -373,9 +380,9 @@ def run_selection(
     proc = None
     actor_log: Path | None = None
     with contextlib.ExitStack() as stack:
-        control = grants.start()
+        control = _bind(grants.start, "transport.control", cfg.transport.control)
         stack.callback(grants.stop)
-        data = ingest.start()
+        data = _bind(ingest.start, "transport.data", cfg.transport.data)
         stack.callback(ingest.stop)
         log.info(
             "selection: %d tasks x %d runs; actors connect to data %s, control %s",
