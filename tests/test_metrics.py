@@ -14,13 +14,16 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from arpo.config import load_config
 from arpo.errors import ArpoError, ConfigError
 from arpo.learner.metrics import (
+    NAMESPACES,
     STANDARD_METRICS,
     MetricsConfig,
     MetricsLogger,
     ProgressLine,
     Spans,
     TaskStats,
+    Throughput,
     loss_metrics,
+    markdown_table,
     read_metrics,
 )
 
@@ -213,13 +216,42 @@ def test_logger_prints_the_progress_line_to_stderr(tmp_path: Path, capsys) -> No
 
 
 def test_loss_metrics_land_in_the_losses_namespace() -> None:
-    out = loss_metrics({"loss/pg": 0.1, "clip/low_frac": 0.2, "weight/ess": 0.9, "new/x": 1})
+    out = loss_metrics({"loss/total": 0.3, "loss/pg": 0.1, "clip/low_frac": 0.2,
+                        "weight/ess": 0.9, "new/x": 1})  # fmt: skip
     assert out == {
-        "losses/policy_loss": 0.1,
-        "losses/clip_frac_low": 0.2,
-        "losses/ess": 0.9,
+        "losses/loss": 0.3,
+        "losses/loss_pg": 0.1,
+        "losses/clip_low_frac": 0.2,
+        "losses/weight_ess": 0.9,
         "losses/new_x": 1.0,
     }
     assert set(out) - {"losses/new_x"} <= set(STANDARD_METRICS)
-    assert all(name.split("/")[0] + "/" in {"charts/", "losses/", "replay/", "data/", "time/",
-                                            "tasks/"} for name in STANDARD_METRICS)  # fmt: skip
+    assert all(name.startswith(NAMESPACES) for name in STANDARD_METRICS)
+    table = markdown_table()
+    assert table.count("\n") == len(STANDARD_METRICS) + 1 and "| `charts/reward_mean` |" in table
+
+
+def test_real_loss_output_is_all_standard_names() -> None:
+    import torch
+
+    from arpo.learner.loss import LossConfig, arpo_loss
+
+    g = torch.Generator().manual_seed(0)
+    logp = -torch.rand(3, 5, generator=g)
+    mask = torch.ones(3, 5, dtype=torch.bool)
+    _, m = arpo_loss(logp, logp.detach() - 0.1, logp.detach(), torch.tensor([1.0, -1.0, 0.5]),
+                     mask, torch.tensor([False, False, True]), LossConfig())  # fmt: skip
+    names = set(loss_metrics(m)) - {"losses/tokens"}
+    assert names and names <= set(STANDARD_METRICS)
+
+
+def test_throughput_is_counts_over_the_time_between_takes() -> None:
+    clock = FakeClock()
+    rates = Throughput(clock=clock)
+    rates.add("trajectories", 8)
+    rates.add("trajectories", 8)
+    rates.add("tokens", 4000)
+    clock.t += 2.0
+    assert rates.take() == {"charts/trajectories_per_s": 8.0, "charts/tokens_per_s": 2000.0}
+    clock.t += 1.0
+    assert rates.take() == {}

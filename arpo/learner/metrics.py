@@ -1,7 +1,7 @@
 """The learner's metrics: named timing spans, a JSONL + TensorBoard logger, a progress line,
 per-task success statistics.
 
-    spans = Spans()
+    spans, rates = Spans(), Throughput()
     log = MetricsLogger("runs/r1", MetricsConfig(progress_s=10))
     tasks = TaskStats(window=32)
     for it in range(iterations):
@@ -11,8 +11,9 @@ per-task success statistics.
             ...
         for traj in batch:
             tasks.record(traj.task_id, traj.checker_score >= 1.0, traj.reward)
+        rates.add("trajectories", len(batch))
         log.log(it, {"charts/reward_mean": 0.41, **loss_metrics(loss_out), **spans.metrics(),
-                     **tasks.metrics()})
+                     **rates.take(), **tasks.metrics()})
     log.close()
     rows = read_metrics("runs/r1/metrics.jsonl")
 
@@ -31,9 +32,9 @@ What is written:
 
 Metric names live in fixed namespaces (cleanrl's `charts/` and `losses/`, plus `replay/`,
 `data/`, `time/` and `tasks/`); `STANDARD_METRICS` lists the standard names with their
-meaning (the README's table is made from it), `loss_metrics` renames the output of
-`arpo.learner.loss.arpo_loss` into `losses/`. Names outside this list are accepted as they
-are.
+meaning (`markdown_table()` renders it for the README), `loss_metrics` renames the output
+of `arpo.learner.loss.arpo_loss` into `losses/`. Names outside this list are accepted as
+they are.
 """
 
 from __future__ import annotations
@@ -69,22 +70,23 @@ CHARTS: dict[str, str] = {
     "charts/staleness_max": "Largest such gap in this iteration.",
 }
 LOSSES: dict[str, str] = {
-    "losses/total_loss": "The optimised loss (policy loss + KL term when enabled).",
-    "losses/policy_loss": "The clipped, importance-weighted policy-gradient loss.",
-    "losses/kl": "KL estimate (k3) to the reference model, when one is given.",
+    "losses/loss": "The optimised loss (policy loss + KL term when enabled), mean over steps.",
+    "losses/loss_pg": "The clipped, importance-weighted policy-gradient loss.",
+    "losses/loss_kl": "KL estimate (k3) to the reference model, when one is given.",
     "losses/entropy": "Mean entropy of the policy over the trained tokens.",
-    "losses/grad_norm": "Gradient norm before clipping.",
-    "losses/clip_frac_low": "Share of tokens clipped below (A < 0, ratio < 1 - eps_low).",
-    "losses/clip_frac_high": "Share of tokens clipped above (A > 0, ratio > 1 + eps_high).",
-    "losses/clip_frac_dual": "Share of tokens bounded by the dual clip.",
+    "losses/grad_norm": "Gradient norm before clipping, mean over the optimizer steps.",
+    "losses/grad_norm_max": "Largest gradient norm of the iteration's optimizer steps.",
+    "losses/lr": "Learning rate.",
+    "losses/clip_low_frac": "Share of tokens clipped below (A < 0, ratio < 1 - eps_low).",
+    "losses/clip_high_frac": "Share of tokens clipped above (A > 0, ratio > 1 + eps_high).",
+    "losses/clip_dual_frac": "Share of tokens bounded by the dual clip.",
     "losses/ratio_mean": "Mean ratio pi_theta / pi_prox over the trained tokens.",
     "losses/ratio_min": "Smallest ratio.",
     "losses/ratio_max": "Largest ratio.",
-    "losses/weight_mean_fresh": "Mean importance weight exp(pi_prox - mu) of fresh tokens.",
-    "losses/weight_mean_replay": "Mean importance weight of replayed tokens.",
+    "losses/weight_fresh_mean": "Mean importance weight exp(pi_prox - mu) of fresh tokens.",
+    "losses/weight_replay_mean": "Mean importance weight of replayed tokens.",
     "losses/weight_truncated_frac": "Share of tokens whose weight was truncated at w_max.",
-    "losses/ess": "Normalised effective sample size of the weights, in [0, 1].",
-    "losses/tokens": "Trained (response) tokens in the batch.",
+    "losses/weight_ess": "Normalised effective sample size of the weights, in [0, 1].",
 }
 REPLAY: dict[str, str] = {
     "replay/hits": "Groups that had a stored success put into them this iteration.",
@@ -93,6 +95,8 @@ REPLAY: dict[str, str] = {
 }
 DATA: dict[str, str] = {
     "data/groups": "Groups trained on this iteration.",
+    "data/tokens": "Tokens of the trained sequences (prompts and responses).",
+    "data/loss_tokens": "Tokens the loss covers (sampled response tokens).",
     "data/dropped_stale": "Trajectories dropped because they were too stale.",
     "data/dropped_status": "Trajectories kept out of training by their status (env_error, ...).",
 }
@@ -108,30 +112,21 @@ STANDARD_METRICS: dict[str, str] = {**CHARTS, **LOSSES, **REPLAY, **DATA, **TIME
 
 NAMESPACES = ("charts/", "losses/", "replay/", "data/", "time/", "tasks/")
 
-# Output names of `arpo.learner.loss.arpo_loss` -> their names in `losses/`.
-_LOSS_RENAMES = {
-    "loss/total": "losses/total_loss",
-    "loss/pg": "losses/policy_loss",
-    "loss/kl": "losses/kl",
-    "ratio/mean": "losses/ratio_mean",
-    "ratio/min": "losses/ratio_min",
-    "ratio/max": "losses/ratio_max",
-    "weight/fresh_mean": "losses/weight_mean_fresh",
-    "weight/replay_mean": "losses/weight_mean_replay",
-    "weight/ess": "losses/ess",
-    "weight/truncated_frac": "losses/weight_truncated_frac",
-    "clip/low_frac": "losses/clip_frac_low",
-    "clip/high_frac": "losses/clip_frac_high",
-    "clip/dual_frac": "losses/clip_frac_dual",
-    "tokens": "losses/tokens",
-}
-
 
 def loss_metrics(metrics: Mapping[str, float]) -> dict[str, float]:
-    """The loss function's metrics under `losses/` (known names renamed, others `losses/a_b`)."""
+    """`arpo.learner.loss.arpo_loss`'s metrics under `losses/`: `a/b` -> `losses/a_b`,
+    `loss/total` -> `losses/loss` (the names in `LOSSES`)."""
     return {
-        _LOSS_RENAMES.get(k, "losses/" + k.replace("/", "_")): float(v) for k, v in metrics.items()
+        "losses/loss" if k == "loss/total" else "losses/" + k.replace("/", "_"): float(v)
+        for k, v in metrics.items()
     }
+
+
+def markdown_table(names: Mapping[str, str] = STANDARD_METRICS) -> str:
+    """The metric names and their meaning as a Markdown table (for the README)."""
+    rows = ["| metric | meaning |", "|---|---|"]
+    rows += [f"| `{k}` | {v.replace('|', '/')} |" for k, v in names.items()]
+    return "\n".join(rows)
 
 
 # ---------------------------------------------------------------------------- timing spans
@@ -173,6 +168,34 @@ class Spans:
     def metrics(self) -> dict[str, float]:
         """`take()` as `time/<name>_s` metrics."""
         return {f"time/{k}_s": v for k, v in self.take().items()}
+
+
+class Throughput:
+    """Counts turned into per-second rates over the wall time between two `take()` calls.
+
+    rates = Throughput()
+    rates.add("trajectories", len(batch)); rates.add("tokens", n_tokens)
+    log.log(it, {**rates.take()})   # {"charts/trajectories_per_s": ..., ...}
+    """
+
+    def __init__(self, prefix: str = "charts/", *, clock: Any = time.monotonic) -> None:
+        self.prefix = prefix
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._counts: dict[str, float] = {}
+        self._since = clock()
+
+    def add(self, name: str, n: float = 1) -> None:
+        with self._lock:
+            self._counts[name] = self._counts.get(name, 0) + n
+
+    def take(self) -> dict[str, float]:
+        """`<prefix><name>_per_s` for every name added since the last call; starts over."""
+        with self._lock:
+            now = self._clock()
+            dt, self._since = now - self._since, now
+            counts, self._counts = self._counts, {}
+        return {f"{self.prefix}{k}_per_s": v / dt if dt > 0 else 0.0 for k, v in counts.items()}
 
 
 # ---------------------------------------------------------------------------- progress line
