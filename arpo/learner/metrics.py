@@ -24,7 +24,8 @@ What is written:
   appended and flushed at every call (a resumed run appends to the same file). Non-finite
   floats (NaN, inf) are written as `null`; `read_metrics` reads them back as `None`.
 - `<run_dir>/tb/`: TensorBoard event files (`torch.utils.tensorboard.SummaryWriter`), one
-  scalar per metric at `step`; flushed after every call, or at most every `flush_s` seconds.
+  scalar per metric at `step` (non-finite values kept as NaN / inf, `None` left out);
+  flushed after every call, or at most every `flush_s` seconds.
 - stderr: `ProgressLine`, at most every `progress_s` seconds,
   `iter 12 | v12 | reward 0.41 | success 0.38 | 3.2 traj/s | 812 tok/s | staleness 0.6 | replay 2`
   (rewritten in place with a carriage return when stderr is a terminal, one line per update
