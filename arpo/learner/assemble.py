@@ -1,0 +1,266 @@
+"""Groups for the GRPO step: taken from the store, filtered, replayed into, scored.
+
+    asm = GroupAssembler(store, AssembleConfig(group_size=8, groups_per_step=16))
+    batch = asm.next_batch(version=7, timeout=600)   # -> Batch (samples + counts)
+
+A group is the `group_size` oldest fresh trajectories of one task in the store
+(`ReplayStore.take_group`, all or nothing). Actors fill groups through task grants
+(`arpo.learner.grants`), so these are normally one grant's episodes; when more groups
+of a task are in flight than one, a group may mix episodes of two grants of the same
+task (same task, policy versions within the staleness bound), which GRPO treats the
+same way.
+
+For each group taken:
+
+1. Trajectories whose status is not `ok` (ingest keeps them out of the store, but a
+   store restored from elsewhere or an embedding program may hold them) and those
+   older than `max_staleness` versions (oldest turn's version < v - max_staleness) are
+   dropped and counted (`data/dropped_status`, `data/dropped_stale`).
+2. Successes (checker score > `replay.admit_score_above`) enter the task's replay
+   buffer (the store's replay role: capacity per task, FIFO).
+3. Replay (`arpo.learner.groups`, the reference rule by default): when the group's
+   rewards have std < 0.05 and mean < 0.2, `k` successes of the task from its replay
+   buffer (uniformly, or the newest) replace the last `k` fresh trajectories of the
+   group ('replace', the reference) or are added to it ('add'). Replayed trajectories
+   keep their own behaviour log-probs and versions; the loss's importance weight
+   corrects them (`arpo.learner.loss`).
+4. Group advantages from the total rewards (after replay). A group left with fewer
+   than `min_group_size` trajectories is dropped (`data/dropped_groups`).
+
+`next_batch` gathers `groups_per_step` groups, visiting the tasks that have a full
+group in round-robin order, waiting (in slices of `poll_s`) until enough have formed.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from arpo import wire
+from arpo.config import fail, option
+from arpo.errors import BufferTimeout, BufferValueError, UnknownTask
+from arpo.learner.groups import ReplayConfig, advantages, needs_replay
+from arpo.record import Status
+
+log = logging.getLogger("arpo.learner.assemble")
+
+
+@dataclass
+class AssembleConfig:
+    """How groups are formed from the store."""
+
+    group_size: int = option(8, "Fresh episodes per group (GRPO's G).")
+    groups_per_step: int = option(16, "Groups per training iteration.")
+    max_staleness: int = option(
+        1, "Drop fresh trajectories more than this many versions behind the learner."
+    )
+    min_group_size: int = option(
+        2, "Drop a group left with fewer trajectories than this after filtering."
+    )
+    norm_std: bool = option(True, "Divide advantages by the group's std (false: Dr. GRPO).")
+    drop_flat_groups: bool = option(
+        False,
+        "Leave out groups whose advantages are all 0 (they add no gradient; the reference "
+        "keeps them, and they count in the mean over trajectories).",
+    )
+    poll_s: float = option(0.05, "How often the store is checked while waiting for groups.")
+    replay: ReplayConfig = option(ReplayConfig(), "Replay of past successes.")
+
+    def validate(self) -> None:
+        if self.group_size < 1:
+            fail("group_size", "must be >= 1")
+        if self.groups_per_step < 1:
+            fail("groups_per_step", "must be >= 1")
+        if self.max_staleness < 0:
+            fail("max_staleness", "must be >= 0")
+        if self.min_group_size < 1:
+            fail("min_group_size", "must be >= 1")
+        if self.poll_s <= 0:
+            fail("poll_s", "must be > 0 seconds")
+        self.replay.validate()
+        if self.replay.mode == "replace" and self.replay.k >= self.group_size:
+            fail("replay.k", f"must be below group_size ({self.group_size}) with mode 'replace'")
+
+
+@dataclass
+class Sample:
+    """One trajectory of a batch, with its group advantage."""
+
+    item: Any
+    """The store item (`arpo.wire.to_item` layout)."""
+    task_id: str
+    trajectory_id: str
+    reward: float
+    checker_score: float
+    version: int
+    """Oldest policy version among its turns."""
+    advantage: float
+    is_replay: bool
+    group: int
+    """Index of its group within the batch."""
+
+
+@dataclass
+class Batch:
+    samples: list[Sample]
+    groups: int
+    counts: dict[str, float] = field(default_factory=dict)
+    """data/* and replay/* counters of this batch."""
+
+
+def _header(item: Any) -> Any:
+    """The trajectory of a store item (views, no copies)."""
+    return wire.from_item(item)
+
+
+class GroupAssembler:
+    """Takes groups from a `ReplayStore` (the learner is its only consumer)."""
+
+    def __init__(self, store: Any, config: AssembleConfig | None = None, seed: int = 0) -> None:
+        self.store = store
+        self.config = config or AssembleConfig()
+        self.config.validate()
+        self._rng = np.random.default_rng(seed)
+        self._next = 0
+        self._pending: list[list[Sample]] = []
+        """Groups taken but not yet handed out (a call that timed out keeps them)."""
+        self._pending_counts: collections.Counter[str] = collections.Counter()
+        self.totals: collections.Counter[str] = collections.Counter()
+        """Counters over the whole run (same names as Batch.counts)."""
+
+    def _ready_tasks(self) -> list[str]:
+        g = self.config.group_size
+        tasks = [t for t in self.store.tasks() if self.store.fresh_len(t) >= g]
+        if not tasks:
+            return []
+        k = self._next % len(tasks)
+        self._next += 1
+        return tasks[k:] + tasks[:k]
+
+    def next_batch(self, version: int, timeout: float | None = None) -> Batch | None:
+        """`groups_per_step` scored groups; None when `timeout` passes first (groups taken
+        so far are kept for the next call)."""
+        cfg = self.config
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while len(self._pending) < cfg.groups_per_step:
+            took = False
+            for task in self._ready_tasks():
+                if len(self._pending) >= cfg.groups_per_step:
+                    break
+                try:
+                    items = self.store.take_group(task, cfg.group_size, timeout=0)
+                except BufferTimeout:
+                    continue
+                took = True
+                group = self._score(task, items, version, self._pending_counts)
+                if group:
+                    self._pending.append(group)
+            if len(self._pending) >= cfg.groups_per_step:
+                break
+            if deadline is not None and time.monotonic() >= deadline:
+                return None
+            if not took:
+                time.sleep(cfg.poll_s)
+        groups = self._pending[: cfg.groups_per_step]
+        self._pending = self._pending[cfg.groups_per_step :]
+        samples = []
+        for gi, grp in enumerate(groups):
+            for s in grp:
+                s.group = gi
+                samples.append(s)
+        counts = dict(self._pending_counts)
+        self._pending_counts = collections.Counter()
+        replayed = [s for s in samples if s.is_replay]
+        counts["data/groups"] = len(groups)
+        counts["data/trajectories"] = len(samples)
+        counts["replay/hits"] = len(replayed)
+        counts["replay/version_gap_mean"] = (
+            float(np.mean([version - s.version for s in replayed])) if replayed else math.nan
+        )
+        fresh = [s for s in samples if not s.is_replay]
+        counts["data/staleness_mean"] = (
+            float(np.mean([version - s.version for s in fresh])) if fresh else math.nan
+        )
+        counts["data/staleness_max"] = float(max((version - s.version for s in fresh), default=0))
+        self.totals.update({k: v for k, v in counts.items() if not math.isnan(v)})
+        return Batch(samples, len(groups), counts)
+
+    def _score(
+        self, task: str, items: list[Any], version: int, counts: collections.Counter[str]
+    ) -> list[Sample]:
+        cfg = self.config
+        kept: list[Sample] = []
+        for item in items:
+            traj = _header(item)
+            if traj.status != Status.OK:
+                counts["data/dropped_status"] += 1
+                continue
+            v = traj.min_version
+            if v < version - cfg.max_staleness:
+                counts["data/dropped_stale"] += 1
+                continue
+            kept.append(
+                Sample(
+                    item,
+                    task,
+                    traj.trajectory_id,
+                    traj.reward,
+                    traj.checker_score,
+                    v,
+                    0.0,
+                    False,
+                    -1,
+                )
+            )
+            if traj.checker_score > cfg.replay.admit_score_above:
+                self.store.add_success(task, item)
+                counts["replay/admitted"] += 1
+        rewards = [s.reward for s in kept]
+        if kept and needs_replay(rewards, cfg.replay):
+            counts["replay/triggered"] += 1
+            picked = self._replay(task, kept, version)
+            if picked:
+                if cfg.replay.mode == "replace":
+                    kept = kept[: len(kept) - len(picked)]
+                kept += picked
+        if len(kept) < cfg.min_group_size:
+            counts["data/dropped_groups"] += 1
+            return []
+        adv = advantages([s.reward for s in kept], norm_std=cfg.norm_std)
+        if cfg.drop_flat_groups and not np.any(adv):
+            counts["data/dropped_flat_groups"] += 1
+            return []
+        for s, a in zip(kept, adv, strict=True):
+            s.advantage = float(a)
+        return kept
+
+    def _replay(self, task: str, kept: list[Sample], version: int) -> list[Sample]:
+        r = self.config.replay
+        try:
+            mode = "newest" if r.pick == "newest" else "uniform"
+            items = self.store.sample(task, r.k, mode=mode)
+        except (BufferValueError, UnknownTask):
+            return []  # no success of this task yet
+        out = []
+        for item in items:
+            traj = _header(item)
+            out.append(
+                Sample(
+                    item,
+                    task,
+                    traj.trajectory_id,
+                    traj.reward,
+                    traj.checker_score,
+                    traj.min_version,
+                    0.0,
+                    True,
+                    -1,
+                )
+            )
+        return out
