@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from arpo import wire
-from arpo.config import fail, option
+from arpo.config import fail, option, validate
 from arpo.errors import BufferTimeout, BufferValueError, UnknownTask
 from arpo.learner.groups import ReplayConfig, advantages, needs_replay
 from arpo.record import Status
@@ -124,8 +124,7 @@ class GroupAssembler:
 
     def __init__(self, store: Any, config: AssembleConfig | None = None, seed: int = 0) -> None:
         self.store = store
-        self.config = config or AssembleConfig()
-        self.config.validate()
+        self.config = validate(config or AssembleConfig())
         self._rng = np.random.default_rng(seed)
         self._next = 0
         self._pending: list[list[Sample]] = []

@@ -42,7 +42,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from arpo.config import fail, option
+from arpo.config import fail, option, validate
 from arpo.learner.assemble import Batch, Sample
 from arpo.learner.batch import TrainSequence, build_sequence, collate, token_logprobs
 from arpo.learner.loss import LossConfig, arpo_loss
@@ -129,7 +129,7 @@ class Trainer:
     def __init__(self, config: TrainerConfig, dist: Any = None) -> None:
         from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
 
-        config.validate()
+        config = validate(config)
         self.config = config
         self.dist = dist
         torch.manual_seed(config.seed)

@@ -1,0 +1,170 @@
+"""Group assembly from the real store: filters with counts, the reference replay rule and its
+variants, advantages, waiting for groups."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from arpo import wire
+from arpo.buffer import ReplayStore
+from arpo.errors import ConfigError
+from arpo.learner.assemble import AssembleConfig, GroupAssembler
+from arpo.learner.groups import ReplayConfig, advantages
+from arpo.record import Status, Trajectory, Turn
+
+RNG = np.random.default_rng(0)
+
+
+def traj(task: str, reward: float, version: int = 5, status=Status.OK) -> Trajectory:
+    turn = Turn(
+        RNG.integers(0, 1000, 12, dtype=np.int32),
+        b"\x89PNG\r\n\x1a\n" + bytes(20),
+        RNG.integers(0, 1000, 4, dtype=np.int32),
+        np.full(4, -1.0, np.float32),
+        version,
+    )
+    return Trajectory(task, (turn,), reward if reward > 0 else 0.0, reward=reward, status=status)
+
+
+def store() -> ReplayStore:
+    return ReplayStore(max_bytes=1 << 28, fresh_capacity=256, replay_capacity=8, seed=0)
+
+
+def put(s: ReplayStore, t: Trajectory) -> Trajectory:
+    s.put(t.task_id, wire.to_item(t))
+    return t
+
+
+def test_groups_get_advantages_and_successes_enter_replay():
+    s = store()
+    rewards = [1.0, 0.0, 0.5, 0.0]
+    ts = [put(s, traj("a", r)) for r in rewards]
+    asm = GroupAssembler(s, AssembleConfig(group_size=4, groups_per_step=1))
+    b = asm.next_batch(version=5, timeout=1)
+    assert b is not None and b.groups == 1
+    assert [x.trajectory_id for x in b.samples] == [t.trajectory_id for t in ts]
+    np.testing.assert_allclose([x.advantage for x in b.samples], advantages(rewards), rtol=1e-6)
+    assert not any(x.is_replay for x in b.samples)
+    # checker score > 0.1: the 1.0 and the 0.5 episodes are now replayable successes
+    assert s.replay_len("a") == 2 and b.counts["replay/admitted"] == 2
+    assert b.counts["replay/hits"] == 0
+
+
+def test_stale_and_non_ok_trajectories_are_dropped_and_counted():
+    s = store()
+    put(s, traj("a", 1.0, version=2))  # 3 versions behind v=5, max_staleness 1: stale
+    put(s, traj("a", 0.0, version=4))
+    put(s, traj("a", 0.0, version=5, status=Status.ENV_ERROR))
+    put(s, traj("a", 1.0, version=5))
+    asm = GroupAssembler(s, AssembleConfig(group_size=4, groups_per_step=1, max_staleness=1))
+    b = asm.next_batch(version=5, timeout=1)
+    assert b.counts["data/dropped_stale"] == 1 and b.counts["data/dropped_status"] == 1
+    assert len(b.samples) == 2 and [x.reward for x in b.samples] == [0.0, 1.0]
+    assert asm.totals["data/dropped_stale"] == 1
+    # A group left below min_group_size is dropped as a whole.
+    for v in (1, 1, 1, 5):
+        put(s, traj("b", 0.0, version=v))
+    put(s, traj("c", 0.0))
+    asm2 = GroupAssembler(s, AssembleConfig(group_size=4, groups_per_step=1))
+    assert asm2.next_batch(version=5, timeout=0.3) is None
+    assert asm2._pending_counts["data/dropped_groups"] == 1
+
+
+def test_reference_replay_replaces_one_fresh_episode():
+    s = store()
+    old = traj("a", 1.0, version=1)
+    s.add_success("a", wire.to_item(old))
+    fresh = [put(s, traj("a", 0.0)) for _ in range(8)]
+    b = GroupAssembler(s, AssembleConfig(group_size=8, groups_per_step=1)).next_batch(5, 1)
+    assert len(b.samples) == 8
+    assert [x.trajectory_id for x in b.samples[:7]] == [t.trajectory_id for t in fresh[:7]]
+    rep = b.samples[7]
+    assert rep.is_replay and rep.trajectory_id == old.trajectory_id and rep.version == 1
+    # Replayed items keep their own behaviour log-probs.
+    np.testing.assert_array_equal(rep.item.logprobs, np.full(4, -1.0, np.float32))
+    assert rep.advantage == pytest.approx(advantages([0] * 7 + [1])[7])
+    assert b.counts["replay/hits"] == 1 and b.counts["replay/version_gap_mean"] == 4
+    assert b.counts["replay/triggered"] == 1
+
+
+def test_replay_variants_add_k_newest_and_off():
+    s = store()
+    olds = [traj("a", 1.0, version=v) for v in (1, 2, 3)]
+    for o in olds:
+        s.add_success("a", wire.to_item(o))
+    for _ in range(4):
+        put(s, traj("a", 0.0))
+    cfg = AssembleConfig(
+        group_size=4, groups_per_step=1, replay=ReplayConfig(mode="add", k=2, pick="newest")
+    )
+    b = GroupAssembler(s, cfg).next_batch(5, 1)
+    assert len(b.samples) == 6
+    assert [x.trajectory_id for x in b.samples if x.is_replay] == [
+        olds[2].trajectory_id,
+        olds[1].trajectory_id,
+    ]
+    # A group that already has a success is not replayed into; replay off never is.
+    put(s, traj("a", 1.0))
+    for _ in range(3):
+        put(s, traj("a", 0.0))
+    b = GroupAssembler(s, AssembleConfig(group_size=4, groups_per_step=1)).next_batch(5, 1)
+    assert not any(x.is_replay for x in b.samples)
+    for _ in range(4):
+        put(s, traj("a", 0.0))
+    off = AssembleConfig(group_size=4, groups_per_step=1, replay=ReplayConfig(enabled=False))
+    b = GroupAssembler(s, off).next_batch(5, 1)
+    assert not any(x.is_replay for x in b.samples) and all(x.advantage == 0 for x in b.samples)
+
+
+def test_no_success_stored_yet_leaves_the_group_as_it_is():
+    s = store()
+    for _ in range(4):
+        put(s, traj("a", 0.0))
+    b = GroupAssembler(s, AssembleConfig(group_size=4, groups_per_step=1)).next_batch(5, 1)
+    assert len(b.samples) == 4 and b.counts["replay/hits"] == 0
+    assert b.counts["replay/triggered"] == 1
+
+
+def test_waits_for_enough_groups_across_tasks_and_keeps_partial_progress():
+    s = store()
+    asm = GroupAssembler(s, AssembleConfig(group_size=2, groups_per_step=3, poll_s=0.01))
+    for t in ("a", "b"):
+        put(s, traj(t, 1.0))
+        put(s, traj(t, 0.0))
+    assert asm.next_batch(5, timeout=0.2) is None  # two groups formed, three needed
+
+    def late():
+        time.sleep(0.2)
+        put(s, traj("c", 1.0))
+        put(s, traj("c", 0.0))
+
+    th = threading.Thread(target=late)
+    th.start()
+    b = asm.next_batch(5, timeout=10)
+    th.join()
+    assert b.groups == 3 and {x.task_id for x in b.samples} == {"a", "b", "c"}
+    assert sorted({x.group for x in b.samples}) == [0, 1, 2]
+
+
+def test_flat_groups_can_be_left_out():
+    s = store()
+    for _ in range(2):
+        put(s, traj("a", 1.0))
+    cfg = AssembleConfig(group_size=2, groups_per_step=1, drop_flat_groups=True)
+    asm = GroupAssembler(s, cfg)
+    assert asm.next_batch(5, timeout=0.2) is None
+    assert asm._pending_counts["data/dropped_flat_groups"] == 1
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(ConfigError, match=r"replay\.k"):
+        GroupAssembler(store(), AssembleConfig(group_size=2, replay=ReplayConfig(k=2)))
+    with pytest.raises(ConfigError, match="group_size"):
+        GroupAssembler(store(), AssembleConfig(group_size=0))
+    with pytest.raises(ConfigError, match="max_staleness"):
+        GroupAssembler(store(), replace(AssembleConfig(), max_staleness=-1))

@@ -1,0 +1,257 @@
+"""The training step on the tiny Qwen2.5-VL: exact log-probs from stored ids, updates that move
+the policy the right way, replay weights, micro-batching that does not change the gradient."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import itertools
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from arpo import wire  # noqa: E402
+from arpo.buffer import ReplayStore  # noqa: E402
+from arpo.errors import ConfigError, RecordError  # noqa: E402
+from arpo.learner.assemble import AssembleConfig, GroupAssembler, Sample  # noqa: E402
+from arpo.learner.batch import build_sequence, response_positions  # noqa: E402
+from arpo.learner.groups import advantages  # noqa: E402
+from arpo.learner.loss import LossConfig, arpo_loss  # noqa: E402
+from arpo.learner.synthetic import (  # noqa: E402
+    random_response,
+    screenshot_png,
+    synthetic_trajectory,
+    with_logprobs,
+)
+from arpo.learner.trainer import Trainer, TrainerConfig  # noqa: E402
+from arpo.policy.engine import EngineConfig, SamplingParams, make_engine  # noqa: E402
+from arpo.policy.prompt import EpisodePrompt  # noqa: E402
+from arpo.policy.tiny import build_tiny_model  # noqa: E402
+from arpo.record import Trajectory, Turn  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "m", seed=0)
+
+
+@pytest.fixture(scope="module")
+def base_trainer(tiny_dir):
+    return Trainer(TrainerConfig(model=str(tiny_dir), lr=1e-3))
+
+
+def fresh_trainer(base: Trainer, **kw) -> Trainer:
+    """A trainer with the base's weights and a new optimizer (cheaper than loading)."""
+    t = copy.copy(base)
+    t.config = TrainerConfig(**{**base.config.__dict__, **kw})
+    t.base_model = t.model = copy.deepcopy(base.base_model)
+    t.optimizer = torch.optim.AdamW(
+        t.model.parameters(), lr=t.config.lr, weight_decay=t.config.weight_decay
+    )
+    t.scheduler = torch.optim.lr_scheduler.LambdaLR(t.optimizer, lambda s: 1.0)
+    return t
+
+
+def make_samples(trainer: Trainer, rewards, *, seed=0, turns=2, replay=(), shift=0.0):
+    """Trajectories with real prompts and random responses, on-policy for `trainer`'s
+    current weights (behaviour log-probs from a teacher-forced pass) plus `shift`."""
+    rng = np.random.default_rng(seed)
+    proc = trainer.processor
+    out = []
+    for i, r in enumerate(rewards):
+        traj = synthetic_trajectory(
+            proc,
+            f"task {seed}",
+            screenshots=[screenshot_png(rng, 300 + 40 * t, 200) for t in range(turns)],
+            responses=[random_response(rng, proc.tokenizer, 6 + 3 * t + i) for t in range(turns)],
+            reward=float(r),
+            task_id=f"t{seed}",
+        )
+        item = wire.to_item(traj)
+        (lp,) = trainer.proximal([build_sequence(item, proc, trainer.image_token_id)])
+        traj = with_logprobs(traj, lp.numpy() + shift)
+        out.append(
+            Sample(
+                wire.to_item(traj),
+                traj.task_id,
+                traj.trajectory_id,
+                float(r),
+                float(r),
+                0,
+                0.0,
+                i in replay,
+                0,
+            )
+        )
+    for s, a in zip(out, advantages(rewards), strict=True):
+        s.advantage = float(a)
+    return out
+
+
+def params_of(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in trainer.base_model.named_parameters()}
+
+
+def test_stored_ids_give_the_engines_sampled_logprobs(tiny_dir, base_trainer):
+    """A real 3-turn episode sampled by the transformers engine, stored through the wire
+    codec: the learner's teacher-forced log-probs of the stored ids equal the behaviour
+    log-probs the engine recorded (token-in, token-out; pixels from the stored PNGs)."""
+    proc = base_trainer.processor
+    rng = np.random.default_rng(3)
+    pngs = [screenshot_png(rng, w, h) for w, h in ((640, 360), (400, 300), (1920, 1080))]
+
+    async def episode():
+        cfg = EngineConfig(kind="hf", model=str(tiny_dir))
+        async with make_engine(cfg) as engine:
+            ep = EpisodePrompt.from_processor(proc, "open the settings")
+            turns = []
+            for t, png in enumerate(pngs):
+                ids = ep.add_screenshot(png)
+                ctx, images = ep.model_input()
+                c = await engine.generate(
+                    ctx, images, SamplingParams(temperature=1.0, max_new_tokens=12, seed=t)
+                )
+                ep.add_response(c.token_ids)
+                turns.append(Turn(ids, png, c.token_ids, c.logprobs, 0, "WAIT"))
+            return Trajectory("t", tuple(turns), 0.0)
+
+    traj = asyncio.run(episode())
+    item = wire.to_item(wire.decode(wire.encode(traj)))
+    seq = build_sequence(item, proc, base_trainer.image_token_id)
+    (lp,) = base_trainer.proximal([seq])
+    np.testing.assert_allclose(lp.numpy(), item.logprobs, atol=1e-4, rtol=0)
+    assert len(lp) == sum(len(t.response_ids) for t in traj.turns)
+
+
+def test_response_positions_and_sequence_errors(base_trainer):
+    assert response_positions(np.array([3, 2, 4, 1])).tolist() == [3, 4, 9]
+    with pytest.raises(RecordError, match="pairs"):
+        response_positions(np.array([3, 2, 4]))
+    (s,) = make_samples(base_trainer, [1.0], turns=1)
+    proc = base_trainer.processor
+    bad = s.item.tokens.copy()
+    bad[bad == base_trainer.image_token_id] = 5  # image tokens gone
+    from arpo.buffer import Item
+
+    item = Item(bad, s.item.logprobs, s.item.offsets, s.item.rewards, 0, s.item.blobs)
+    with pytest.raises(RecordError, match="image tokens"):
+        build_sequence(item, proc, base_trainer.image_token_id, "x")
+
+
+def test_step_changes_parameters_and_reports_metrics(base_trainer):
+    t = fresh_trainer(base_trainer)
+    before = params_of(t)
+    m = t.step(make_samples(t, [1, 0, 0, 1]))
+    after = params_of(t)
+    changed = [k for k in before if not torch.equal(before[k], after[k])]
+    assert len(changed) > 0.9 * len(before)
+    # The vision tower is trained too (pixels come from the stored PNGs).
+    assert any(k.startswith("model.visual") for k in changed)
+    # On-policy data: the proximal policy equals the behaviour policy, weights are 1.
+    assert m["losses/weight_fresh_mean"] == pytest.approx(1.0, abs=1e-4)
+    assert m["losses/ratio_mean"] > 0 and np.isfinite(m["losses/grad_norm"])
+    for k in ("time/proximal_forward_s", "time/forward_backward_s", "time/optimizer_s"):
+        assert m[k] > 0
+    assert t.optimizer_steps_done == 2
+
+
+def test_repeated_steps_lower_the_surrogate_loss_on_a_fixed_batch(base_trainer):
+    """PPO's surrogate against the fixed behaviour policy falls step after step, and the
+    log-probs of positive-advantage trajectories rise while negative ones fall."""
+    t = fresh_trainer(base_trainer, lr=3e-4, optimizer_steps=1)
+    samples = make_samples(t, [1, 0, 1, 0], seed=5)
+    seqs = t.sequences(samples)
+    mu = [torch.tensor(np.array(s.item.logprobs)) for s in samples]
+    adv = torch.tensor([s.advantage for s in samples])
+
+    def surrogate():
+        lp = t.proximal(seqs)
+        n = max(len(x) for x in lp)
+        pad = lambda xs: torch.stack([torch.nn.functional.pad(x, (0, n - len(x))) for x in xs])  # noqa: E731
+        mask = torch.stack([torch.arange(n) < len(x) for x in lp])
+        loss, _ = arpo_loss(pad(lp), pad(mu), pad(mu), adv, mask, torch.zeros(4, dtype=bool),
+                            LossConfig())  # fmt: skip
+        return float(loss), [float(x.mean()) for x in lp]
+
+    l0, lp0 = surrogate()
+    losses = [l0]
+    for _ in range(3):
+        t.step(samples)
+        losses.append(surrogate()[0])
+    assert all(b < a for a, b in itertools.pairwise(losses)), losses
+    _, lp3 = surrogate()
+    assert lp3[0] > lp0[0] and lp3[2] > lp0[2]  # advantage > 0
+    assert lp3[1] < lp0[1] and lp3[3] < lp0[3]  # advantage < 0
+
+
+def test_micro_batching_does_not_change_the_gradient(base_trainer):
+    """Gradient accumulation over micro-batches of 1, 3 and 6 trajectories gives the
+    gradient of the whole mini-batch (float32: up to summation order)."""
+    samples = make_samples(base_trainer, [1, 0, 0, 0, 1, 0], seed=7)
+    grads = []
+    for micro in (1, 3, 6):
+        t = fresh_trainer(base_trainer, micro_batch=micro, optimizer_steps=1)
+        t.step(samples)
+        grads.append({k: p.grad.clone() for k, p in t.base_model.named_parameters()})
+    scale = max(float(g.abs().max()) for g in grads[0].values())
+    for other in grads[1:]:
+        for k, g in grads[0].items():
+            torch.testing.assert_close(other[k], g, atol=1e-5 * scale, rtol=1e-4)
+
+
+def test_replayed_success_gets_its_importance_weight_and_advantage(base_trainer, tmp_path):
+    """Four failed fresh episodes + one stored success (behaviour log-probs 0.5 above the
+    current policy's, i.e. an older policy liked it more): the assembler replaces one fresh
+    episode by the success; its advantage is (1 - 0.25) / std; the loss weights its
+    tokens by exp(pi_prox - mu) = exp(-0.5)."""
+    t = fresh_trainer(base_trainer)
+    fails = make_samples(t, [0, 0, 0, 0], seed=9)
+    (success,) = make_samples(t, [1.0], seed=10, shift=0.5)
+    store = ReplayStore(max_bytes=1 << 30, fresh_capacity=64, replay_capacity=8, seed=0)
+    task = fails[0].task_id
+    old = wire.from_item(success.item)
+    store.add_success(task, wire.to_item(old))
+    for s in fails:
+        store.put(task, s.item)
+    asm = GroupAssembler(store, AssembleConfig(group_size=4, groups_per_step=1))
+    batch = asm.next_batch(version=0, timeout=5)
+    assert batch is not None and len(batch.samples) == 4
+    replayed = [s for s in batch.samples if s.is_replay]
+    assert len(replayed) == 1 and replayed[0].trajectory_id == old.trajectory_id
+    std = np.std([0, 0, 0, 1], ddof=1)
+    assert replayed[0].advantage == pytest.approx(0.75 / (std + 1e-6), rel=1e-5)
+    assert all(s.advantage == pytest.approx(-0.25 / (std + 1e-6), rel=1e-5)
+               for s in batch.samples if not s.is_replay)  # fmt: skip
+    assert batch.counts["replay/hits"] == 1
+    m = t.step(batch)
+    assert m["losses/weight_replay_mean"] == pytest.approx(np.exp(-0.5), rel=1e-3)
+    assert m["losses/weight_fresh_mean"] == pytest.approx(1.0, abs=1e-4)
+    # The reference's uncorrected replay scores it with weight 1.
+    t2 = fresh_trainer(base_trainer, loss=LossConfig(correct_replay=False))
+    m2 = t2.step(batch)
+    assert m2["losses/weight_replay_mean"] == pytest.approx(1.0, abs=1e-4)
+
+
+def test_weights_bytes_load_into_a_fresh_model(base_trainer, tiny_dir):
+    from safetensors.torch import load
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    t = fresh_trainer(base_trainer)
+    t.step(make_samples(t, [1, 0], seed=11, turns=1))
+    state = load(t.weights_bytes())
+    fresh = Qwen2_5_VLForConditionalGeneration.from_pretrained(tiny_dir)
+    fresh.load_state_dict(state, strict=True)
+    for k, v in t.base_model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[k], v)
+
+
+def test_config_errors_name_the_field(tiny_dir):
+    with pytest.raises(ConfigError, match="micro_batch"):
+        Trainer(TrainerConfig(model=str(tiny_dir), micro_batch=0))
+    with pytest.raises(ConfigError, match="model"):
+        Trainer(TrainerConfig())
+    with pytest.raises(ConfigError, match="eps_low"):
+        Trainer(TrainerConfig(model=str(tiny_dir), loss=LossConfig(eps_low=1.5)))
