@@ -145,7 +145,7 @@ class Checkpoint:
 
 def rng_state() -> dict[str, Any]:
     """The states of python `random`, numpy's global generator, torch CPU and CUDA."""
-    name, key, pos, has_gauss, gauss = np.random.get_state(legacy=True)  # type: ignore[misc]
+    name, key, pos, has_gauss, gauss = np.random.get_state(legacy=True)
     state: dict[str, Any] = {
         "python": random.getstate(),
         "numpy": [name, [int(k) for k in key], int(pos), int(has_gauss), float(gauss)],
@@ -321,7 +321,7 @@ def save_checkpoint(
                 "state": json.loads(state_text),
             },
         )
-        files = {}
+        files: dict[str, dict[str, Any]] = {}
         for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
             rel = path.relative_to(tmp).as_posix()
             files[rel] = {"size": path.stat().st_size, "sha256": _hash_and_sync(path)}
@@ -420,6 +420,10 @@ def verify_checkpoint(path: str | Path, *, hashes: bool = True) -> dict[str, Any
         if required not in files:
             raise SnapshotError(f"{path / required}: not listed in the manifest")
     for rel, meta in files.items():
+        if not isinstance(rel, str) or rel.startswith("/") or ".." in rel.split("/"):
+            raise SnapshotError(f"{manifest_path}: lists a path outside the folder: {rel!r}")
+        if not isinstance(meta, dict):
+            raise SnapshotError(f"{manifest_path}: entry {rel!r} is not a table")
         f = path / rel
         try:
             size = f.stat().st_size

@@ -12,7 +12,8 @@ For each message on the data link (a ROUTER, `arpo.transport`):
 1. size check (`max_trajectory_bytes`), then `wire.decode` (strict validation);
 2. a trajectory id already stored is a duplicate (the actor resent it because our ack
    was lost): acknowledged again, not stored again;
-3. an `ok` trajectory goes into the store (`store.put(task, wire.to_item(traj))`); an
+3. an `ok` trajectory is appended to the journal (when `journal_dir` is set, below) and
+   goes into the store (`store.put(task, wire.to_item(traj))`); an
    `env_error` / `eval_error` / `timeout` one is delivered but excluded from training:
    counted by status, kept in a short list for inspection, not stored;
 4. `on_trajectory(traj, stored)` lets the grant book close the slot (and say whether the
@@ -222,7 +223,7 @@ def _fsync_dir(path: Path) -> None:
 
 
 class Journal:
-    """The append side of the journal: one open segment, records appended and flushed.
+    """The append side of the journal: one open segment, records appended unbuffered.
 
     Not thread-safe on its own: the `Ingest` calls it under its store lock. Opening a
     journal starts a new segment after the highest one present, so a segment written
@@ -238,51 +239,64 @@ class Journal:
         self._unsynced = 0
         self.records = 0
         self.bytes = 0
-        self._file: Any = None
+        self._fd: int | None = None
+        self._size = 0
         self._open()
 
     def _open(self) -> None:
         # Created eagerly and the folder fsynced: the newest segment number always exists
         # on disk, so a restarted learner never reuses a number below a checkpoint's.
-        self._file = segment_path(self.dir, self.segment).open("ab")
+        path = segment_path(self.dir, self.segment)
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+        self._size = os.fstat(self._fd).st_size
         _fsync_dir(self.dir)
 
-    def append(self, frames: Sequence[Any]) -> None:
-        """Append one record (the message's frames) and flush it; fsync per `fsync_every`.
+    def _write(self, buf: memoryview | bytes) -> None:
+        assert self._fd is not None
+        mv = memoryview(buf)
+        while mv.nbytes:
+            n = os.write(self._fd, mv)  # unbuffered: after it returns the kernel has the bytes
+            self._size += n
+            mv = mv[n:]
 
-        On a write error the segment is cut back to where the record began (so no torn
-        record sits before later ones) and the OSError is raised.
+    def append(self, frames: Sequence[Any]) -> None:
+        """Append one record (the message's frames); fsync per `fsync_every`.
+
+        On a write error (disk full, file size limit) the segment is cut back to where the
+        record began, so no torn record sits before later ones (if even that fails, later
+        records go to a new segment), and the OSError is raised.
         """
-        f = self._file
+        if self._fd is None:
+            raise OSError("the journal is closed")
         views = [memoryview(getattr(fr, "buffer", fr)).cast("B") for fr in frames]
-        lengths = struct.pack(f"<{len(views)}Q", *(v.nbytes for v in views))
-        prefix = _RECORD_PREFIX.pack(JOURNAL_MAGIC, len(views), sum(v.nbytes for v in views))
-        start = f.tell()
+        head = _RECORD_PREFIX.pack(JOURNAL_MAGIC, len(views), sum(v.nbytes for v in views))
+        head += struct.pack(f"<{len(views)}Q", *(v.nbytes for v in views))
+        start = self._size
         try:
-            crc = zlib.crc32(lengths, zlib.crc32(prefix))
-            f.write(prefix)
-            f.write(lengths)
+            crc = zlib.crc32(head)
+            self._write(head)
             for v in views:
                 crc = zlib.crc32(v, crc)
-                f.write(v)
-            f.write(_CRC.pack(crc))
-            f.flush()
+                self._write(v)
+            self._write(_CRC.pack(crc))
             self._unsynced += 1
             if self._unsynced >= self.fsync_every:
                 self.sync()
         except OSError:
-            with contextlib.suppress(OSError):
-                f.seek(start)
-                f.truncate(start)
-                f.flush()
+            try:
+                os.ftruncate(self._fd, start)
+                self._size = start
+            except OSError:
+                with contextlib.suppress(OSError):
+                    self.rotate()
             raise
         self.records += 1
-        self.bytes += f.tell() - start
+        self.bytes += self._size - start
 
     def sync(self) -> None:
         """fsync the open segment (a sync point: it waits for the disk)."""
-        if self._file is not None and self._unsynced:
-            os.fsync(self._file.fileno())
+        if self._fd is not None and self._unsynced:
+            os.fsync(self._fd)
             self._unsynced = 0
 
     def rotate(self) -> int:
@@ -305,12 +319,14 @@ class Journal:
         return gone
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.flush()
-            self._unsynced = 1  # always fsync on close
-            self.sync()
-            self._file.close()
-            self._file = None
+        """fsync and close the open segment (a later `append` raises OSError)."""
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            self._unsynced = 0
 
 
 @dataclass
