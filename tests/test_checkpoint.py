@@ -199,6 +199,10 @@ def test_keep_and_invalid_checkpoints_fall_back(
             (newest / "MANIFEST.json").write_text('{"files": ')
         elif what == "missing file":
             (newest / "state.json").unlink()
+        elif what == "escaping path":
+            manifest = json.loads((newest / "MANIFEST.json").read_text())
+            manifest["files"]["../ckpt-00000003/state.json"] = {"size": 1, "sha256": ""}
+            (newest / "MANIFEST.json").write_text(json.dumps(manifest))
 
     reasons = {
         "truncated": "bytes, the manifest says",
@@ -206,6 +210,7 @@ def test_keep_and_invalid_checkpoints_fall_back(
         "no manifest": "not completed",
         "bad manifest": "unreadable",
         "missing file": "state.json: missing",
+        "escaping path": "outside the folder",
     }
     for what, reason in reasons.items():
         broken(what)

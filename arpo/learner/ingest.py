@@ -33,13 +33,16 @@ snapshot), the log is as durable as its last fsync.
 
 Journal (`journal_dir`): a write-ahead log of every trajectory that goes into the store,
 so an acknowledged trajectory survives a learner crash. Before an `ok` trajectory is put
-into the store, the frames it arrived in are appended to the current segment
-`journal-<n:08d>.log` and flushed; the segment is fsynced every `journal_fsync_every`
+into the store, the frames it arrived in are written (unbuffered) to the end of the
+current segment `journal-<n:08d>.log`; a failed write (disk full) is cut back and the
+trajectory is neither stored nor acknowledged (the actor sends it again). The segment
+is fsynced every `journal_fsync_every`
 records (1, the default: before every ack, which is what the ack promises; with N > 1 a
 killed process still loses nothing, the kernel has the bytes, but a power loss or kernel
 crash can lose up to N - 1 acknowledged trajectories; an fsync of a 400 KB record costs
 about 2 ms on the project machine). Only `ok` trajectories are journaled: the others are
-counted and not stored. A record is
+counted and not stored. The journal holds every stored byte since the oldest kept
+checkpoint (about 1.4 MB per 15-turn episode of 1080p screenshots). A record is
 
     b"ARJ1", n_frames (u32), payload bytes (u64) | n_frames lengths (u64) | frames | crc32
 
@@ -60,6 +63,8 @@ exactly the segments before the rotation and none after:
     ingest = Ingest(store, config, transport)
     ingest.replay_journal(seg)             # re-inserts segments >= seg, marks them seen
     ingest.start()
+
+Replayed trajectories go straight into the store (the grant book is not told again).
 """
 
 from __future__ import annotations
