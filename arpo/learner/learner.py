@@ -1,0 +1,462 @@
+"""The learner process: ingest, task grants, group assembly, the ARPO step, weights, checkpoints.
+
+    arpo-learner trainer.model=runs/tiny tasks=envs/arpo_envs/tasks/local iterations=50
+    arpo-learner --config learner.toml --resume           # continue from the last checkpoint
+
+One iteration (each stage is a named timing span, logged as `time/<span>_s`):
+
+    wait        GroupAssembler.next_batch: `groups_per_step` complete groups from the store
+                (status / staleness filters, successes into replay, replay into failed
+                groups, advantages)
+    step        Trainer.step: proximal pass, then the optimizer steps (its own spans:
+                sequences, proximal_forward, forward_backward, optimizer)
+    publish     the new weights as version v + 1: a safetensors stream served in chunks on
+                the control link, and the same bytes as a file under `publish_dir` that
+                actors sharing the filesystem read directly
+    checkpoint  every `checkpoint.every` iterations and at the end: model, optimizer,
+                scheduler, RNG, policy version, task statistics, store snapshot, seen-id
+                log, ingest journal segment (`arpo.learner.checkpoint`)
+
+Meanwhile two server threads run: the ingest (data link: trajectories in, acks out;
+journaled before each ack) and the grant server (control link: grants, weights,
+heartbeats). Actors (`arpo-actor`) anywhere connect to `transport.data` and
+`transport.control`.
+
+Resume (`resume = true`): the newest valid checkpoint's model, optimizer, scheduler,
+RNG states, version and task statistics are loaded; the store is restored from its
+snapshot and the ingest journal since that snapshot is replayed into it, so every
+trajectory acknowledged before a crash is there exactly once (trained on before the
+crash but after the checkpoint means trained on again, by the model of the checkpoint,
+which never saw it). Grants issued before the crash are unknown to the new grant book:
+their trajectories are accepted as they come.
+
+Distributed (torchrun): rank 0 owns the sockets, the store, the assembler, metrics and
+checkpoints; every rank holds a shard of the model (FSDP2) and trains on its share of
+each batch, which rank 0 broadcasts (`arpo.learner.distributed`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from arpo.config import fail, option, validate
+from arpo.errors import ConfigError
+from arpo.learner.assemble import AssembleConfig, Batch, GroupAssembler
+from arpo.learner.checkpoint import (
+    CheckpointConfig,
+    latest_checkpoint,
+    load_checkpoint,
+    restore_rng,
+    save_checkpoint,
+)
+from arpo.learner.grants import GrantBook, GrantConfig, GrantServer
+from arpo.learner.ingest import Ingest, IngestConfig
+from arpo.learner.metrics import MetricsConfig, MetricsLogger, ProgressLine, Spans, TaskStats
+from arpo.learner.trainer import Trainer, TrainerConfig
+from arpo.transport import TransportConfig
+
+log = logging.getLogger("arpo.learner")
+
+_DEFAULT_CKPT_DIR = CheckpointConfig().dir
+
+
+@dataclass
+class LearnerConfig:
+    """The learner process. Paths left empty are placed under `run_dir`."""
+
+    run_dir: str = option("runs/learner", "Folder of this run: metrics, checkpoints, journal.")
+    tasks: str = option(
+        "", "Task pool: a folder of task JSON files (searched recursively), a JSON list or JSONL."
+    )
+    selection: str = option(
+        "", "Task selection file written by `arpo select-tasks`: train on its selected tasks."
+    )
+    iterations: int = option(0, "Training iterations to run (0: until stopped).")
+    resume: bool = option(False, "Continue from the newest valid checkpoint in checkpoint.dir.")
+    success_score: float = option(1.0, "Checker score at which an episode counts as a success.")
+    publish_dir: str = option(
+        "",
+        "Folder for published weight files actors on this filesystem read ('' = run_dir/"
+        "weights, '-' = none: chunks over the control link only).",
+    )
+    publish_keep: int = option(2, "Published weight files kept.")
+    wait_log_s: float = option(30.0, "Log a line while waiting this long for groups.")
+    store_max_bytes: int = option(8 << 30, "Byte budget of the replay store.")
+    store_fresh_capacity: int = option(
+        1024, "Fresh trajectories kept per task before the oldest are evicted."
+    )
+    seed: int = option(0, "Seed of the store's sampling and the assembler.")
+    trainer: TrainerConfig = option(TrainerConfig(), "The model and the optimisation step.")
+    assemble: AssembleConfig = option(AssembleConfig(), "Groups, staleness filter and replay.")
+    grants: GrantConfig = option(
+        GrantConfig(),
+        "Task grants; group_size, groups_per_step and max_staleness are taken from assemble.",
+    )
+    ingest: IngestConfig = option(
+        IngestConfig(), "The receiving side (seen_log and journal_dir default to run_dir)."
+    )
+    transport: TransportConfig = option(TransportConfig(), "Endpoints and keys of the links.")
+    checkpoint: CheckpointConfig = option(
+        CheckpointConfig(), "Checkpoints (dir defaults to run_dir/checkpoints)."
+    )
+    metrics: MetricsConfig = option(MetricsConfig(), "Metrics files and the progress line.")
+
+    def validate(self) -> None:
+        if not self.run_dir:
+            fail("run_dir", "must name a folder")
+        if not self.tasks:
+            fail("tasks", "give the task pool (a folder of task JSON files, or a JSON/JSONL file)")
+        if self.iterations < 0:
+            fail("iterations", "must be >= 0 (0: until stopped)")
+        if self.publish_keep < 1:
+            fail("publish_keep", "must be >= 1")
+        if self.store_fresh_capacity < self.assemble.group_size:
+            fail("store_fresh_capacity", "must be at least assemble.group_size")
+        default = GrantConfig()
+        for name in ("group_size", "groups_per_step", "max_staleness"):
+            g, a = getattr(self.grants, name), getattr(self.assemble, name)
+            if g != getattr(default, name) and g != a:
+                fail(
+                    f"grants.{name}",
+                    f"is {g} but assemble.{name} is {a}: set assemble.{name} only "
+                    "(the learner gives it to the grants)",
+                )
+
+
+def resolved(cfg: LearnerConfig) -> LearnerConfig:
+    """The config with empty paths placed under run_dir and the grant settings synced."""
+    run = Path(cfg.run_dir)
+    ingest = replace(
+        cfg.ingest,
+        seen_log=cfg.ingest.seen_log or str(run / "seen.log"),
+        journal_dir=cfg.ingest.journal_dir or str(run / "journal"),
+    )
+    ckpt = cfg.checkpoint
+    if ckpt.dir == _DEFAULT_CKPT_DIR:
+        ckpt = replace(ckpt, dir=str(run / "checkpoints"))
+    a = cfg.assemble
+    grants = replace(
+        cfg.grants,
+        group_size=a.group_size,
+        groups_per_step=a.groups_per_step,
+        max_staleness=a.max_staleness,
+    )
+    publish = cfg.publish_dir or str(run / "weights")
+    return replace(cfg, ingest=ingest, checkpoint=ckpt, grants=grants, publish_dir=publish)
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class Learner:
+    """Owns every learner component; `run()` is the loop (see the module docstring)."""
+
+    def __init__(self, config: LearnerConfig) -> None:
+        self.config = resolved(validate(config))
+        self._stop = threading.Event()
+        self.spans = Spans()
+        self.iteration = 0
+        self.version = 0
+        self.task_stats = TaskStats()
+        self.last_checkpoint: Path | None = None
+        self.trainer: Trainer | None = None
+        self.store: Any = None
+        self.ingest: Ingest | None = None
+        self.grants: GrantServer | None = None
+        self.metrics: MetricsLogger | None = None
+        self.assembler: GroupAssembler | None = None
+        self._published: list[Path] = []
+        self.history: list[dict[str, float]] = []
+        """Every iteration's metrics (also in metrics.jsonl)."""
+
+    # ---- set-up ------------------------------------------------------------------------
+
+    def _tasks(self) -> list[dict[str, Any]]:
+        from arpo.learner.select import load_selection, load_task_pool
+
+        cfg = self.config
+        tasks = load_task_pool(cfg.tasks)
+        if cfg.selection:
+            keep = set(load_selection(cfg.selection))
+            missing = keep - {t["id"] for t in tasks}
+            if missing:
+                raise ConfigError(
+                    f"config field selection: {len(missing)} selected task(s) are not in the "
+                    f"pool {cfg.tasks!r}, e.g. {sorted(missing)[0]!r}"
+                )
+            tasks = [t for t in tasks if t["id"] in keep]
+        if not tasks:
+            raise ConfigError(
+                f"config field tasks: no tasks to train on in {cfg.tasks!r}"
+                + (f" after the selection {cfg.selection!r}" if cfg.selection else "")
+            )
+        return tasks
+
+    def setup(self) -> None:
+        """Load (or resume) everything and start the two server threads."""
+        import torch
+
+        from arpo.buffer import ReplayStore
+
+        cfg = self.config
+        run = Path(cfg.run_dir)
+        run.mkdir(parents=True, exist_ok=True)
+        tasks = self._tasks()
+        ckpt = None
+        if cfg.resume:
+            path = latest_checkpoint(cfg.checkpoint.dir, verify=cfg.checkpoint.verify)
+            if path is None:
+                log.warning("resume: no valid checkpoint in %s; starting fresh", cfg.checkpoint.dir)
+            else:
+                ckpt = load_checkpoint(path, verify=cfg.checkpoint.verify)
+                log.info("resuming from %s (iteration %d)", path, ckpt.iteration)
+        tcfg = cfg.trainer
+        if ckpt is not None:
+            tcfg = replace(tcfg, model=str(ckpt.model_dir))
+        self.trainer = Trainer(tcfg)
+        if ckpt is not None:
+            self.trainer.optimizer.load_state_dict(ckpt.trainer["optimizer"])
+            if ckpt.trainer.get("scheduler") is not None:
+                self.trainer.scheduler.load_state_dict(ckpt.trainer["scheduler"])
+            restore_rng(ckpt.trainer["rng"])
+            self.iteration = ckpt.iteration
+            self.version = int(ckpt.state["version"])
+            self.task_stats = TaskStats.from_dict(ckpt.state.get("tasks", {}))
+            self.trainer.optimizer_steps_done = int(ckpt.state.get("optimizer_steps", 0))
+            store = ReplayStore.restore(
+                ckpt.store_path,
+                max_bytes=cfg.store_max_bytes,
+                fresh_capacity=cfg.store_fresh_capacity,
+                replay_capacity=cfg.assemble.replay.capacity,
+                seed=cfg.seed,
+            )
+            ckpt.restore_seen_log(cfg.ingest.seen_log)
+        else:
+            torch.manual_seed(cfg.seed)
+            store = ReplayStore(
+                max_bytes=cfg.store_max_bytes,
+                fresh_capacity=cfg.store_fresh_capacity,
+                replay_capacity=cfg.assemble.replay.capacity,
+                seed=cfg.seed,
+            )
+        self.store = store
+        book = GrantBook(tasks, cfg.grants)
+        book.set_version(self.version)
+        # Groups of earlier versions count as opened, so admission allows the usual
+        # (max_staleness + 1) * groups_per_step groups in flight after a resume too.
+        book.opened = self.version * cfg.grants.groups_per_step
+        self.grants = GrantServer(book, cfg.transport)
+        self.ingest = Ingest(
+            store,
+            cfg.ingest,
+            cfg.transport,
+            version=lambda: self.version,
+            on_trajectory=self._on_trajectory(book),
+        )
+        if ckpt is not None and ckpt.journal_segment is not None:
+            counts = self.ingest.replay_journal(ckpt.journal_segment)
+            log.info("resume: journal replayed into the store: %s", counts)
+        self.assembler = GroupAssembler(store, cfg.assemble, seed=cfg.seed)
+        self.metrics = MetricsLogger(run, cfg.metrics)
+        self.progress = ProgressLine(cfg.metrics.progress_s)
+        self._publish()
+        self.ingest.start()
+        self.grants.start()
+        log.info(
+            "learner up: data %s, control %s, %d tasks, version %d",
+            self.ingest.endpoint,
+            self.grants.endpoint,
+            len(tasks),
+            self.version,
+        )
+
+    def _on_trajectory(self, book: GrantBook):
+        def on(traj: Any) -> bool:
+            return book.complete(traj)
+
+        return on
+
+    # ---- the loop ----------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Finish the current iteration, checkpoint, and leave `run()`."""
+        self._stop.set()
+
+    def run(self) -> dict[str, float]:
+        """Iterate until `iterations` are done or `stop()`; returns the last metrics."""
+        if self.trainer is None:
+            self.setup()
+        cfg = self.config
+        last: dict[str, float] = {}
+        waited = 0.0
+        try:
+            while not self._stop.is_set():
+                if cfg.iterations and self.iteration >= cfg.iterations:
+                    break
+                t0 = time.perf_counter()
+                with self.spans("wait"):
+                    batch = self.assembler.next_batch(self.version, timeout=1.0)
+                if batch is None:
+                    waited += time.perf_counter() - t0
+                    if waited >= cfg.wait_log_s:
+                        log.info("waiting for groups: %s", self._ingest_summary())
+                        waited = 0.0
+                    continue
+                waited = 0.0
+                last = self._iterate(batch)
+            if self.iteration > 0:
+                self.save_checkpoint()
+        finally:
+            self.close()
+        return last
+
+    def _iterate(self, batch: Batch) -> dict[str, float]:
+        cfg = self.config
+        assert self.trainer is not None and self.metrics is not None
+        t_start = time.perf_counter()
+        with self.spans("step"):
+            m = self.trainer.step(batch)
+        self.version += 1
+        self.iteration += 1
+        with self.spans("publish"):
+            self._publish()
+        fresh = [s for s in batch.samples if not s.is_replay]
+        for s in fresh:
+            self.task_stats.record(s.task_id, s.checker_score >= cfg.success_score, s.reward)
+        spans = self.spans.take()
+        step_s = time.perf_counter() - t_start
+        out: dict[str, float] = {
+            "charts/reward_mean": float(np.mean([s.reward for s in fresh])) if fresh else math.nan,
+            "charts/success_rate": (
+                float(np.mean([s.checker_score >= cfg.success_score for s in fresh]))
+                if fresh
+                else math.nan
+            ),
+            "charts/episodes": float(len(fresh)),
+            "charts/policy_version": float(self.version),
+            "charts/trajectories_per_s": len(batch.samples) / step_s if step_s else math.nan,
+            "charts/tokens_per_s": m["data/tokens"] / step_s if step_s else math.nan,
+            "charts/staleness_mean": batch.counts.get("data/staleness_mean", math.nan),
+            "charts/staleness_max": batch.counts.get("data/staleness_max", math.nan),
+            "replay/buffer_size": float(self.store.stats()["total"]["replay"]),
+        }
+        out.update({k: float(v) for k, v in batch.counts.items() if not k.startswith("data/stal")})
+        out.update(m)
+        out.update({f"time/{k}_s": v for k, v in spans.items()})
+        out.update(self._ingest_metrics())
+        out.update(self.task_stats.metrics())
+        if cfg.checkpoint.due(self.iteration):
+            t0 = time.perf_counter()
+            self.save_checkpoint()
+            out["time/checkpoint_s"] = time.perf_counter() - t0
+        self.metrics.log(self.iteration, out)
+        self.progress.update(self.iteration, out)
+        self.history.append(out)
+        return out
+
+    def _ingest_metrics(self) -> dict[str, float]:
+        assert self.ingest is not None and self.grants is not None
+        st = self.ingest.stats()
+        out = {
+            f"data/ingest_{k}": float(v)
+            for k, v in st.items()
+            if isinstance(v, int | float) and k != "actors"
+        }
+        out["data/ingest_rejected"] = float(sum(st["rejected"].values()))
+        out["data/actors"] = float(st["actors"])
+        out["data/grants_in_flight"] = float(self.grants.book.stats()["in_flight"])
+        return out
+
+    def _ingest_summary(self) -> str:
+        assert self.ingest is not None and self.grants is not None
+        st = self.ingest.stats()
+        return (
+            f"stored {st.get('stored', 0)}, actors {st['actors']}, "
+            f"grants {self.grants.book.stats()}, store tasks {len(self.store.tasks())}"
+        )
+
+    # ---- weights and checkpoints -------------------------------------------------------
+
+    def _publish(self) -> None:
+        assert self.trainer is not None and self.grants is not None
+        data = self.trainer.weights_bytes()
+        path = ""
+        if self.config.publish_dir != "-":
+            d = Path(self.config.publish_dir)
+            d.mkdir(parents=True, exist_ok=True)
+            p = d / f"v{self.version:08d}.safetensors"
+            _write_atomic(p, data)
+            path = str(p.resolve())
+            self._published.append(p)
+            while len(self._published) > self.config.publish_keep:
+                self._published.pop(0).unlink(missing_ok=True)
+        self.grants.publish_weights(self.version, data, path)
+
+    def save_checkpoint(self) -> Path:
+        """A checkpoint of everything now (between iterations)."""
+        assert self.trainer is not None
+        cfg = self.config
+        t = self.trainer
+        state = {
+            "version": self.version,
+            "tasks": self.task_stats.to_dict(),
+            "optimizer_steps": t.optimizer_steps_done,
+            "assembler_totals": dict(self.assembler.totals),
+        }
+        self.last_checkpoint = save_checkpoint(
+            cfg.checkpoint.dir,
+            self.iteration,
+            model=t.base_model,
+            model_state=t.state_dict(),
+            processor=t.processor,
+            optimizer_state=t.optimizer.state_dict(),
+            scheduler_state=t.scheduler.state_dict(),
+            state=state,
+            ingest=self.ingest,
+            keep=cfg.checkpoint.keep,
+        )
+        log.info("checkpoint %s", self.last_checkpoint)
+        return self.last_checkpoint
+
+    def close(self) -> None:
+        for part in (self.grants, self.ingest):
+            if part is not None:
+                part.stop()
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
+        if self.store is not None and not self.store.closed:
+            self.store.close()
+
+
+def run_learner(cfg: LearnerConfig) -> dict[str, float]:
+    """Run until done or SIGTERM / SIGINT (which finish the iteration and checkpoint)."""
+    learner = Learner(cfg)
+
+    def on_signal(signum: int, frame: Any) -> None:
+        log.info("signal %d: stopping after this iteration", signum)
+        learner.stop()
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+    return learner.run()
+
+
+__all__ = ["Learner", "LearnerConfig", "run_learner"]

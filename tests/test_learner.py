@@ -1,0 +1,185 @@
+"""The learner process end to end: real sockets, a real actor process driving simulated desktops
+with the tiny model, weights published back to it, checkpoints and resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from arpo import wire  # noqa: E402
+from arpo.errors import ConfigError  # noqa: E402
+from arpo.learner.assemble import AssembleConfig  # noqa: E402
+from arpo.learner.checkpoint import CheckpointConfig, list_checkpoints  # noqa: E402
+from arpo.learner.learner import Learner, LearnerConfig  # noqa: E402
+from arpo.learner.metrics import MetricsConfig, read_metrics  # noqa: E402
+from arpo.learner.synthetic import random_response, screenshot_png, synthetic_trajectory  # noqa: E402
+from arpo.learner.trainer import TrainerConfig  # noqa: E402
+from arpo.policy.tiny import build_tiny_model  # noqa: E402
+from arpo.transport import TransportConfig  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "m", seed=0)
+
+
+@pytest.fixture(scope="module")
+def sim_tasks_file(tmp_path_factory) -> Path:
+    from arpo_envs.sim.tasks import generate_tasks
+
+    tasks = generate_tasks("click_button", 2, seed=3) + generate_tasks("menu_pick", 2, seed=3)
+    p = tmp_path_factory.mktemp("tasks") / "tasks.json"
+    p.write_text(json.dumps(tasks))
+    return p
+
+
+def config(tmp_path, tiny_dir, tasks, **kw) -> LearnerConfig:
+    base = dict(
+        run_dir=str(tmp_path / "run"),
+        tasks=str(tasks),
+        trainer=TrainerConfig(model=str(tiny_dir), lr=1e-4, micro_batch=2),
+        assemble=AssembleConfig(group_size=2, groups_per_step=2, max_staleness=1),
+        transport=TransportConfig(data="tcp://127.0.0.1:0", control="tcp://127.0.0.1:0"),
+        checkpoint=CheckpointConfig(every=1, keep=3),
+        metrics=MetricsConfig(progress_s=0),
+    )
+    base.update(kw)
+    return LearnerConfig(**base)
+
+
+def put_groups(learner: Learner, n_groups: int, seed: int) -> None:
+    """Complete groups straight into the learner's store (mixed rewards: no replay)."""
+    rng = np.random.default_rng(seed)
+    proc = learner.trainer.processor
+    for g in range(n_groups):
+        for r in (1.0, 0.0):
+            traj = synthetic_trajectory(
+                proc,
+                "do it",
+                screenshots=[screenshot_png(rng, 320, 200)],
+                responses=[random_response(rng, proc.tokenizer, 8 + g)],
+                logprobs=[np.full(8 + g, -3.0, np.float32)],
+                reward=r,
+                task_id="fixed",
+            )
+            learner.store.put("fixed", wire.to_item(traj))
+
+
+def test_resume_gives_the_same_next_step_and_skips_a_corrupt_checkpoint(
+    tmp_path, tiny_dir, sim_tasks_file
+):
+    cfg = config(tmp_path, tiny_dir, sim_tasks_file, iterations=3,
+                 assemble=AssembleConfig(group_size=2, groups_per_step=1, max_staleness=9))  # fmt: skip
+    a = Learner(cfg)
+    a.setup()
+    put_groups(a, 3, seed=1)
+    a.run()
+    assert a.iteration == 3 and a.version == 3
+    assert [int(p.name[5:]) for p in list_checkpoints(cfg.run_dir + "/checkpoints")] == [1, 2, 3]
+    uninterrupted = a.history[2]
+
+    # Resume from iteration 2 (checkpoint 3 removed): the third step is the same.
+    import shutil
+
+    shutil.rmtree(Path(cfg.run_dir) / "checkpoints" / "ckpt-00000003")
+    b = Learner(config(tmp_path, tiny_dir, sim_tasks_file, iterations=3, resume=True,
+                       assemble=AssembleConfig(group_size=2, groups_per_step=1, max_staleness=9)))  # fmt: skip
+    b.setup()
+    assert b.iteration == 2 and b.version == 2
+    b.run()
+    assert b.iteration == 3
+    for k in ("losses/loss", "losses/grad_norm", "losses/ratio_mean", "data/tokens"):
+        assert b.history[0][k] == pytest.approx(uninterrupted[k], rel=1e-5, abs=1e-7), k
+
+    # A corrupt newest checkpoint (a flipped byte in the weights) is skipped: resume from 2.
+    weights = next((Path(cfg.run_dir) / "checkpoints" / "ckpt-00000003" / "model").glob(
+        "*.safetensors"))  # fmt: skip
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    c = Learner(config(tmp_path, tiny_dir, sim_tasks_file, iterations=2, resume=True))
+    c.setup()
+    try:
+        assert c.iteration == 2
+    finally:
+        c.close()
+    rows = read_metrics(Path(cfg.run_dir) / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 3]
+
+
+def test_learner_trains_with_a_real_actor_that_applies_published_weights(
+    tmp_path, tiny_dir, sim_tasks_file
+):
+    """The tiny model (random weights) acting on simulated desktops through a real actor
+    process; the learner runs 3 iterations, publishing each version; later trajectories were
+    sampled with published versions; metrics and checkpoints are on disk; SIGTERM to the
+    actor ends it cleanly."""
+    cfg = config(tmp_path, tiny_dir, sim_tasks_file, iterations=3)
+    learner = Learner(cfg)
+    learner.setup()
+    versions: list[tuple[int, int]] = []
+    complete = learner.ingest._on_trajectory
+
+    def observe(traj):
+        versions.append((traj.min_version, learner.version))
+        return complete(traj)
+
+    learner.ingest._on_trajectory = observe
+    actor_log = tmp_path / "actor.log"
+    args = [
+        sys.executable, "-m", "arpo.actor.cli", "sim_envs=2", "policy='engine'",
+        f"engine.model={str(tiny_dir)!r}", "episode.max_steps=2", "episode.max_new_tokens=16",
+        f"spool_dir={str(tmp_path / 'spool')!r}", "progress_s=0",
+        f"transport.data={learner.ingest.endpoint!r}",
+        f"transport.control={learner.grants.endpoint!r}",
+    ]  # fmt: skip
+    with actor_log.open("wb") as out:
+        actor = subprocess.Popen(args, stdout=out, stderr=out, env={**os.environ})
+    try:
+        t0 = time.monotonic()
+        learner.run()
+        assert time.monotonic() - t0 < 240
+    finally:
+        actor.send_signal(signal.SIGTERM)
+        rc = actor.wait(timeout=120)
+    log_text = actor_log.read_text()
+    assert rc == 0, log_text[-3000:]
+    assert learner.version == 3
+    rows = read_metrics(Path(cfg.run_dir) / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert r["data/groups"] == 2 and r["charts/episodes"] >= 2
+        assert r["time/step_s"] > 0 and r["time/publish_s"] >= 0
+        assert r["charts/reward_mean"] is not None
+    # Every trajectory was sampled by a version the learner had published, and the actor
+    # moved on to published versions after the first update.
+    assert all(0 <= v <= at for v, at in versions)
+    assert max(v for v, _ in versions) >= 1, versions
+    assert (Path(cfg.run_dir) / "tb").is_dir()
+    assert len(list((Path(cfg.run_dir) / "weights").glob("*.safetensors"))) == 2
+    assert list_checkpoints(Path(cfg.run_dir) / "checkpoints")
+
+
+def test_config_errors_name_the_field(tmp_path, tiny_dir, sim_tasks_file):
+    with pytest.raises(ConfigError, match="tasks"):
+        Learner(LearnerConfig(trainer=TrainerConfig(model=str(tiny_dir))))
+    with pytest.raises(ConfigError, match=r"grants\.group_size"):
+        from arpo.learner.grants import GrantConfig
+
+        Learner(config(tmp_path, tiny_dir, sim_tasks_file, grants=GrantConfig(group_size=3)))
+    sel = tmp_path / "sel.json"
+    sel.write_text(json.dumps({"selected": ["nope"], "complete": True, "tasks": {}}))
+    learner = Learner(config(tmp_path, tiny_dir, sim_tasks_file, selection=str(sel)))
+    with pytest.raises(ConfigError, match="selection"):
+        learner.setup()
