@@ -182,6 +182,7 @@ class Learner:
         self.metrics: MetricsLogger | None = None
         self.assembler: GroupAssembler | None = None
         self._published: list[Path] = []
+        self._rate_mark: tuple[float, float, float] | None = None
         self.history: list[dict[str, float]] = []
         """Every iteration's metrics (also in metrics.jsonl)."""
 
@@ -278,6 +279,7 @@ class Learner:
         self._publish()
         self.ingest.start()
         self.grants.start()
+        self._rates()
         log.info(
             "learner up: data %s, control %s, %d tasks, version %d",
             self.ingest.endpoint,
@@ -350,7 +352,7 @@ class Learner:
             ),
             "charts/episodes": float(len(fresh)),
             "charts/policy_version": float(self.version),
-            "charts/trajectories_per_s": len(batch.samples) / step_s if step_s else math.nan,
+            "charts/trained_per_s": len(batch.samples) / step_s if step_s else math.nan,
             "charts/tokens_per_s": m["data/tokens"] / step_s if step_s else math.nan,
             "charts/staleness_mean": batch.counts.get("data/staleness_mean", math.nan),
             "charts/staleness_max": batch.counts.get("data/staleness_max", math.nan),
@@ -360,6 +362,7 @@ class Learner:
         out.update(m)
         out.update({f"time/{k}_s": v for k, v in spans.items()})
         out.update(self._ingest_metrics())
+        out.update(self._rates())
         out.update(self.task_stats.metrics())
         if cfg.checkpoint.due(self.iteration):
             t0 = time.perf_counter()
@@ -382,6 +385,22 @@ class Learner:
         out["data/actors"] = float(st["actors"])
         out["data/grants_in_flight"] = float(self.grants.book.stats()["in_flight"])
         return out
+
+    def _rates(self) -> dict[str, float]:
+        """Trajectories and environment steps received per second since the last call."""
+        assert self.ingest is not None
+        st = self.ingest.stats()
+        now = time.monotonic()
+        stored, steps = float(st.get("stored", 0)), float(st.get("steps", 0))
+        prev = self._rate_mark
+        self._rate_mark = (now, stored, steps)
+        if prev is None or now <= prev[0]:
+            return {}
+        dt = now - prev[0]
+        return {
+            "charts/trajectories_per_s": (stored - prev[1]) / dt,
+            "charts/steps_per_s": (steps - prev[2]) / dt,
+        }
 
     def _ingest_summary(self) -> str:
         assert self.ingest is not None and self.grants is not None

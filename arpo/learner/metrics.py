@@ -63,7 +63,8 @@ CHARTS: dict[str, str] = {
     "charts/success_rate": "Share of those episodes that succeeded (checker score at threshold).",
     "charts/episodes": "Fresh episodes trained on this iteration.",
     "charts/steps_per_s": "Environment steps (agent actions) received per second.",
-    "charts/trajectories_per_s": "Trajectories received per second.",
+    "charts/trajectories_per_s": "Trajectories received (stored by ingest) per second.",
+    "charts/trained_per_s": "Trajectories trained on per second of the iteration.",
     "charts/tokens_per_s": "Tokens through the learner's forward and backward passes per second.",
     "charts/policy_version": "The learner's policy version after this iteration.",
     "charts/staleness_mean": "Mean versions between a trained turn's behaviour policy and the "
@@ -93,6 +94,8 @@ REPLAY: dict[str, str] = {
     "replay/hits": "Groups that had a stored success put into them this iteration.",
     "replay/buffer_size": "Successes held in the replay buffer, all tasks.",
     "replay/version_gap_mean": "Mean versions between a replayed success and the learner.",
+    "replay/triggered": "Groups that met the replay trigger (no success), replayed into or not.",
+    "replay/admitted": "Successes that entered the replay buffer this iteration.",
 }
 DATA: dict[str, str] = {
     "data/groups": "Groups trained on this iteration.",
@@ -100,9 +103,18 @@ DATA: dict[str, str] = {
     "data/loss_tokens": "Tokens the loss covers (sampled response tokens).",
     "data/dropped_stale": "Trajectories dropped because they were too stale.",
     "data/dropped_status": "Trajectories kept out of training by their status (env_error, ...).",
+    "data/dropped_groups": "Groups left with fewer than assemble.min_group_size trajectories.",
+    "data/trajectories": "Trajectories trained on this iteration (fresh and replayed).",
+    "data/ingest_<counter>": "Ingest counters since start: stored, duplicates, surplus, "
+    "excluded_<status>, messages, bytes, steps, ...",
+    "data/ingest_rejected": "Messages ingest rejected (malformed, oversized, unauthenticated).",
+    "data/actors": "Actors that have sent a heartbeat.",
+    "data/grants_in_flight": "Task grants issued and not yet delivered.",
 }
 TIME: dict[str, str] = {
-    "time/<span>_s": "Wall seconds spent in a named span this iteration (`Spans`).",
+    "time/<span>_s": "Wall seconds spent in a named span this iteration (`Spans`): wait "
+    "(for groups), step (the whole training step), sequences, proximal_forward, "
+    "forward_backward, optimizer (inside the step), publish, checkpoint.",
 }
 TASKS: dict[str, str] = {
     "tasks/<task_id>/success_rate": "A task's success rate over its last `window` episodes "
