@@ -11,10 +11,15 @@ acknowledgement received. Rows:
 
 - raw TCP             one socket, the same bytes length-prefixed; the receiver reads them
                       into a buffer and answers one byte at the end (no decoding, no store)
+- plain ZeroMQ        DEALER -> ROUTER with the same frames (zero-copy both ends), the
+                      receiver answers each message with a small ack, at most 32 unacked:
+                      the ZeroMQ ceiling of the arpo rows (no decoding, no store)
 - arpo transport      ActorLink (DEALER, asyncio) -> Ingest (ROUTER): decode + validate +
                       `wire.to_item` + `store.put` + an ack per trajectory; at most 32 unacked
-- arpo + spool        the same with the actor's spool: write + fsync + rename before the
-                      send, delete on the ack (the actor's whole delivery path)
+- arpo + journal      the same with the learner's write-ahead journal (its default in
+                      `arpo-learner`): each trajectory appended and fsynced before its ack
+- arpo + spool        the same as `arpo transport` with the actor's spool: write + fsync +
+                      rename before the send, delete on the ack
 
 Correctness is checked before the figures are reported: every trajectory is in the store
 once, and one taken back out equals the one sent, byte for byte.
@@ -59,13 +64,17 @@ def workload(n: int) -> list[Trajectory]:
 # ---------------------------------------------------------------------------- learner process
 
 
-def _learner(q: mp.Queue, done: mp.Event, n: int) -> None:
+def _learner(q: mp.Queue, done: mp.Event, n: int, journal: str) -> None:
     from arpo.buffer import ReplayStore
-    from arpo.learner.ingest import Ingest
+    from arpo.learner.ingest import Ingest, IngestConfig
     from arpo.transport import TransportConfig
 
     store = ReplayStore(max_bytes=8 << 30, fresh_capacity=n + 1, seed=0)
-    ingest = Ingest(store, transport=TransportConfig(data="tcp://127.0.0.1:0", rcvhwm=1000))
+    ingest = Ingest(
+        store,
+        IngestConfig(journal_dir=journal),
+        transport=TransportConfig(data="tcp://127.0.0.1:0", rcvhwm=1000),
+    )
     q.put(ingest.start())
     done.wait()
     ingest.stop()
@@ -101,7 +110,64 @@ def _raw_receiver(q: mp.Queue, total: int) -> None:
     q.put(got)
 
 
+def _zmq_receiver(q: mp.Queue, n: int) -> None:
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.RCVHWM, 1000)
+    sock.setsockopt(zmq.SNDBUF, 4 << 20)
+    sock.setsockopt(zmq.RCVBUF, 4 << 20)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    q.put(port)
+    got = nbytes = 0
+    while got < n:
+        msg = sock.recv_multipart(copy=False)
+        nbytes += sum(len(f) for f in msg[1:])
+        got += 1
+        sock.send_multipart([msg[0], b"ack"])
+    q.put(nbytes)
+    sock.close(linger=1000)
+    ctx.term()
+
+
 # ---------------------------------------------------------------------------- senders
+
+
+def run_zmq(trajs: list[Trajectory]) -> float:
+    import zmq
+
+    msgs = [[bytes(f) for f in wire.encode(t)] for t in trajs]
+    total = sum(len(x) for m in msgs for x in m)
+    mctx = mp.get_context("spawn")
+    q = mctx.Queue()
+    p = mctx.Process(target=_zmq_receiver, args=(q, len(msgs)))
+    p.start()
+    port = q.get(timeout=60)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.SNDHWM, 64)
+    sock.setsockopt(zmq.SNDBUF, 4 << 20)
+    sock.setsockopt(zmq.RCVBUF, 4 << 20)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    window, in_flight, acked = 32, 0, 0
+    t0 = time.perf_counter()
+    for m in msgs:
+        while in_flight >= window:
+            sock.recv()
+            in_flight -= 1
+            acked += 1
+        sock.send_multipart(m, copy=False)
+        in_flight += 1
+    while acked < len(msgs):
+        sock.recv()
+        acked += 1
+    el = time.perf_counter() - t0
+    sock.close(linger=0)
+    ctx.term()
+    assert q.get(timeout=60) == total
+    p.join(30)
+    return el
 
 
 def run_raw(trajs: list[Trajectory]) -> float:
@@ -170,13 +236,17 @@ async def _send_all(endpoint: str, trajs: list[Trajectory], spool_dir: str | Non
     return el
 
 
-def run_arpo(trajs: list[Trajectory], spool: bool) -> float:
+def run_arpo(trajs: list[Trajectory], spool: bool, journal: bool = False) -> float:
     ctx = mp.get_context("spawn")
     q, done = ctx.Queue(), ctx.Event()
-    p = ctx.Process(target=_learner, args=(q, done, len(trajs)))
-    p.start()
-    endpoint = q.get(timeout=120)
-    with tempfile.TemporaryDirectory(dir=ROOT / "runs" if (ROOT / "runs").is_dir() else None) as d:
+    tmp = ROOT / "runs" if (ROOT / "runs").is_dir() else None
+    with (
+        tempfile.TemporaryDirectory(dir=tmp) as d,
+        tempfile.TemporaryDirectory(dir=tmp) as jd,
+    ):
+        p = ctx.Process(target=_learner, args=(q, done, len(trajs), jd if journal else ""))
+        p.start()
+        endpoint = q.get(timeout=120)
         el = asyncio.run(_send_all(endpoint, trajs, d if spool else None))
         assert not list(Path(d).glob("*.traj")), "spool not emptied by the acks"
     done.set()
@@ -199,10 +269,18 @@ def main() -> int:
     trajs = workload(n)
     nbytes = sum(sum(memoryview(f).nbytes for f in wire.encode(t)) for t in trajs)
     load = os.getloadavg()
-    rows: dict[str, list[float]] = {"raw TCP": [], "arpo transport": [], "arpo + spool": []}
+    rows: dict[str, list[float]] = {
+        "raw TCP": [],
+        "plain ZeroMQ": [],
+        "arpo transport": [],
+        "arpo + journal": [],
+        "arpo + spool": [],
+    }
     for _ in range(repeats):
         rows["raw TCP"].append(run_raw(trajs))
+        rows["plain ZeroMQ"].append(run_zmq(trajs))
         rows["arpo transport"].append(run_arpo(trajs, spool=False))
+        rows["arpo + journal"].append(run_arpo(trajs, spool=False, journal=True))
         rows["arpo + spool"].append(run_arpo(trajs, spool=True))
     best = {k: min(v) for k, v in rows.items()}
     raw = best["raw TCP"]
@@ -210,14 +288,13 @@ def main() -> int:
         f"# Transport: {n} realistic trajectories ({nbytes / n / 1e6:.2f} MB each) actor -> store,"
         " TCP loopback",
         "",
-        "| path | trajectories/s | GB/s | vs raw | runs (s) |",
-        "|---|---:|---:|---:|---|",
+        "| path | trajectories/s | GB/s | vs raw | vs plain ZeroMQ | runs (s) |",
+        "|---|---:|---:|---:|---:|---|",
     ]
     for k, el in best.items():
         lines.append(
             f"| {k} | {n / el:,.0f} | {nbytes / el / 1e9:.2f} | {raw / el:.2f} | "
-            + ", ".join(f"{x:.3f}" for x in rows[k])
-            + " |"
+            f"{best['plain ZeroMQ'] / el:.2f} | " + ", ".join(f"{x:.3f}" for x in rows[k]) + " |"
         )
     info = machine()
     info["load_before"] = [round(x, 2) for x in load]
