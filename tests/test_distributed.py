@@ -19,9 +19,12 @@ update by a visible fraction of lr (seen: 2e-6 .. 5e-5 at most, on at most about
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -48,20 +51,55 @@ WORKER = ROOT / "tests" / "dist_worker.py"
 PYTHON = sys.executable
 
 
-def _run(args: list[str], nproc: int = 0, timeout: float = 240.0) -> None:
+def _run(*jobs: tuple[list[str], int], timeout: float = 300.0) -> None:
+    """Run the worker once per job (args, nproc; nproc 0 = a plain single process), all
+    at the same time, and fail with their output if any fails."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["OMP_NUM_THREADS"] = "1"
-    if nproc:
-        cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone"]
-        cmd += ["--nproc_per_node", str(nproc), str(WORKER), *args]
-    else:
-        cmd = [PYTHON, str(WORKER), *args]
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0:
-        raise AssertionError(
-            f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
-            f"{proc.stderr[-6000:]}"
-        )
+    failures = []
+    with contextlib.ExitStack() as stack:
+        running = []
+        for args, nproc in jobs:
+            if nproc:
+                cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone"]
+                cmd += ["--nproc_per_node", str(nproc), str(WORKER), *args]
+            else:
+                cmd = [PYTHON, str(WORKER), *args]
+            log = stack.enter_context(tempfile.TemporaryFile())
+            proc = stack.enter_context(
+                subprocess.Popen(
+                    cmd,
+                    env=env,
+                    cwd=ROOT,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
+            # On leaving the block (a failure, a timeout) a job still running is stopped
+            # with its ranks before Popen's exit waits for it.
+            stack.callback(_kill_group, proc)
+            running.append((cmd, proc, log))
+        for cmd, proc, log in running:
+            code = proc.wait(timeout=timeout)
+            if code != 0:
+                log.seek(0)
+                out = log.read().decode(errors="replace")[-8000:]
+                failures.append(f"{' '.join(cmd)} failed ({code}):\n{out}")
+    if failures:
+        raise AssertionError("\n\n".join(failures))
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """Stop a job: SIGTERM first (torchrun passes it on to its ranks, which run in
+    sessions of their own), then SIGKILL to whatever is left of its process group."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 def _load(path: Path) -> dict:
@@ -76,17 +114,22 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def single(model_dir, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("single")
-    _run(["--model", str(model_dir), "--out", str(out), "--steps", "2"])
-    return out
+def runs(model_dir, tmp_path_factory) -> tuple[Path, Path]:
+    """Two AdamW steps in one process and under torchrun with 2 ranks (FSDP2), side by side."""
+    one, two = tmp_path_factory.mktemp("single"), tmp_path_factory.mktemp("fsdp2")
+    common = ["--model", str(model_dir), "--steps", "2"]
+    _run(([*common, "--out", str(one)], 0), ([*common, "--out", str(two)], 2))
+    return one, two
 
 
 @pytest.fixture(scope="module")
-def fsdp2(model_dir, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("fsdp2")
-    _run(["--model", str(model_dir), "--out", str(out), "--steps", "2"], nproc=2)
-    return out
+def single(runs) -> Path:
+    return runs[0]
+
+
+@pytest.fixture(scope="module")
+def fsdp2(runs) -> Path:
+    return runs[1]
 
 
 def assert_same_step(a: dict, b: dict, initial: dict[str, torch.Tensor] | None = None) -> None:
@@ -156,13 +199,16 @@ def test_optimizer_state_of_two_ranks_resumes_in_one_process(single, fsdp2, mode
     ref = _load(single / "step1.pt")
     assert saved["optim"]["state"].keys() == ref["optim"]["state"].keys()
     assert all(int(s["step"]) == 1 for s in saved["optim"]["state"].values())
-    _run(["--model", str(model_dir), "--out", str(tmp_path), "--init", str(fsdp2 / "step1.pt")])
+    _run(
+        (["--model", str(model_dir), "--out", str(tmp_path), "--init", str(fsdp2 / "step1.pt")], 0)
+    )
     # One step from the 2-rank run's weights and AdamW moments = the single run's step 2.
     assert_same_step(_load(single / "step2.pt"), _load(tmp_path / "step1.pt"))
 
 
+@pytest.mark.slow
 def test_ddp_two_ranks_equal_single_process(single, model_dir, tmp_path):
-    _run(["--model", str(model_dir), "--out", str(tmp_path), "--strategy", "ddp"], nproc=2)
+    _run((["--model", str(model_dir), "--out", str(tmp_path), "--strategy", "ddp"], 2))
     assert_same_step(_load(single / "step1.pt"), _load(tmp_path / "step1.pt"))
 
 
@@ -172,11 +218,13 @@ def test_three_ranks_token_mean_uneven_split_sync_on_last(model_dir, tmp_path):
     aggregation (global token count), gradients reduced on the last micro-batch only;
     then a 2-rank run resumes from the single run's optimizer state."""
     common = ["--model", str(model_dir), "--agg", "token-mean"]
-    _run([*common, "--out", str(tmp_path / "one"), "--steps", "2"])
-    _run([*common, "--out", str(tmp_path / "three"), "--sync-last-only"], nproc=3)
+    _run(
+        ([*common, "--out", str(tmp_path / "one"), "--steps", "2"], 0),
+        ([*common, "--out", str(tmp_path / "three"), "--sync-last-only"], 3),
+    )
     assert_same_step(_load(tmp_path / "one" / "step1.pt"), _load(tmp_path / "three" / "step1.pt"))
     init = tmp_path / "one" / "step1.pt"
-    _run([*common, "--out", str(tmp_path / "two"), "--init", str(init)], nproc=2)
+    _run(([*common, "--out", str(tmp_path / "two"), "--init", str(init)], 2))
     assert_same_step(_load(tmp_path / "one" / "step2.pt"), _load(tmp_path / "two" / "step1.pt"))
 
 

@@ -104,6 +104,12 @@ class DistConfig:
     reduce_dtype: str = option(
         "float32", "FSDP2 mixed precision: dtype in which gradients are reduced across ranks."
     )
+    ddp_find_unused: bool = option(
+        False,
+        "DDP: look for parameters that got no gradient in a step (needed when a step may "
+        "skip part of the model, e.g. a batch without images skips the vision tower; costs "
+        "a graph walk per step).",
+    )
     timeout_s: float = option(
         1800.0,
         "Timeout of every collective in seconds; a rank that waits longer fails instead of "
@@ -216,7 +222,9 @@ def wrap_model(model: nn.Module, cfg: DistConfig, info: DistInfo) -> nn.Module:
         from torch.nn.parallel import DistributedDataParallel
 
         ids = [info.device.index] if info.device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=ids)
+        return DistributedDataParallel(
+            model, device_ids=ids, find_unused_parameters=cfg.ddp_find_unused
+        )
 
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -438,6 +446,10 @@ def barrier(info: DistInfo) -> None:
 
 
 def shutdown(info: DistInfo) -> None:
-    """Leave the process group (no-op for a single process)."""
+    """Leave the process group (no-op for a single process), after every rank got here.
+
+    The barrier first: a DDP rank that destroyed the group and exited while another was
+    still finishing its last collective left that one hanging at exit (seen with gloo)."""
     if info.distributed:
+        barrier(info)
         dist.destroy_process_group()
