@@ -1,0 +1,567 @@
+"""Run every task of a pool N times through the real rollout path and count the outcomes.
+
+The shared core of `arpo select-tasks`, `arpo eval` and `arpo collect`: the same grant
+server, ingest and `arpo-actor` processes as training, with a grant book that opens
+exactly one group of `runs_per_task` slots per task and never moves the policy version.
+
+    pool = load_pool("runs/task_pool")                  # [PoolTask(task, source, domain)]
+    res = run_pool(cfg, [p.task for p in pool], actor_log=Path("runs/x/actor.log"),
+                   spool=Path("runs/x/actor-spool"), learner_id="eval")
+    res.complete, res.counts["<task id>"], res.episodes      # per task counts, per episode
+
+`cfg` is a `PoolConfig` (or a subclass: `SelectConfig`, `EvalConfig`, `CollectConfig`).
+
+Counting:
+
+- A delivered `ok` episode fills its slot: a run, a success when its checker score is at
+  least `success_score`. An `env_error` / `eval_error` / `timeout` episode is counted as
+  an environment error and its slot is granted again, up to `max_attempts` grants; a slot
+  given up after that is `unknown` (neither success nor failure). A grant not delivered
+  within `grant_timeout_s` goes to another actor; the first delivery fills the slot and
+  a later one is a surplus (not counted, not stored).
+- The run ends when every slot of every task is done (runs + unknown = runs_per_task for
+  each task), or with `complete=False` when `timeout_s` passes first. A local actor that
+  exits before the end is an `ArpoError` carrying the end of its log.
+
+Domains (`load_pool`): a task's "domain" field if it has one, else the name of the folder
+its file is in when the pool is a folder (OSWorld's `examples/<domain>/<id>.json` and the
+simulated tasks' `<family>/<id>.json`), else the task id's part before the first '-', else
+"unknown".
+
+The policy under test (`resolve_policy`): a checkpoint folder (`<ckpt>/model/` is the
+model), a folder of checkpoints (the newest valid one is used), or a model folder / hub id.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from arpo.config import fail, option
+from arpo.env.task import Task
+from arpo.errors import ArpoError, ConfigError, SnapshotError, TaskError
+from arpo.learner.checkpoint import MANIFEST, latest_checkpoint, verify_checkpoint
+from arpo.learner.grants import GrantBook, GrantConfig, GrantServer
+from arpo.learner.ingest import Ingest, IngestConfig
+from arpo.record import Status, Trajectory
+from arpo.transport import TransportConfig
+
+log = logging.getLogger("arpo.learner.rollouts")
+
+
+@dataclass
+class PoolConfig:
+    """N episodes of a policy on every task of a pool, through grant server, ingest and actors."""
+
+    tasks: str = option(
+        "",
+        "The task pool: a folder searched recursively for task JSON files (other JSON files "
+        "there, such as index files, are skipped), or a .json file with a list of tasks, or a "
+        ".jsonl file with one task per line.",
+    )
+    runs_per_task: int = option(16, "Episodes per task.")
+    success_score: float = option(
+        1.0, "An episode succeeds when its checker score is at least this (in (0, 1])."
+    )
+    transport: TransportConfig = option(
+        TransportConfig(), "The endpoints actors connect to (the learner's data and control)."
+    )
+    grant_timeout_s: float = option(
+        1800.0, "An episode not delivered this long after its grant is granted to another actor."
+    )
+    max_attempts: int = option(
+        3,
+        "Grants of one run whose episodes ended in env_error / eval_error / timeout before "
+        "the run is given up and counted unknown.",
+    )
+    timeout_s: float = option(
+        0.0, "Give up when the run has not finished after this long, seconds (0: never)."
+    )
+    shuffle: bool = option(True, "Hand out the tasks in a random order (spreads slow tasks).")
+    seed: int = option(0, "Seed of that order.")
+    local_actor: bool = option(
+        False, "Start one arpo-actor process for this run (stopped with SIGTERM at the end)."
+    )
+    local_actor_args: list[str] = option(
+        doc="field=value overrides of the local actor (e.g. sim_envs=4, envs=[...]); "
+        "its transport endpoints are set to this run's.",
+        factory=list,
+    )
+    local_actor_log: str = option("", "File that receives the local actor's stderr.")
+    progress_s: float = option(10.0, "Interval of the progress line on stderr (0: none).")
+
+    def validate(self) -> None:
+        if not self.tasks:
+            fail("tasks", "is required: a folder of task JSON files, or a .json / .jsonl file")
+        if not Path(self.tasks).exists():
+            fail("tasks", f"{self.tasks!r} does not exist")
+        if self.runs_per_task < 1:
+            fail("runs_per_task", "must be >= 1")
+        if not 0.0 < self.success_score <= 1.0:
+            fail("success_score", "must be in (0, 1] (checker scores are in [0, 1])")
+        if self.grant_timeout_s <= 0:
+            fail("grant_timeout_s", "must be > 0 seconds")
+        if self.max_attempts < 1:
+            fail("max_attempts", "must be >= 1")
+        if self.timeout_s < 0:
+            fail("timeout_s", "must be >= 0 seconds (0: no limit)")
+        if self.progress_s < 0:
+            fail("progress_s", "must be >= 0 seconds (0: no progress line)")
+        for a in self.local_actor_args:
+            if "=" not in a:
+                fail("local_actor_args", f"{a!r} is not of the form field=value")
+
+
+# ---------------------------------------------------------------------------- the task pool
+
+
+@dataclass(frozen=True)
+class PoolTask:
+    """One task of a pool: the task dict as read, where it came from, and its domain."""
+
+    task: dict[str, Any]
+    source: str
+    """The file (and line, for .jsonl) the task was read from."""
+    domain: str
+
+
+def _task_dicts(raw: Any, where: str) -> list[dict[str, Any]]:
+    if isinstance(raw, dict) and isinstance(raw.get("tasks"), list):
+        raw = raw["tasks"]
+    if isinstance(raw, dict):
+        raw = [raw]
+    if not isinstance(raw, list):
+        raise TaskError(f"{where}: expected a task object or a list of tasks")
+    return raw
+
+
+def task_domain(task: Mapping[str, Any], folder: str = "") -> str:
+    """The domain of a task: its "domain" field, else `folder`, else its id's prefix."""
+    d = task.get("domain")
+    if isinstance(d, str) and d:
+        return d
+    if folder:
+        return folder
+    tid = str(task.get("id", ""))
+    return tid.split("-", 1)[0] if "-" in tid and tid.split("-", 1)[0] else "unknown"
+
+
+def load_pool(path: str | Path) -> list[PoolTask]:
+    """The tasks of a pool (see `PoolConfig.tasks`), each checked as an OSWorld task.
+
+    Raises `TaskError` naming the file for a malformed task or a task id given twice.
+    """
+    p = Path(path)
+    found: list[tuple[dict[str, Any], str, str]] = []  # task, where, folder
+    if p.is_dir():
+        for f in sorted(p.rglob("*.json")):
+            try:
+                raw = json.loads(f.read_text(encoding="utf-8"))
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise TaskError(f"{f}: cannot read a task file: {e}") from None
+            # A task has an id and an evaluator; index files and the like are skipped.
+            if isinstance(raw, dict) and "id" in raw and "evaluator" in raw:
+                found.append((raw, str(f), f.parent.name))
+    elif p.is_file():
+        try:
+            text = p.read_text(encoding="utf-8")
+            if p.suffix == ".jsonl":
+                found = [
+                    (json.loads(line), f"{p}:{i + 1}", "")
+                    for i, line in enumerate(text.splitlines())
+                    if line.strip()
+                ]
+            else:
+                found = [(t, str(p), "") for t in _task_dicts(json.loads(text), str(p))]
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise TaskError(f"{p}: cannot read the task list: {e}") from None
+    else:
+        raise TaskError(f"{p}: no such task folder or file")
+    pool: list[PoolTask] = []
+    where_of: dict[str, str] = {}
+    for raw, where, folder in found:
+        task = Task.from_dict(raw, path=where)  # TaskError names the file
+        if task.id in where_of:
+            raise TaskError(f"{where}: task id {task.id} is also in {where_of[task.id]}")
+        where_of[task.id] = where
+        pool.append(PoolTask(raw, where, task_domain(raw, folder)))
+    if not pool:
+        raise TaskError(f"{p}: holds no tasks (JSON objects with 'id' and 'evaluator')")
+    return pool
+
+
+def load_task_pool(path: str | Path) -> list[dict[str, Any]]:
+    """The task dicts of a pool (`load_pool` without sources and domains)."""
+    return [p.task for p in load_pool(path)]
+
+
+# ---------------------------------------------------------------------------- the policy
+
+
+@dataclass(frozen=True)
+class PolicySource:
+    """The model a run uses, and the checkpoint it came from (if any)."""
+
+    model: str
+    """A Hugging Face model folder or hub id (what the actor's `engine.model` gets)."""
+    checkpoint: str | None = None
+    iteration: int | None = None
+    policy_version: int | None = None
+    """The learner's policy version saved in the checkpoint's state.json."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "checkpoint": self.checkpoint,
+            "iteration": self.iteration,
+            "policy_version": self.policy_version,
+        }
+
+
+def _is_checkpoint_dir(p: Path) -> bool:
+    return p.is_dir() and ((p / MANIFEST).exists() or (p / "state.json").exists())
+
+
+def _holds_checkpoints(p: Path) -> bool:
+    return p.is_dir() and any(c.name.startswith("ckpt-") for c in p.iterdir())
+
+
+def resolve_policy(
+    checkpoint: str = "", model: str = "", *, verify: bool = True, field_name: str = "checkpoint"
+) -> PolicySource:
+    """The model folder of `checkpoint`, else of `model` (which may be a checkpoint too).
+
+    A checkpoint path is a checkpoint folder (verified against its manifest; `verify=False`
+    checks sizes only) or a run's checkpoints folder (the newest valid one is used).
+    Raises `ConfigError` naming `field_name` (or "model") when nothing usable is there.
+    """
+    if not checkpoint and model:
+        p = Path(model)
+        if not (_is_checkpoint_dir(p) or _holds_checkpoints(p)):
+            return PolicySource(model=model)
+        checkpoint, field_name = model, "model"
+    if not checkpoint:
+        raise ConfigError(f"config field {field_name}: a checkpoint or a model is required")
+    p = Path(checkpoint)
+    if not p.is_dir():
+        raise ConfigError(f"config field {field_name}: {checkpoint!r} is not a folder")
+    if not _is_checkpoint_dir(p):
+        newest = latest_checkpoint(p, verify=verify)
+        if newest is None:
+            raise ConfigError(
+                f"config field {field_name}: {checkpoint!r} holds no valid checkpoint "
+                "(ckpt-<iteration>/ folders with a MANIFEST.json)"
+            )
+        p = newest
+    try:
+        verify_checkpoint(p, hashes=verify)
+        meta = json.loads((p / "state.json").read_text(encoding="utf-8"))
+    except (SnapshotError, OSError, ValueError) as e:
+        raise ConfigError(f"config field {field_name}: {p} is not a usable checkpoint: {e}") from e
+    state = meta.get("state") if isinstance(meta.get("state"), dict) else {}
+    version = state.get("version")
+    return PolicySource(
+        model=str(p / "model"),
+        checkpoint=str(p),
+        iteration=int(meta["iteration"]) if "iteration" in meta else None,
+        policy_version=int(version) if isinstance(version, int) else None,
+    )
+
+
+# ---------------------------------------------------------------------------- counting
+
+
+class _Discard:
+    """The ingest's store when nothing is kept."""
+
+    def put(self, task: str, item: Any) -> None:
+        del task, item
+
+
+@dataclass(frozen=True)
+class EpisodeOutcome:
+    """One delivered episode (not a surplus) as counted."""
+
+    trajectory_id: str
+    task_id: str
+    status: str
+    checker_score: float
+    reward: float
+    steps: int
+    slot: int
+    success: bool
+    abandoned: bool
+    """An environment error that made its slot give up (counted unknown)."""
+
+
+class PoolTally:
+    """Outcome counts per task, fed by the ingest thread through the grant book."""
+
+    def __init__(self, book: GrantBook, task_ids: list[str], success_score: float) -> None:
+        self.book = book
+        self.success_score = success_score
+        self._lock = threading.Lock()
+        self.tasks: dict[str, dict[str, int]] = {
+            t: {"runs": 0, "successes": 0, "env_errors": 0, "unknown": 0} for t in task_ids
+        }
+        self.episodes: list[EpisodeOutcome] = []
+        """Every counted episode, in delivery order."""
+
+    def on_trajectory(self, traj: Trajectory) -> bool:
+        """Ingest's callback: book the episode in the grant book, then count it."""
+        # Ingest calls this from its one thread, so the book's `abandoned` counter changes
+        # only inside this call: its difference says whether this episode gave up a slot.
+        before = self.book.counts["abandoned"]
+        fresh = self.book.complete(traj)
+        abandoned = self.book.counts["abandoned"] > before
+        c = self.tasks.get(traj.task_id)
+        if not fresh or c is None:
+            return fresh
+        ok = traj.status == Status.OK
+        success = ok and traj.checker_score >= self.success_score
+        with self._lock:
+            if ok:
+                c["runs"] += 1
+                c["successes"] += success
+            else:
+                c["env_errors"] += 1
+                c["unknown"] += abandoned
+            self.episodes.append(
+                EpisodeOutcome(
+                    traj.trajectory_id,
+                    traj.task_id,
+                    traj.status.value,
+                    traj.checker_score,
+                    traj.reward,
+                    traj.steps,
+                    traj.slot,
+                    success,
+                    abandoned and not ok,
+                )
+            )
+        return fresh
+
+    def done(self) -> int:
+        """Runs finished or given up, over all tasks."""
+        with self._lock:
+            return sum(c["runs"] + c["unknown"] for c in self.tasks.values())
+
+    def snapshot(self) -> dict[str, dict[str, int]]:
+        with self._lock:
+            return {t: dict(c) for t, c in self.tasks.items()}
+
+    def episode_list(self) -> list[EpisodeOutcome]:
+        with self._lock:
+            return list(self.episodes)
+
+
+# ---------------------------------------------------------------------------- the local actor
+
+
+def start_local_actor(
+    args: list[str], data: str, control: str, *, actor_id: str, log_path: Path, spool: Path
+) -> subprocess.Popen:
+    """One `arpo-actor` process: defaults, then `args`, then our endpoints (they win)."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    argv = [
+        sys.executable, "-m", "arpo.actor.cli",
+        f"actor_id={actor_id!r}", f"spool_dir={str(spool)!r}",
+        *args,
+        f"transport.data={data!r}", f"transport.control={control!r}",
+    ]  # fmt: skip
+    with log_path.open("ab") as err:  # the child keeps its own copy of the descriptor
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=err, stderr=err)
+    log.info("started the local actor (pid %d), its log: %s", proc.pid, log_path)
+    return proc
+
+
+def stop_local_actor(proc: subprocess.Popen, spool: Path, timeout_s: float = 60.0) -> int:
+    """SIGTERM (the actor flushes its spool), kill after `timeout_s`; returns the exit code."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            log.warning("the local actor did not stop within %.0f s; killing it", timeout_s)
+            proc.kill()
+            proc.wait()
+    if proc.returncode:
+        log.warning("the local actor exited with code %d", proc.returncode)
+    with contextlib.suppress(OSError):  # an empty spool folder: everything was delivered
+        spool.rmdir()
+    return proc.returncode
+
+
+def tail(path: Path, n: int = 3000) -> str:
+    """The last `n` characters of a text file ("" when unreadable)."""
+    try:
+        return path.read_text(errors="replace")[-n:]
+    except OSError:
+        return ""
+
+
+# ---------------------------------------------------------------------------- the run
+
+
+@dataclass
+class PoolResult:
+    """What `run_pool` saw."""
+
+    counts: dict[str, dict[str, int]]
+    """Per task: runs, successes, env_errors, unknown."""
+    episodes: list[EpisodeOutcome]
+    complete: bool
+    done: int
+    total: int
+    elapsed_s: float
+    ingest: dict[str, Any] = field(default_factory=dict)
+    """The ingest's counters at the end."""
+
+
+def _bind(start: Callable[[], str], name: str, endpoint: str) -> str:
+    try:
+        return start()
+    except Exception as e:  # zmq's bind errors (address in use, ...) and refusals
+        raise ArpoError(f"cannot bind {name} = {endpoint!r}: {e}") from e
+
+
+def run_pool(
+    cfg: PoolConfig,
+    tasks: list[dict[str, Any]],
+    *,
+    actor_log: Path,
+    spool: Path,
+    learner_id: str = "rollouts",
+    actor_id: str = "pool-local",
+    actor_args: list[str] | None = None,
+    ingest_config: IngestConfig | None = None,
+    store: Any = None,
+    on_progress: Callable[[int, int], None] | None = None,
+) -> PoolResult:
+    """Run `cfg.runs_per_task` episodes of every task in `tasks`; the counts.
+
+    With `cfg.local_actor`, one actor process is started with `actor_args` (default
+    `cfg.local_actor_args`), its stderr to `actor_log`, its spool in `spool`. `store`
+    receives every stored `ok` episode (`store.put(task, item)`); by default they are
+    discarded. `ingest_config` (e.g. with a `journal_dir`) gets `learner_id` as its name.
+    `on_progress(done, total)` is called from this thread whenever the number of finished
+    runs changes. On `cfg.timeout_s` the result comes back with `complete=False`.
+    """
+    ids = [t["id"] for t in tasks]
+    total = len(ids) * cfg.runs_per_task
+    book = GrantBook(
+        tasks,
+        GrantConfig(
+            group_size=cfg.runs_per_task,
+            groups_per_step=len(ids),
+            max_staleness=0,
+            grant_timeout_s=cfg.grant_timeout_s,
+            max_attempts=cfg.max_attempts,
+            shuffle=cfg.shuffle,
+            seed=cfg.seed,
+        ),
+    )
+    tally = PoolTally(book, ids, cfg.success_score)
+    start = time.monotonic()
+    icfg = ingest_config if ingest_config is not None else IngestConfig()
+    icfg.learner_id = learner_id
+    grants = GrantServer(book, cfg.transport)
+    ingest = Ingest(
+        store if store is not None else _Discard(),
+        icfg,
+        cfg.transport,
+        version=lambda: book.version,
+        on_trajectory=tally.on_trajectory,
+    )
+    proc = None
+    complete = False
+    with contextlib.ExitStack() as stack:
+        control = _bind(grants.start, "transport.control", cfg.transport.control)
+        stack.callback(grants.stop)
+        stack.callback(ingest.stop)  # stops a started ingest, closes the journal of any
+        data = _bind(ingest.start, "transport.data", cfg.transport.data)
+        log.info(
+            "%s: %d tasks x %d runs; actors connect to data %s, control %s",
+            learner_id,
+            len(ids),
+            cfg.runs_per_task,
+            data,
+            control,
+        )
+        if cfg.local_actor:
+            args = cfg.local_actor_args if actor_args is None else actor_args
+            proc = start_local_actor(
+                args, data, control, actor_id=actor_id, log_path=actor_log, spool=spool
+            )
+            stack.callback(stop_local_actor, proc, spool)
+        last = -1
+        while True:
+            done = tally.done()
+            if done != last:
+                last = done
+                if on_progress is not None:
+                    on_progress(done, total)
+            if done >= total:
+                complete = True
+                break
+            if cfg.timeout_s and time.monotonic() - start > cfg.timeout_s:
+                break
+            if proc is not None and proc.poll() is not None:
+                raise ArpoError(
+                    f"the local actor exited (code {proc.returncode}) with {done} of {total} "
+                    f"runs finished; its log {actor_log} ends with:\n{tail(actor_log)}"
+                )
+            time.sleep(0.05)
+    return PoolResult(
+        counts=tally.snapshot(),
+        episodes=tally.episode_list(),
+        complete=complete,
+        done=tally.done(),
+        total=total,
+        elapsed_s=time.monotonic() - start,
+        ingest=ingest.stats(),
+    )
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """Write JSON to a tmp file next to `path`, fsync, rename over `path`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with tmp.open("w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write text through a tmp file next to `path` and a rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def check_not_set(args: list[str], keys: Mapping[str, Any], field_name: str) -> None:
+    """In a `validate()`: fail `field_name` when one of `args` (field=value) sets one of `keys`."""
+    for a in args:
+        key = a.split("=", 1)[0].strip()
+        if key in keys:
+            fail(field_name, f"{a!r} sets {key}, which this command sets itself ({keys[key]})")
+
+
+def with_overrides(args: list[str], forced: Mapping[str, Any]) -> list[str]:
+    """`args` followed by `forced` as field=value overrides (TOML values: the last one wins)."""
+    return [*args, *(f"{k}={json.dumps(v)}" for k, v in forced.items())]
