@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import math
 import sys
 from pathlib import Path
 
@@ -46,6 +47,7 @@ from arpo.learner.distributed import (
     shard_batch,
     shutdown,
     unwrap,
+    wrap_model,
 )
 from arpo.learner.loss import LossConfig, arpo_loss
 
@@ -149,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     processor = AutoProcessor.from_pretrained(args.model)
     base = Qwen2_5_VLForConditionalGeneration.from_pretrained(args.model, dtype=torch.float32)
     base.train()
-    model = wrap_model_for(base, args.strategy, info)
+    model = wrap_model(base, info.config, info)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     if args.init:
         saved = torch.load(args.init, weights_only=False) if info.is_main else None
@@ -211,14 +213,19 @@ def main(argv: list[str] | None = None) -> int:
         norms = broadcast_object(norm, info)
         if norms != norm:
             raise AssertionError(f"rank {info.rank} grad norm {norm} != rank 0's {norms}")
+    # Metric means over ranks: a rank's NaN is left out of the mean.
+    means = all_reduce_mean(
+        {
+            "rank": float(info.rank),
+            "not_rank0": math.nan if info.is_main else 1.0,
+            "none": math.nan,
+        },
+        info,
+    )
+    if info.is_main:
+        torch.save(means, out / "means.pt")
     shutdown(info)
     return 0
-
-
-def wrap_model_for(base, strategy: str, info):
-    from arpo.learner.distributed import wrap_model
-
-    return wrap_model(base, DistConfig(backend="gloo", strategy=strategy), info)
 
 
 if __name__ == "__main__":

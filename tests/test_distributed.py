@@ -20,6 +20,7 @@ update by a visible fraction of lr (seen: 2e-6 .. 5e-5 at most, on at most about
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import signal
 import subprocess
@@ -171,6 +172,8 @@ def test_fsdp2_two_ranks_equal_single_process(single, fsdp2, initial):
         a, b = _load(single / f"step{step}.pt"), _load(fsdp2 / f"step{step}.pt")
         assert (a["world_size"], b["world_size"]) == (1, 2)
         assert_same_step(a, b, initial if step == 1 else None)
+    means = _load(fsdp2 / "means.pt")
+    assert means["rank"] == 0.5 and means["not_rank0"] == 1.0 and math.isnan(means["none"])
 
 
 def test_full_state_dict_loads_strict_into_fresh_model(fsdp2, model_dir, initial):
@@ -262,8 +265,10 @@ def test_loss_scale_recovers_the_batch_mean():
 def test_single_process_without_torchrun(monkeypatch):
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(k, raising=False)
-    info = init_distributed(DistConfig(backend="gloo"))
+    cfg = DistConfig(backend="gloo")
+    info = init_distributed(cfg)
     assert (info.rank, info.world_size, info.is_main, info.distributed) == (0, 1, True, False)
+    assert info.device == torch.device("cpu") and info.config is cfg
     model = torch.nn.Linear(3, 2)
     assert wrap_model(model, DistConfig(), info) is model
     assert broadcast_object({"a": 1}, info) == {"a": 1}

@@ -63,7 +63,7 @@ import contextlib
 import math
 import os
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -138,6 +138,8 @@ class DistInfo:
     local_rank: int
     device: torch.device
     is_main: bool
+    config: DistConfig = field(default_factory=DistConfig, compare=False)
+    """The configuration it was made with (what `wrap_model(model, info.config, info)` takes)."""
 
     @property
     def distributed(self) -> bool:
@@ -184,7 +186,9 @@ def init_distributed(cfg: DistConfig) -> DistInfo:
             timeout=timedelta(seconds=cfg.timeout_s),
             device_id=device if device.type == "cuda" else None,
         )
-    return DistInfo(rank=rank, world_size=world, local_rank=local, device=device, is_main=rank == 0)
+    return DistInfo(
+        rank=rank, world_size=world, local_rank=local, device=device, is_main=rank == 0, config=cfg
+    )
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:
