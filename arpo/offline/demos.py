@@ -1,0 +1,261 @@
+"""Demonstrations from the tasks' oracles, recorded through the real episode path; greedy evaluation.
+
+    tasks = sim_task_pool(["click_button", "menu_pick"], per_family=32, seed=0)
+    demos, report = record_demos(tasks, "runs/tiny")           # list[Trajectory], counts
+    write_trajectories("runs/demos", demos)                     # arpo.offline.data
+    result = evaluate_greedy("runs/sft", tasks[:16])            # {"success_rate": ..., ...}
+
+Recording runs `arpo.actor.episode.run_episode`, the actor's own loop, against simulated
+desktop servers started in this process (real HTTP on loopback, the OSWorld protocol):
+reset + `sim_scene` setup, then per turn the screenshot, the turn's prompt ids from
+`EpisodePrompt` with the model's processor, one response, parse, execute; at the end the
+task's checker. The response comes from `OraclePolicy` instead of a model: the oracle's
+next pyautogui step written as UI-TARS text by the scripted policy's conversion
+(`arpo.actor.scripted.oracle_to_actions` + `actions.format_response`, coordinates in the
+frame of the screenshot shown), then `finished()`; the text is tokenised with the model's
+own tokenizer and <|im_end|> appended, so the response ids are what the model would have
+to sample. Behaviour log-probs are 0 (nobody sampled them). Only demonstrations the
+checker scores 1 (status ok) are kept.
+
+Greedy evaluation runs the same loop with the transformers engine (`HFEngine`,
+temperature 0) on the model folder, and reports the success rate (checker score 1), the
+share of responses that parsed, and the mean episode length.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import logging
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from arpo import wire
+from arpo.actor.episode import Environment, EpisodeConfig, run_episode
+from arpo.actor.scripted import oracle_to_actions
+from arpo.env.runner import RunnerConfig
+from arpo.errors import ArpoError, EngineError
+from arpo.policy import actions as A
+from arpo.policy.engine import Completion, SamplingParams
+from arpo.policy.prompt import image_size, pixel_bounds
+from arpo.record import Status, Trajectory
+
+log = logging.getLogger("arpo.offline.demos")
+
+DEMO_THOUGHT = "I will do the next step of the task."
+"""The Thought line of every demonstrated step (the same words each time: the tiny model
+learns the format, the coordinates carry the information)."""
+DONE_THOUGHT = "The task is complete."
+
+
+def sim_task_pool(families: Sequence[str], per_family: int, seed: int = 0) -> list[dict[str, Any]]:
+    """`per_family` simulated tasks (OSWorld dicts with their oracle) of every family."""
+    from arpo_envs.sim.tasks import generate_tasks
+
+    return [t for f in families for t in generate_tasks(f, per_family, seed=seed)]
+
+
+class OraclePolicy:
+    """The engine-shaped oracle: answers turn k with the oracle's step k as UI-TARS text.
+
+    `processor` is the model's `AutoProcessor` (its tokenizer and min / max pixels are
+    what `run_episode` builds the prompt with)."""
+
+    def __init__(self, processor: Any, thought: str = DEMO_THOUGHT, scroll_clicks: int = 5):
+        self.processor = processor
+        self.tokenizer = processor.tokenizer
+        self.min_pixels, self.max_pixels = pixel_bounds(processor)
+        self.thought = thought
+        self.scroll_clicks = scroll_clicks
+        self.im_end = int(self.tokenizer.convert_tokens_to_ids("<|im_end|>"))
+
+    def episode(self, task: Any) -> _OracleEpisode:
+        oracle = task.extra.get("oracle")
+        if not oracle:
+            raise EngineError(f"task {task.id} has no oracle")
+        return _OracleEpisode(self, [str(s) for s in oracle])
+
+    def response_text(self, oracle: list[str], step: int, frame: A.Frame) -> str:
+        """The UI-TARS text of turn `step` (the oracle's step, or finished() after it)."""
+        if step >= len(oracle):
+            return A.format_response(DONE_THOUGHT, [A.Finished()], frame)
+        acts = oracle_to_actions(oracle[step], self.scroll_clicks)
+        return A.format_response(self.thought, acts, frame)
+
+
+class _OracleEpisode:
+    def __init__(self, policy: OraclePolicy, oracle: list[str]) -> None:
+        self.policy = policy
+        self.oracle = oracle
+        self.step = 0
+
+    async def generate(
+        self, token_ids: Any, images: Sequence[Any] = (), params: SamplingParams | None = None
+    ) -> Completion:
+        p = self.policy
+        if not images:
+            raise EngineError("the oracle needs the screenshot to place its clicks")
+        w, h = image_size(images[-1])
+        frame = A.Frame.for_screen(w, h, min_pixels=p.min_pixels, max_pixels=p.max_pixels)
+        text = p.response_text(self.oracle, self.step, frame)
+        self.step += 1
+        body = list(p.tokenizer.encode(text, add_special_tokens=False))
+        ids = np.asarray([*body, p.im_end], dtype=np.int32)
+        # The text the actor parses is the decoded ids, as an engine would return it.
+        decoded = p.tokenizer.decode(body, skip_special_tokens=True)
+        return Completion(ids, np.zeros(len(ids), np.float32), decoded, "stop", 0)
+
+
+def _screen(tasks: Sequence[dict[str, Any]]) -> tuple[int, int]:
+    for t in tasks:
+        for step in t.get("config") or []:
+            if step.get("type") == "sim_scene" and step.get("parameters", {}).get("screen"):
+                w, h = step["parameters"]["screen"]
+                return int(w), int(h)
+    return 1280, 720
+
+
+async def run_on_sim(
+    tasks: Sequence[dict[str, Any]],
+    policy: Any,
+    episode: EpisodeConfig,
+    *,
+    n_envs: int = 2,
+    actor_id: str = "offline",
+) -> list[Trajectory | None]:
+    """Run one episode per task (in order of `tasks`) on `n_envs` simulated desktops served
+    in this process; returns the trajectories (None where the policy failed)."""
+    from arpo_envs.sim.server import SimConfig, running
+
+    w, h = _screen(tasks)
+    n = max(1, min(n_envs, len(tasks)))
+    results: list[Trajectory | None] = [None] * len(tasks)
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    for i in range(len(tasks)):
+        queue.put_nowait(i)
+    runner = RunnerConfig(sleep_scale=0.0, wait_seconds=0.0)
+    async with running([SimConfig(port=0, width=w, height=h) for _ in range(n)]) as urls:
+        envs = [Environment(i, url, runner) for i, url in enumerate(urls)]
+
+        async def worker(env: Environment) -> None:
+            while True:
+                try:
+                    i = queue.get_nowait()
+                except asyncio.QueueEmpty:
+                    return
+                task = tasks[i]
+                grant = wire.Grant(
+                    grant_id=uuid.uuid4().hex,
+                    task_id=str(task["id"]),
+                    group=str(task["id"]),
+                    slot=0,
+                    version=0,
+                    task_json=json.dumps(task),
+                )
+                results[i] = await run_episode(env, grant, policy, episode, actor_id=actor_id)
+
+        try:
+            await asyncio.gather(*(worker(e) for e in envs))
+        finally:
+            for e in envs:
+                await e.close()
+    return results
+
+
+def record_demos(
+    tasks: Sequence[dict[str, Any]],
+    model: str | Path | Any,
+    *,
+    n_envs: int = 2,
+    max_steps: int = 15,
+) -> tuple[list[Trajectory], dict[str, int]]:
+    """Record one oracle demonstration per task (see the module docstring).
+
+    `model` is a model folder (its processor is loaded) or a loaded `AutoProcessor`.
+    Returns the demonstrations scored 1 and counts: tasks, kept, no_oracle, failed
+    (checker score below 1), not_ok (env / eval errors), policy_failed."""
+    if isinstance(model, str | Path):
+        from transformers import AutoProcessor
+
+        processor = AutoProcessor.from_pretrained(str(model))
+    else:
+        processor = model
+    report: collections.Counter[str] = collections.Counter(tasks=len(tasks))
+    usable = []
+    for t in tasks:
+        oracle = t.get("oracle")
+        if not oracle:
+            report["no_oracle"] += 1
+            continue
+        if len(oracle) + 1 > max_steps:
+            report["oracle_too_long"] += 1
+            continue
+        usable.append(t)
+    policy = OraclePolicy(processor)
+    cfg = EpisodeConfig(max_steps=max_steps, temperature=0.0, reset_retries=2)
+    trajs = asyncio.run(run_on_sim(usable, policy, cfg, n_envs=n_envs, actor_id="oracle-demos"))
+    kept: list[Trajectory] = []
+    for task, traj in zip(usable, trajs, strict=True):
+        if traj is None:
+            report["policy_failed"] += 1
+        elif traj.status != Status.OK:
+            report["not_ok"] += 1
+            log.warning("demo of task %s ended %s", task["id"], traj.status)
+        elif traj.checker_score < 1.0:
+            report["failed"] += 1
+            log.warning("demo of task %s scored %.2f", task["id"], traj.checker_score)
+        else:
+            kept.append(traj)
+    report["kept"] = len(kept)
+    if usable and not kept:
+        raise ArpoError(
+            f"no oracle demonstration of {len(usable)} tasks scored 1 ({dict(report)}); "
+            "check the tasks' oracles and the desktop's screen size"
+        )
+    return kept, dict(report)
+
+
+def evaluate_greedy(
+    model: str | Path,
+    tasks: Sequence[dict[str, Any]],
+    *,
+    n_envs: int = 2,
+    max_steps: int = 15,
+    max_new_tokens: int = 64,
+    device: str = "cpu",
+) -> dict[str, float]:
+    """Greedy episodes of the model on every task (the real engine, parser and checker).
+
+    Returns success_rate (checker score 1 among ok episodes), score_mean, parsed_rate (of
+    all turns), steps_mean, episodes, not_ok."""
+    from arpo.policy.engine import EngineConfig
+    from arpo.policy.engine_hf import HFEngine
+
+    cfg = EpisodeConfig(
+        max_steps=max_steps, temperature=0.0, max_new_tokens=max_new_tokens, reset_retries=2
+    )
+
+    async def go() -> list[Trajectory | None]:
+        engine = HFEngine(
+            EngineConfig(model=str(model), device=device, max_batch_size=max(1, n_envs))
+        )
+        async with engine:
+            return await run_on_sim(tasks, engine, cfg, n_envs=n_envs, actor_id="offline-eval")
+
+    trajs = asyncio.run(go())
+    ok = [t for t in trajs if t is not None and t.status == Status.OK]
+    turns = [turn for t in ok for turn in t.turns]
+    n = len(ok)
+    return {
+        "episodes": float(len(trajs)),
+        "not_ok": float(len(trajs) - n),
+        "success_rate": sum(t.checker_score >= 1.0 for t in ok) / n if n else float("nan"),
+        "score_mean": sum(t.checker_score for t in ok) / n if n else float("nan"),
+        "parsed_rate": sum(t.parsed for t in turns) / len(turns) if turns else float("nan"),
+        "steps_mean": sum(t.steps for t in ok) / n if n else float("nan"),
+    }

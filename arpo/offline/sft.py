@@ -1,0 +1,147 @@
+"""`arpo sft`: the supervised warm start on oracle demonstrations of the simulated tasks.
+
+    arpo sft families='["click_button"]' per_family=64 model=runs/tiny out=runs/sft epochs=4
+    arpo sft tasks=runs/task_pool model=runs/tiny out=runs/sft       # tasks with an "oracle"
+    arpo sft demos=runs/demos model=runs/tiny out=runs/sft           # demos recorded before
+
+The paper starts RL from an agent that already succeeds sometimes; the tiny test model
+has random weights. This fine-tunes it on demonstrations (`arpo.offline.demos`: each
+task's oracle played through the real episode path, the response ids from the model's
+own tokenizer, only demonstrations the checker scores 1) so that it starts with a low
+but non-zero success rate. When `demos` is empty they are recorded first and saved to
+`<out>/demos` (the journal format `arpo.offline.data` reads).
+
+Training: the token-mean negative log-likelihood of the response tokens over each
+optimizer step's trajectories (`arpo.offline.losses.nll_loss`), with the learner's
+sequence building (`arpo.learner.batch`), AdamW and gradient clipping, i.e. the `rft`
+step of `arpo.offline.offline.OfflineTrainer` on the demonstrations. The model and the
+processor are saved to `out` with `save_pretrained` (a folder actors and the learner
+load). With `eval_tasks > 0` the greedy success rate of the result on that many of the
+tasks is measured by running episodes (engine + simulated desktop + checker).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from arpo.config import fail, option, to_dict, validate
+from arpo.offline.data import read_trajectories, write_trajectories
+from arpo.offline.offline import OfflineConfig, OfflineTrainer
+
+log = logging.getLogger("arpo.offline.sft")
+
+
+@dataclass
+class SFTConfig:
+    """`arpo sft`: record oracle demonstrations (unless given), fine-tune, save."""
+
+    model: str = option("", "Folder of the starting model (e.g. the tiny model runs/tiny).")
+    out: str = option("", "Folder the fine-tuned model and processor are saved to.")
+    tasks: str = option("", "Task pool (folder / .json / .jsonl) whose tasks carry an oracle.")
+    families: list[str] = option(
+        doc="Simulated task families to generate when tasks is empty.",
+        factory=lambda: ["click_button"],
+    )
+    per_family: int = option(32, "Generated tasks per family.")
+    task_seed: int = option(0, "Seed of the generated tasks.")
+    demos: str = option("", "Folder of demonstrations recorded before ('' records them).")
+    max_sequences: int = option(0, "Train on at most this many demonstrations (0: all).")
+    n_envs: int = option(4, "Simulated desktops used to record (and evaluate) in parallel.")
+    max_steps: int = option(15, "Turns per episode when recording and evaluating.")
+    dtype: Literal["float32", "bfloat16"] = option("float32", "Parameter dtype.")
+    device: str = option("cpu", "Torch device.")
+    lr: float = option(1e-4, "AdamW learning rate (high: the tiny model starts from random).")
+    weight_decay: float = option(0.0, "AdamW weight decay.")
+    grad_clip: float = option(1.0, "Clip the global gradient norm to this (0: no clipping).")
+    epochs: int = option(3, "Passes over the demonstrations.")
+    batch_size: int = option(8, "Demonstrations per optimizer step.")
+    micro_batch: int = option(4, "Demonstrations per forward / backward pass.")
+    max_steps_train: int = option(0, "Stop after this many optimizer steps (0: all epochs).")
+    seed: int = option(0, "Seed of shuffling and torch.")
+    eval_tasks: int = option(0, "After training, greedy episodes on this many tasks (0: none).")
+    log_every: int = option(10, "Log a progress line every this many optimizer steps.")
+
+    def validate(self) -> None:
+        if not self.model:
+            fail("model", "give the folder of the starting model (arpo-tiny-model --out DIR)")
+        if not self.out:
+            fail("out", "give the folder to save the fine-tuned model to")
+        if not self.tasks and not self.demos and not self.families:
+            fail("families", "give task families, a task pool (tasks=...) or demos=...")
+        if self.per_family < 1:
+            fail("per_family", "must be >= 1")
+        if self.max_sequences < 0:
+            fail("max_sequences", "must be >= 0 (0: all)")
+        if self.n_envs < 1:
+            fail("n_envs", "must be >= 1")
+        if self.max_steps < 2:
+            fail("max_steps", "must be >= 2 (an oracle step and finished())")
+        if self.eval_tasks < 0:
+            fail("eval_tasks", "must be >= 0")
+        if self.max_steps_train < 0:
+            fail("max_steps_train", "must be >= 0 (0: no limit)")
+        # The optimizer fields are checked by OfflineConfig.validate.
+
+    def offline_config(self) -> OfflineConfig:
+        """The `rft` trainer configuration these settings make."""
+        return OfflineConfig(
+            algo="rft", model=self.model, out=self.out, dtype=self.dtype, device=self.device,
+            lr=self.lr, weight_decay=self.weight_decay, grad_clip=self.grad_clip,
+            epochs=self.epochs, batch_size=self.batch_size, micro_batch=self.micro_batch,
+            max_steps=self.max_steps_train, seed=self.seed, log_every=self.log_every,
+        )  # fmt: skip
+
+
+def task_pool(cfg: SFTConfig) -> list[dict[str, Any]]:
+    """The tasks: the pool at `tasks`, else `per_family` generated tasks of each family."""
+    if cfg.tasks:
+        from arpo.learner.select import load_task_pool
+
+        return load_task_pool(cfg.tasks)
+    from arpo.offline.demos import sim_task_pool
+
+    return sim_task_pool(cfg.families, cfg.per_family, cfg.task_seed)
+
+
+def run(cfg: SFTConfig) -> dict[str, Any]:
+    """Record (or read) the demonstrations, fine-tune, save; returns a summary."""
+    from pathlib import Path
+
+    cfg = validate(cfg)
+    tasks: list[dict[str, Any]] = []
+    report: dict[str, Any] = {}
+    if cfg.demos:
+        demos = list(read_trajectories(cfg.demos))
+    else:
+        from arpo.offline.demos import record_demos
+
+        tasks = task_pool(cfg)
+        demos, report = record_demos(tasks, cfg.model, n_envs=cfg.n_envs, max_steps=cfg.max_steps)
+        write_trajectories(Path(cfg.out) / "demos", demos)
+    if cfg.max_sequences:
+        demos = demos[: cfg.max_sequences]
+    trainer = OfflineTrainer(cfg.offline_config())
+    before = trainer.mean_nll(demos)
+    history = trainer.train(demos)
+    after = trainer.mean_nll(demos)
+    summary: dict[str, Any] = {
+        "demos": len(demos),
+        "steps": trainer.steps_done,
+        "final_loss": history[-1]["loss/nll"] if history else math.nan,
+        "nll_before": before,
+        "nll_after": after,
+        **{f"record_{k}": v for k, v in report.items()},
+    }
+    trainer.save(cfg.out, {"summary": summary, "sft": to_dict(cfg)})
+    if cfg.eval_tasks:
+        from arpo.offline.demos import evaluate_greedy
+
+        tasks = tasks or task_pool(cfg)
+        res = evaluate_greedy(
+            cfg.out, tasks[: cfg.eval_tasks], n_envs=cfg.n_envs, max_steps=cfg.max_steps
+        )
+        summary.update({f"eval_{k}": v for k, v in res.items()})
+    return summary
