@@ -1,23 +1,27 @@
 """The learner on more than one process: torchrun + FSDP2 (or DDP), rank 0 doing the I/O.
 
-Run the learner under torchrun; every rank runs the same training step on its share of
-the batch, and rank 0 alone talks to actors, writes checkpoints and publishes weights:
+Every rank runs the same training step on its share of the batch; rank 0 alone talks
+to actors, reads and writes files and publishes weights. tests/dist_worker.py is a
+complete example (the tiny Qwen2.5-VL, the ARPO loss, AdamW), runnable as one process
+or under torchrun (`arpo-tiny-model --out runs/tiny` builds the model):
 
-    torchrun --nproc_per_node 8 -m arpo.cli learner ...        # one host, 8 GPUs
-    python -m torch.distributed.run --standalone --nproc_per_node 2 script.py   # CPU, gloo
+    python tests/dist_worker.py --model runs/tiny --out /tmp/one --steps 2
+    python -m torch.distributed.run --standalone --nproc_per_node 2 \\
+        tests/dist_worker.py --model runs/tiny --out /tmp/two --steps 2
 
     info = init_distributed(DistConfig())          # world 1 without torchrun: no group
-    model = wrap_model(model, cfg, info)           # FSDP2 per decoder layer / vision block
+    model = wrap_model(model, info.config, info)   # FSDP2 per decoder layer / vision block
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.01)
     batch = broadcast_object(batch if info.is_main else None, info)   # rank 0 decides
     mine = shard_batch(batch, info)                # contiguous, as even as possible
     n_global = global_count(len(mine), info)       # trajectories of the whole batch
-    for i in range(max_count(len(mine), info)):    # every rank runs as many micro-batches
-        micro = mine[i : i + 1]
+    n_micro = max_count(len(mine), info)           # every rank runs as many micro-batches
+    for i in range(n_micro):
+        item, m = (mine[i], 1) if i < len(mine) else (mine[0], 0)   # a repeat counts 0
         loss, metrics = arpo_loss(...)             # mean over the micro-batch's trajectories
-        with grad_sync(model, i == last):
-            (loss * loss_scale(len(micro), n_global, info)).backward()
-    norm = clip_grad_norm(model, 1.0)              # the norm of the full (unsharded) gradient
+        with grad_sync(model, i == n_micro - 1):   # reduce once, on the last micro-batch
+            (loss * loss_scale(m, n_global, info)).backward()
+    norm = clip_grad_norm(model, 1.0, info)        # the norm of the full (unsharded) gradient
     opt.step(); opt.zero_grad()
     metrics = all_reduce_mean(metrics, info)
     state = full_state_dict(model, info)           # CPU tensors on rank 0, None elsewhere
