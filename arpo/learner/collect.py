@@ -1,0 +1,321 @@
+"""Collection: a policy run N times on every task of a set, every trajectory kept on disk.
+
+The data of offline methods (rejection sampling, DPO/KTO pairs) and of analysis. The
+episodes go through the real rollout path (`arpo.learner.rollouts.run_pool`), with the
+rollout sampling (DESIGN: temperature 1.0, top_p 1.0):
+
+    arpo collect model=runs/tiny tasks=runs/task_pool runs_per_task=8 out=runs/collect-base \\
+        'local_actor_args=["sim_envs=4"]'
+    arpo collect model=runs/learner/checkpoints tasks=...    # the newest valid checkpoint
+
+    for traj in read_collection("runs/collect-base"):        # arpo.record.Trajectory
+        ...
+    outcomes = load_outcomes("runs/collect-base")
+
+The local actor (on by default) gets `engine.model`, `episode.temperature` and
+`episode.top_p` from this config, as in `arpo eval`.
+
+Layout of `<out>/`:
+
+- `trajectories/journal-<n:08d>.log`: the ingest's write-ahead journal
+  (`arpo.learner.ingest`), one record per stored trajectory: the wire-encoded message
+  (`arpo.wire`, the frames it arrived in) framed as
+  `b"ARJ1", n_frames u32, payload u64 | frame lengths u64 | frames | crc32`. Only `ok`
+  episodes are stored, each once (a resend of the same trajectory id, or a surplus
+  delivery of a slot already filled, is not). A torn tail (a crash mid-write) is skipped
+  by the reader.
+- `outcomes.json`, written atomically at the end:
+
+      {"policy": {"model", "checkpoint", "iteration", "policy_version"},
+       "sampling": {"temperature", "top_p"}, "tasks_source", "runs_per_task",
+       "success_score", "complete", "created", "elapsed_s", "stored": <ok episodes>,
+       "trajectories": "trajectories",
+       "tasks": {"<id>": {"domain", "runs", "successes", "env_errors", "unknown",
+                          "trajectories": [{"id", "status", "checker_score", "reward",
+                                            "steps", "slot", "success", "stored"}, ...]}}}
+
+  Every counted episode is listed, env_error / eval_error / timeout ones too (those are
+  `"stored": false`: they are not in the journal).
+- `actor.log`: the local actor's stderr.
+
+An `out` that already holds a collection is refused unless `overwrite=true` (which
+deletes its journal and outcomes first). A `timeout_s` that passes first writes
+`outcomes.json` with `"complete": false` and raises an `ArpoError`; the trajectories
+stored until then stay readable.
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import json
+import logging
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from arpo import wire
+from arpo.config import fail, option
+from arpo.errors import ArpoError, ConfigError, WireError
+from arpo.learner.ingest import IngestConfig, list_segments, read_segment, segment_path
+from arpo.learner.rollouts import (
+    PoolConfig,
+    check_not_set,
+    load_pool,
+    resolve_policy,
+    run_pool,
+    with_overrides,
+    write_json_atomic,
+)
+from arpo.record import Trajectory
+
+log = logging.getLogger("arpo.learner.collect")
+
+TRAJECTORIES = "trajectories"
+OUTCOMES = "outcomes.json"
+
+_FORCED = {
+    "engine.model": "the model or checkpoint field",
+    "episode.temperature": "the temperature field",
+    "episode.top_p": "the top_p field",
+}
+
+
+@dataclass
+class CollectConfig(PoolConfig):
+    """`arpo collect`: a model run N times per task, trajectories and outcomes kept on disk.
+
+    The shared fields (tasks, transport, local actor, timeouts) are `PoolConfig`'s.
+    """
+
+    model: str = option(
+        "",
+        "A model folder or hub id, or a learner checkpoint folder, or a run's checkpoints "
+        "folder (the newest valid checkpoint is used).",
+    )
+    checkpoint: str = option("", "A checkpoint (or checkpoints folder) instead of model.")
+    verify: bool = option(
+        True, "Check the checkpoint's sha256 hashes (false: sizes only, faster for big models)."
+    )
+    runs_per_task: int = option(8, "Episodes per task.")
+    temperature: float = option(1.0, "Sampling temperature (rollouts use 1.0).")
+    top_p: float = option(1.0, "Nucleus of the sampling.")
+    local_actor: bool = option(
+        True, "Start one arpo-actor process for this run (stopped with SIGTERM at the end)."
+    )
+    local_actor_log: str = option(
+        "", "File that receives the local actor's stderr (default: <out>/actor.log)."
+    )
+    out: str = option("runs/collect", "Folder of the collection (trajectories/, outcomes.json).")
+    overwrite: bool = option(False, "Replace a collection already in out.")
+    journal_fsync_every: int = option(
+        1, "fsync the trajectory journal every this many records (1: before every ack)."
+    )
+
+    def validate(self) -> None:
+        super().validate()
+        if not self.checkpoint and not self.model:
+            fail("model", "give model=<model folder or checkpoint> (or checkpoint=<folder>)")
+        if self.checkpoint and self.model:
+            fail("model", "give either checkpoint or model, not both")
+        if self.temperature < 0:
+            fail("temperature", "must be >= 0 (0: greedy)")
+        if not 0.0 < self.top_p <= 1.0:
+            fail("top_p", "must be in (0, 1]")
+        if not self.out:
+            fail("out", "is required: the folder of the collection")
+        if self.journal_fsync_every < 1:
+            fail("journal_fsync_every", "must be >= 1")
+        check_not_set(self.local_actor_args, _FORCED, "local_actor_args")
+
+
+# ---------------------------------------------------------------------------- reading
+
+
+def _journal_dir(path: str | Path) -> Path:
+    p = Path(path)
+    return p / TRAJECTORIES if (p / TRAJECTORIES).is_dir() else p
+
+
+def read_collection(
+    path: str | Path, counts: collections.Counter[str] | None = None
+) -> Iterator[Trajectory]:
+    """Every stored trajectory of a collection (its folder or its trajectories/ folder).
+
+    Decoded with `arpo.wire.decode` (strict validation), in the order they were stored.
+    Torn or corrupt records and records that do not decode to a trajectory are skipped,
+    logged and counted in `counts` (torn, corrupt, malformed; records: the intact ones).
+    """
+    counts = counts if counts is not None else collections.Counter()
+    jdir = _journal_dir(path)
+    if not jdir.is_dir():
+        raise ArpoError(f"{path}: not a collection (no {TRAJECTORIES}/ folder)")
+    for n in list_segments(jdir):
+        for rec in read_segment(segment_path(jdir, n), counts):
+            try:
+                msg = wire.decode(rec.frames)
+            except WireError as e:
+                counts["malformed"] += 1
+                log.warning("collection %s segment %d offset %d: %s", jdir, n, rec.offset, e)
+                continue
+            if not isinstance(msg, Trajectory):
+                counts["malformed"] += 1
+                continue
+            yield msg
+
+
+def load_outcomes(path: str | Path) -> dict[str, Any]:
+    """The `outcomes.json` of a collection (its folder, or the file itself).
+
+    Raises `ArpoError` naming the file when it is missing or not an outcomes file.
+    """
+    p = Path(path)
+    if p.is_dir():
+        p = p / OUTCOMES
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ArpoError(f"{p} does not exist (run `arpo collect` first)") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ArpoError(f"{p} is not readable JSON: {e}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("tasks"), dict):
+        raise ArpoError(f"{p} has no 'tasks' table (is it the output of `arpo collect`?)")
+    return data
+
+
+# ---------------------------------------------------------------------------- the run
+
+
+def _prepare_out(cfg: CollectConfig) -> Path:
+    out = Path(cfg.out)
+    jdir = out / TRAJECTORIES
+    if list_segments(jdir) or (out / OUTCOMES).exists():
+        if not cfg.overwrite:
+            raise ConfigError(
+                f"config field out: {cfg.out!r} already holds a collection; choose another "
+                "folder or set overwrite=true"
+            )
+        for n in list_segments(jdir):
+            segment_path(jdir, n).unlink()
+        (out / OUTCOMES).unlink(missing_ok=True)
+    jdir.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def run_collect(
+    cfg: CollectConfig,
+    *,
+    store: Any = None,
+    on_progress: Callable[[int, int], None] | None = None,
+) -> dict[str, Any]:
+    """Collect, write `<out>/trajectories/` and `<out>/outcomes.json`; the outcomes.
+
+    `store` also receives every stored episode (`store.put(task, item)`). Raises
+    `ConfigError` for an unusable model / checkpoint or an occupied `out`, `TaskError` for
+    a bad task set, `ArpoError` on a timeout (after writing the partial outcomes).
+    """
+    policy = resolve_policy(cfg.checkpoint, cfg.model, verify=cfg.verify)
+    pool = load_pool(cfg.tasks)
+    out = _prepare_out(cfg)
+    res = run_pool(
+        cfg,
+        [p.task for p in pool],
+        actor_log=Path(cfg.local_actor_log or out / "actor.log"),
+        spool=out / "actor-spool",
+        learner_id="collect",
+        actor_id="collect-local",
+        actor_args=with_overrides(
+            cfg.local_actor_args,
+            {
+                "engine.model": policy.model,
+                "episode.temperature": cfg.temperature,
+                "episode.top_p": cfg.top_p,
+            },
+        ),
+        ingest_config=IngestConfig(
+            journal_dir=str(out / TRAJECTORIES), journal_fsync_every=cfg.journal_fsync_every
+        ),
+        store=store,
+        on_progress=on_progress,
+    )
+    tasks: dict[str, Any] = {}
+    for p in pool:
+        tid = p.task["id"]
+        tasks[tid] = {"domain": p.domain, **res.counts[tid], "trajectories": []}
+    for e in res.episodes:
+        tasks[e.task_id]["trajectories"].append(
+            {
+                "id": e.trajectory_id,
+                "status": e.status,
+                "checker_score": e.checker_score,
+                "reward": e.reward,
+                "steps": e.steps,
+                "slot": e.slot,
+                "success": e.success,
+                "stored": e.status == "ok",
+            }
+        )
+    result = {
+        "policy": policy.to_dict(),
+        "sampling": {"temperature": cfg.temperature, "top_p": cfg.top_p},
+        "tasks_source": cfg.tasks,
+        "runs_per_task": cfg.runs_per_task,
+        "success_score": cfg.success_score,
+        "complete": res.complete,
+        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "elapsed_s": round(res.elapsed_s, 3),
+        "stored": int(res.ingest.get("stored", 0)),
+        "trajectories": TRAJECTORIES,
+        "tasks": tasks,
+    }
+    write_json_atomic(out / OUTCOMES, result)
+    if not res.complete:
+        raise ArpoError(
+            f"collection timed out after {cfg.timeout_s:g} s with {res.done} of {res.total} "
+            f"runs finished; partial outcomes in {out / OUTCOMES} (marked incomplete)"
+        )
+    return result
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """A plain-text table of the counts per task."""
+    tasks = result["tasks"]
+    width = max([len("task"), *(len(t) for t in tasks)])
+    lines = [f"{'task':<{width}}  {'runs':>5}  {'successes':>9}  {'env_errors':>10}  unknown"]
+    for tid, c in tasks.items():
+        lines.append(
+            f"{tid:<{width}}  {c['runs']:>5}  {c['successes']:>9}  "
+            f"{c['env_errors']:>10}  {c['unknown']:>7}"
+        )
+    return "\n".join(lines)
+
+
+def main(cfg: CollectConfig) -> int:
+    """`arpo collect`: run, print the counts and the output folder; the exit code."""
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    last_print = [0.0]
+
+    def progress(done: int, total: int) -> None:
+        now = time.monotonic()
+        if cfg.progress_s and (now - last_print[0] >= cfg.progress_s or done == total):
+            last_print[0] = now
+            print(f"collect: {done}/{total} runs finished", file=sys.stderr, flush=True)
+
+    try:
+        result = run_collect(cfg, on_progress=progress)
+    except ConfigError as e:
+        print(f"arpo collect: {e}", file=sys.stderr)
+        return 2
+    except ArpoError as e:  # TaskError too
+        print(f"arpo collect: {e}", file=sys.stderr)
+        return 1
+    print(format_table(result))
+    print(f"{result['stored']} trajectories stored in {Path(cfg.out) / TRAJECTORIES}")
+    return 0
