@@ -289,6 +289,13 @@ def test_config_rejects_bad_values(field, value):
         validate(cfg)
 
 
+def test_init_and_wrap_check_the_config():
+    with pytest.raises(ConfigError, match="strategy"):
+        init_distributed(DistConfig(strategy="fsdp1"))
+    with pytest.raises(ConfigError, match="backend"):
+        wrap_model(torch.nn.Linear(2, 2), DistConfig(backend="mpi"), _info(0, 1))
+
+
 def test_bfloat16_params_refused_on_cpu():
     info = _info(0, 2)
     with pytest.raises(ConfigError, match="param_dtype"):

@@ -75,7 +75,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from arpo.config import fail, option
+from arpo.config import fail, option, validate
 from arpo.errors import ArpoError, ConfigError
 
 T = TypeVar("T")
@@ -165,7 +165,7 @@ def init_distributed(cfg: DistConfig) -> DistInfo:
     """Join the process group that torchrun describes (RANK, WORLD_SIZE, LOCAL_RANK,
     MASTER_ADDR, MASTER_PORT); without torchrun (no WORLD_SIZE) run as a single
     process with no group. A group that is already up is reused."""
-    cfg.validate()
+    validate(cfg)
     cuda = torch.cuda.is_available()
     if dist.is_available() and dist.is_initialized():
         rank, world = dist.get_rank(), dist.get_world_size()
@@ -211,7 +211,7 @@ def wrap_model(model: nn.Module, cfg: DistConfig, info: DistInfo) -> nn.Module:
     FSDP2 shards in place (the returned module is `model`, its parameters become DTensors,
     its state-dict names stay the same); DDP returns a wrapper whose `.module` is `model`.
     Build the optimizer from the returned module's parameters afterwards."""
-    cfg.validate()
+    validate(cfg)
     model.to(info.device)
     if info.world_size == 1 or cfg.strategy == "none":
         if info.world_size > 1:
