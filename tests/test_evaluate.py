@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from arpo_envs.sim.tasks import write_tasks
+from arpo_envs.sim.tasks import generate_tasks, write_tasks
 
 from arpo import cli, wire
 from arpo.config import load_config, validate
@@ -22,7 +22,7 @@ from arpo.errors import ConfigError
 from arpo.learner.batch import build_sequence, collate, token_logprobs
 from arpo.learner.checkpoint import save_checkpoint
 from arpo.learner.evaluate import EvalConfig, run_eval
-from arpo.learner.rollouts import load_pool
+from arpo.learner.rollouts import load_pool, task_domain
 from arpo.policy.tiny import build_tiny_model
 from arpo.record import Status
 from arpo.transport import TransportConfig
@@ -214,3 +214,24 @@ def test_cli_prints_the_report(pool: Path, tiny_dir: Path, tmp_path: Path, capsy
     assert text.startswith("# Evaluation") and str(out / "eval.json") in text
     assert "6 successes in 6 episodes" in text  # the scripted policy never gives up here
     assert all(tid in text for tid in json.loads((out / "eval.json").read_text())["tasks"])
+
+
+def test_task_domains_from_field_folder_or_id(tmp_path: Path) -> None:
+    tasks = generate_tasks("click_button", 3, seed=2)
+    for domain, t in zip(["chrome", "os"], tasks[:2], strict=True):  # examples/<domain>/<id>
+        (tmp_path / "examples" / domain).mkdir(parents=True)
+        (tmp_path / "examples" / domain / f"{t['id']}.json").write_text(json.dumps(t))
+    by_id = {p.task["id"]: p.domain for p in load_pool(tmp_path / "examples")}
+    assert by_id == {tasks[0]["id"]: "chrome", tasks[1]["id"]: "os"}
+    assert {p.domain for p in load_pool(tmp_path / "examples" / "os")} == {"os"}
+    tasks[0]["domain"] = "from-field"
+    tasks[1]["id"] = "calc-0001"
+    jl = tmp_path / "pool.jsonl"
+    jl.write_text("".join(json.dumps(t) + "\n" for t in tasks))
+    got = load_pool(jl)
+    assert [p.domain for p in got] == ["from-field", "calc", tasks[2]["id"].split("-")[0]]
+    assert [p.source for p in got] == [f"{jl}:1", f"{jl}:2", f"{jl}:3"]
+    assert [p.task for p in got] == tasks  # the dicts as read, nothing added
+    assert task_domain({"id": "nodash"}) == "unknown"
+    assert task_domain({"id": "a-b"}, folder="os") == "os"
+    assert task_domain({"id": "a-b", "domain": "gimp"}, folder="os") == "gimp"
