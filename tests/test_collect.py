@@ -171,3 +171,15 @@ def test_bad_configs_name_the_field(pool: tuple[Path, str], tmp_path: Path) -> N
         list(read_collection(tmp_path / "nowhere"))
     with pytest.raises(ArpoError, match="does not exist"):
         load_outcomes(tmp_path)
+
+
+def test_a_timeout_writes_incomplete_outcomes(pool: tuple[Path, str], tmp_path: Path) -> None:
+    out = tmp_path / "c"
+    cfg = validate(CollectConfig(tasks=str(pool[0]), model="m", runs_per_task=2, out=str(out),
+                                 transport=LOOPBACK, local_actor=False, timeout_s=0.3,
+                                 progress_s=0))  # fmt: skip
+    with pytest.raises(ArpoError, match=r"timed out .* 0 of 14 runs"):
+        run_collect(cfg)  # no actor connects
+    data = load_outcomes(out)
+    assert data["complete"] is False and data["stored"] == 0
+    assert list(read_collection(out)) == []

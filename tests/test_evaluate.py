@@ -18,7 +18,7 @@ from arpo_envs.sim.tasks import generate_tasks, write_tasks
 
 from arpo import cli, wire
 from arpo.config import load_config, validate
-from arpo.errors import ConfigError
+from arpo.errors import ArpoError, ConfigError
 from arpo.learner.batch import build_sequence, collate, token_logprobs
 from arpo.learner.checkpoint import save_checkpoint
 from arpo.learner.evaluate import EvalConfig, run_eval
@@ -189,6 +189,8 @@ def test_bad_configs_name_the_field(pool: Path, tiny_dir: Path, tmp_path: Path) 
     for field, overrides in cases.items():
         with pytest.raises(ConfigError, match=f"config field {field}:"):
             load_config(EvalConfig, None, overrides)
+    with pytest.raises(ConfigError, match=r"config field checkpoint: .*does not exist"):
+        load_config(EvalConfig, None, [*base, f"checkpoint={str(tmp_path / 'gone')!r}"])
     empty = tmp_path / "no-checkpoints"
     empty.mkdir()
     cfg = load_config(EvalConfig, None, [*base, f"checkpoint={str(empty)!r}"])
@@ -235,3 +237,15 @@ def test_task_domains_from_field_folder_or_id(tmp_path: Path) -> None:
     assert task_domain({"id": "nodash"}) == "unknown"
     assert task_domain({"id": "a-b"}, folder="os") == "os"
     assert task_domain({"id": "a-b", "domain": "gimp"}, folder="os") == "gimp"
+
+
+def test_a_timeout_writes_an_incomplete_report(pool: Path, tiny_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "eval"
+    cfg = validate(EvalConfig(tasks=str(pool), model=str(tiny_dir), runs_per_task=2,
+                              out=str(out), transport=LOOPBACK, local_actor=False,
+                              timeout_s=0.3, progress_s=0))  # fmt: skip
+    with pytest.raises(ArpoError, match=r"timed out .* 0 of 12 runs"):
+        run_eval(cfg)  # no actor connects
+    data = json.loads((out / "eval.json").read_text())
+    assert data["complete"] is False and data["overall"]["episodes"] == 0
+    assert "incomplete" in (out / "eval.md").read_text()

@@ -112,6 +112,8 @@ class EvalConfig(PoolConfig):
             fail("checkpoint", "give checkpoint=<folder> or model=<model folder>")
         if self.checkpoint and self.model:
             fail("model", "give either checkpoint or model, not both")
+        if self.checkpoint and not Path(self.checkpoint).exists():
+            fail("checkpoint", f"{self.checkpoint!r} does not exist")
         if self.temperature < 0:
             fail("temperature", "must be >= 0 (0: greedy)")
         if not 0.0 < self.top_p <= 1.0:
