@@ -35,6 +35,7 @@ model), a folder of checkpoints (the newest valid one is used), or a model folde
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -454,9 +455,9 @@ def run_pool(
     With `cfg.local_actor`, one actor process is started with `actor_args` (default
     `cfg.local_actor_args`), its stderr to `actor_log`, its spool in `spool`. `store`
     receives every stored `ok` episode (`store.put(task, item)`); by default they are
-    discarded. `ingest_config` (e.g. with a `journal_dir`) gets `learner_id` as its name.
-    `on_progress(done, total)` is called from this thread whenever the number of finished
-    runs changes. On `cfg.timeout_s` the result comes back with `complete=False`.
+    discarded. `ingest_config` (e.g. with a `journal_dir`) is used with `learner_id` as its
+    name. `on_progress(done, total)` is called from this thread whenever the number of
+    finished runs changes. On `cfg.timeout_s` the result comes back with `complete=False`.
     """
     ids = [t["id"] for t in tasks]
     total = len(ids) * cfg.runs_per_task
@@ -474,8 +475,7 @@ def run_pool(
     )
     tally = PoolTally(book, ids, cfg.success_score)
     start = time.monotonic()
-    icfg = ingest_config if ingest_config is not None else IngestConfig()
-    icfg.learner_id = learner_id
+    icfg = dataclasses.replace(ingest_config or IngestConfig(), learner_id=learner_id)
     grants = GrantServer(book, cfg.transport)
     ingest = Ingest(
         store if store is not None else _Discard(),
