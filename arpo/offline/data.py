@@ -7,11 +7,9 @@
 
 On disk a folder holds journal segments (`journal-<n>.log`, `arpo.learner.ingest.Journal`),
 each record one trajectory's wire frames (`arpo.wire.encode`): the format the learner's
-ingest journal and `arpo collect` write, so one reader serves demonstrations and
-collections. `read_trajectories` uses `arpo.learner.collect.read_collection` when that
-module exists (it knows the collection's layout); otherwise it reads the journal
-segments found in the folder and in its sub-folders. Torn or corrupt records are
-skipped, counted and logged by the journal reader.
+ingest journal and `arpo collect` write, so one reader
+(`arpo.learner.collect.read_collection`) serves demonstrations and collections; it
+skips, counts and logs torn or corrupt records.
 
 Outcomes: only `ok` trajectories count (environment and checker failures say nothing
 about the agent); a success has checker score >= `success_score`, a failure has less.
@@ -27,8 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from arpo import wire
-from arpo.errors import WireError
-from arpo.learner.ingest import Journal, list_segments, read_segment, segment_path
+from arpo.learner.ingest import Journal
 from arpo.record import Status, Trajectory
 
 log = logging.getLogger("arpo.offline.data")
@@ -47,47 +44,13 @@ def write_trajectories(folder: str | Path, trajs: Iterable[Trajectory]) -> int:
     return n
 
 
-def _journal_dirs(root: Path) -> list[Path]:
-    dirs = [root] if list_segments(root) else []
-    for sub in sorted(p for p in root.rglob("*") if p.is_dir()):
-        if list_segments(sub):
-            dirs.append(sub)
-    return dirs
-
-
-def read_journal_folder(
-    folder: str | Path, counts: collections.Counter[str] | None = None
-) -> Iterator[Trajectory]:
-    """Every trajectory in the journal segments of `folder` and its sub-folders, in order."""
-    counts = counts if counts is not None else collections.Counter()
-    root = Path(folder)
-    if not root.is_dir():
-        raise FileNotFoundError(f"{root}: no such folder of trajectories")
-    for d in _journal_dirs(root):
-        for n in list_segments(d):
-            for rec in read_segment(segment_path(d, n), counts):
-                try:
-                    msg = wire.decode(rec.frames)
-                except WireError as e:
-                    counts["malformed"] += 1
-                    log.warning("%s segment %d offset %d: %s", d, n, rec.offset, e)
-                    continue
-                if isinstance(msg, Trajectory):
-                    yield msg
-                else:
-                    counts["not_trajectory"] += 1
-
-
 def read_trajectories(folder: str | Path) -> Iterator[Trajectory]:
-    """The trajectories of a demonstration or collection folder (see the module docstring)."""
-    try:
-        from arpo.learner.collect import read_collection  # type: ignore[attr-defined]
-    except ImportError:
-        read_collection = None
-    if read_collection is not None:
-        yield from read_collection(folder)
-    else:
-        yield from read_journal_folder(folder)
+    """The trajectories of a demonstration or collection folder, in the order stored
+    (`arpo.learner.collect.read_collection`: the folder's segments, or those of its
+    trajectories/ sub-folder)."""
+    from arpo.learner.collect import read_collection
+
+    return read_collection(folder)
 
 
 @dataclass
