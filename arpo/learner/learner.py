@@ -51,7 +51,8 @@ import numpy as np
 
 from arpo.config import fail, option, validate
 from arpo.errors import ConfigError
-from arpo.learner.assemble import AssembleConfig, Batch, GroupAssembler
+from arpo.learner import distributed as D
+from arpo.learner.assemble import AssembleConfig, Batch, GroupAssembler, Sample
 from arpo.learner.checkpoint import (
     CheckpointConfig,
     latest_checkpoint,
@@ -59,6 +60,7 @@ from arpo.learner.checkpoint import (
     restore_rng,
     save_checkpoint,
 )
+from arpo.learner.distributed import DistConfig
 from arpo.learner.grants import GrantBook, GrantConfig, GrantServer
 from arpo.learner.ingest import Ingest, IngestConfig
 from arpo.learner.metrics import MetricsConfig, MetricsLogger, ProgressLine, Spans, TaskStats
@@ -110,6 +112,9 @@ class LearnerConfig:
         CheckpointConfig(), "Checkpoints (dir defaults to run_dir/checkpoints)."
     )
     metrics: MetricsConfig = option(MetricsConfig(), "Metrics files and the progress line.")
+    dist: DistConfig = option(
+        DistConfig(), "Under torchrun: backend and sharding (FSDP2 by default)."
+    )
 
     def validate(self) -> None:
         if not self.run_dir:
@@ -169,6 +174,8 @@ class Learner:
 
     def __init__(self, config: LearnerConfig) -> None:
         self.config = resolved(validate(config))
+        self.info = D.init_distributed(self.config.dist)
+        """This process's rank; rank 0 owns sockets, store, files (the others follow it)."""
         self._stop = threading.Event()
         self.spans = Spans()
         self.iteration = 0
@@ -215,31 +222,30 @@ class Learner:
 
         from arpo.buffer import ReplayStore
 
-        cfg = self.config
+        cfg, info = self.config, self.info
         run = Path(cfg.run_dir)
-        run.mkdir(parents=True, exist_ok=True)
-        tasks = self._tasks()
+        tasks: list[dict[str, Any]] = []
         ckpt = None
-        if cfg.resume:
-            path = latest_checkpoint(cfg.checkpoint.dir, verify=cfg.checkpoint.verify)
-            if path is None:
-                log.warning("resume: no valid checkpoint in %s; starting fresh", cfg.checkpoint.dir)
-            else:
-                ckpt = load_checkpoint(path, verify=cfg.checkpoint.verify)
-                log.info("resuming from %s (iteration %d)", path, ckpt.iteration)
-        tcfg = cfg.trainer
+        if info.is_main:
+            run.mkdir(parents=True, exist_ok=True)
+            tasks = self._tasks()
+            if cfg.resume:
+                path = latest_checkpoint(cfg.checkpoint.dir, verify=cfg.checkpoint.verify)
+                if path is None:
+                    log.warning("resume: no valid checkpoint in %s; starting fresh",
+                                cfg.checkpoint.dir)  # fmt: skip
+                else:
+                    ckpt = load_checkpoint(path, verify=cfg.checkpoint.verify)
+                    log.info("resuming from %s (iteration %d)", path, ckpt.iteration)
+        self._load_trainer(ckpt)
+        if not info.is_main:
+            self.trainer.weights_bytes()  # the first publish is a collective
+            return
         if ckpt is not None:
-            tcfg = replace(tcfg, model=str(ckpt.model_dir))
-        self.trainer = Trainer(tcfg)
-        if ckpt is not None:
-            self.trainer.optimizer.load_state_dict(ckpt.trainer["optimizer"])
-            if ckpt.trainer.get("scheduler") is not None:
-                self.trainer.scheduler.load_state_dict(ckpt.trainer["scheduler"])
             restore_rng(ckpt.trainer["rng"])
             self.iteration = ckpt.iteration
             self.version = int(ckpt.state["version"])
             self.task_stats = TaskStats.from_dict(ckpt.state.get("tasks", {}))
-            self.trainer.optimizer_steps_done = int(ckpt.state.get("optimizer_steps", 0))
             store = ReplayStore.restore(
                 ckpt.store_path,
                 max_bytes=cfg.store_max_bytes,
@@ -288,6 +294,69 @@ class Learner:
             self.version,
         )
 
+    def _load_trainer(self, ckpt: Any) -> None:
+        """The trainer, with the checkpoint's weights, optimizer and scheduler on resume.
+
+        One process: the model loads from the checkpoint's folder. Under torchrun every rank
+        builds the base model (`trainer.model` must exist on every node) and rank 0 sends
+        the checkpoint's weights and optimizer state to the others (collectives)."""
+        cfg, info = self.config, self.info
+        resume = ckpt is not None
+        if info.distributed:
+            resume = D.broadcast_object(resume, info)
+        tcfg = cfg.trainer
+        if resume and not info.distributed:
+            tcfg = replace(tcfg, model=str(ckpt.model_dir))
+        self.trainer = Trainer(tcfg, info)
+        if not resume:
+            return
+        t = self.trainer
+        if info.distributed:
+            state = None
+            if info.is_main:
+                from transformers import Qwen2_5_VLForConditionalGeneration
+
+                state = Qwen2_5_VLForConditionalGeneration.from_pretrained(
+                    ckpt.model_dir, dtype=t.base_model.dtype
+                ).state_dict()
+            D.load_full_state_dict(t.model, state, info)
+        t.load_optimizer_state(ckpt.trainer["optimizer"] if info.is_main else None)
+        extra = None
+        if info.is_main:
+            extra = (ckpt.trainer.get("scheduler"), int(ckpt.state.get("optimizer_steps", 0)))
+        if info.distributed:
+            extra = D.broadcast_object(extra, info)
+        sched, steps = extra
+        if sched is not None:
+            t.scheduler.load_state_dict(sched)
+        t.optimizer_steps_done = steps
+
+    def follow(self) -> None:
+        """A rank other than 0: run the collectives rank 0 announces until it stops."""
+        assert self.trainer is not None
+        while True:
+            cmd = D.broadcast_object(None, self.info)
+            if cmd[0] == "step":
+                self.trainer.step(_unpack(cmd[1]))
+                self.trainer.weights_bytes()  # rank 0 publishes
+                if cmd[2]:
+                    self._checkpoint_collectives()
+            elif cmd[0] == "checkpoint":
+                self._checkpoint_collectives()
+            elif cmd[0] == "stop":
+                return
+            else:
+                raise RuntimeError(f"unknown learner command {cmd[0]!r} from rank 0")
+
+    def _announce(self, *cmd: Any) -> None:
+        if self.info.distributed:
+            D.broadcast_object(cmd, self.info)
+
+    def _checkpoint_collectives(self) -> tuple[Any, Any]:
+        """The full weights and optimizer state (rank 0; None on the others)."""
+        assert self.trainer is not None
+        return self.trainer.state_dict(), self.trainer.optimizer_state()
+
     def _on_trajectory(self, book: GrantBook):
         def on(traj: Any) -> bool:
             return book.complete(traj)
@@ -304,6 +373,12 @@ class Learner:
         """Iterate until `iterations` are done or `stop()`; returns the last metrics."""
         if self.trainer is None:
             self.setup()
+        if not self.info.is_main:
+            try:
+                self.follow()
+            finally:
+                D.shutdown(self.info)
+            return {}
         cfg = self.config
         last: dict[str, float] = {}
         waited = 0.0
@@ -323,15 +398,20 @@ class Learner:
                 waited = 0.0
                 last = self._iterate(batch)
             if self.iteration > 0:
+                self._announce("checkpoint")
                 self.save_checkpoint()
         finally:
+            self._announce("stop")
             self.close()
+            D.shutdown(self.info)
         return last
 
     def _iterate(self, batch: Batch) -> dict[str, float]:
         cfg = self.config
         assert self.trainer is not None and self.metrics is not None
         t_start = time.perf_counter()
+        ckpt_due = cfg.checkpoint.due(self.iteration + 1)
+        self._announce("step", _pack(batch.samples), ckpt_due)
         with self.spans("step"):
             m = self.trainer.step(batch)
         self.version += 1
@@ -364,7 +444,7 @@ class Learner:
         out.update(self._ingest_metrics())
         out.update(self._rates())
         out.update(self.task_stats.metrics())
-        if cfg.checkpoint.due(self.iteration):
+        if ckpt_due:
             t0 = time.perf_counter()
             self.save_checkpoint()
             out["time/checkpoint_s"] = time.perf_counter() - t0
@@ -415,6 +495,7 @@ class Learner:
     def _publish(self) -> None:
         assert self.trainer is not None and self.grants is not None
         data = self.trainer.weights_bytes()
+        assert data is not None  # rank 0
         path = ""
         if self.config.publish_dir != "-":
             d = Path(self.config.publish_dir)
@@ -438,13 +519,14 @@ class Learner:
             "optimizer_steps": t.optimizer_steps_done,
             "assembler_totals": dict(self.assembler.totals),
         }
+        model_state, optim_state = self._checkpoint_collectives()
         self.last_checkpoint = save_checkpoint(
             cfg.checkpoint.dir,
             self.iteration,
             model=t.base_model,
-            model_state=t.state_dict(),
+            model_state=model_state,
             processor=t.processor,
-            optimizer_state=t.optimizer.state_dict(),
+            optimizer_state=optim_state,
             scheduler_state=t.scheduler.state_dict(),
             state=state,
             ingest=self.ingest,
@@ -462,6 +544,28 @@ class Learner:
             self.metrics = None
         if self.store is not None and not self.store.closed:
             self.store.close()
+
+
+def _pack(samples: list[Sample]) -> list[tuple[Any, ...]]:
+    """Samples as plain data for `broadcast_object` (store items are not picklable)."""
+    out = []
+    for s in samples:
+        it = s.item
+        out.append((
+            np.array(it.tokens), np.array(it.logprobs), np.array(it.offsets),
+            np.array(it.rewards), it.version, tuple(it.blobs), bytes(it.metadata),
+            s.task_id, s.trajectory_id, s.reward, s.checker_score, s.version, s.advantage,
+            s.is_replay, s.group,
+        ))  # fmt: skip
+    return out
+
+
+def _unpack(rows: list[tuple[Any, ...]]) -> list[Sample]:
+    from arpo.buffer import Item
+
+    return [
+        Sample(Item(r[0], r[1], r[2], r[3], r[4], blobs=r[5], metadata=r[6]), *r[7:]) for r in rows
+    ]
 
 
 def run_learner(cfg: LearnerConfig) -> dict[str, float]:

@@ -43,8 +43,10 @@ import numpy as np
 import torch
 
 from arpo.config import fail, option, validate
+from arpo.learner import distributed as D
 from arpo.learner.assemble import Batch, Sample
 from arpo.learner.batch import TrainSequence, build_sequence, collate, token_logprobs
+from arpo.learner.distributed import DistConfig, DistInfo
 from arpo.learner.loss import LossConfig, arpo_loss
 
 log = logging.getLogger("arpo.learner.trainer")
@@ -124,18 +126,24 @@ def _pad(rows: list[torch.Tensor], n: int) -> torch.Tensor:
 
 
 class Trainer:
-    """The policy, its optimizer, and the training step (see the module docstring)."""
+    """The policy, its optimizer, and the training step (see the module docstring).
 
-    def __init__(self, config: TrainerConfig, dist: Any = None) -> None:
+    `dist` (an `arpo.learner.distributed.DistInfo`) makes this one rank of a torchrun
+    job: the model is wrapped (FSDP2 / DDP) and `step`, `proximal`, `state_dict` and
+    `optimizer_state` become collectives that every rank calls with the same batch."""
+
+    def __init__(self, config: TrainerConfig, dist: DistInfo | None = None) -> None:
         from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
 
         config = validate(config)
         self.config = config
+        if dist is None:
+            dist = DistInfo(0, 1, 0, torch.device(config.device), True, DistConfig())
         self.dist = dist
         torch.manual_seed(config.seed)
         self._rng = random.Random(config.seed)
         dtype = getattr(torch, config.dtype)
-        self.device = torch.device(config.device if dist is None else dist.device)
+        self.device = dist.device
         self.processor = AutoProcessor.from_pretrained(config.model)
         model = Qwen2_5_VLForConditionalGeneration.from_pretrained(config.model, dtype=dtype)
         model.to(self.device)
@@ -143,12 +151,8 @@ class Trainer:
             model.gradient_checkpointing_enable()
         model.config.use_cache = False
         self.base_model = model
-        """The unwrapped model (its state dict names are the checkpoint's)."""
-        self.model = model
-        if dist is not None and dist.world_size > 1:
-            from arpo.learner import distributed
-
-            self.model = distributed.wrap_model(model, dist.config, dist)
+        """The unwrapped model: its config, `get_rope_index`, and (single process) weights."""
+        self.model = D.wrap_model(model, dist.config, dist) if dist.distributed else model
         self.ref_model = None
         if config.loss.kl_coef > 0:
             self.ref_model = Qwen2_5_VLForConditionalGeneration.from_pretrained(
@@ -182,20 +186,31 @@ class Trainer:
     def _logprobs(
         self, model: Any, seqs: list[TrainSequence], grad: bool, entropy: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
-        mb = collate(seqs, self.base_model if model is self.model else model, self.pad_id,
-                     self.device)  # fmt: skip
+        base = self.base_model if model is self.model else model
+        mb = collate(seqs, base, self.pad_id, self.device)
         with torch.set_grad_enabled(grad):
             logp, ent = token_logprobs(model, mb, self.config.temperature, entropy)
         return logp, ent, mb
 
+    def _micro(self, idx: list[int]) -> list[list[int]]:
+        return _chunks(idx, math.ceil(len(idx) / self.config.micro_batch)) if idx else []
+
     @torch.no_grad()
-    def proximal(self, seqs: list[TrainSequence], model: Any = None) -> list[torch.Tensor]:
+    def proximal(
+        self, seqs: list[TrainSequence], model: Any = None, dummy: TrainSequence | None = None
+    ) -> list[torch.Tensor]:
         """Log-probs of every sequence's response tokens under `model` (default: the
-        policy as it is now), without gradient: one forward pass per micro-batch."""
+        policy as it is now), without gradient: one forward pass per micro-batch. Under
+        torchrun every rank runs as many passes as the busiest (repeating `dummy`)."""
         model = self.model if model is None else model
         out: list[torch.Tensor] = []
-        for idx in _chunks(range(len(seqs)), math.ceil(len(seqs) / self.config.micro_batch)):
-            part = [seqs[i] for i in idx]
+        chunks = self._micro(list(range(len(seqs))))
+        n = D.max_count(len(chunks), self.dist) if model is self.model else len(chunks)
+        for k in range(n):
+            if k >= len(chunks):  # keeps FSDP's collectives in step with the other ranks
+                self._logprobs(model, [dummy if dummy is not None else seqs[0]], grad=False)
+                continue
+            part = [seqs[i] for i in chunks[k]]
             logp, _, _ = self._logprobs(model, part, grad=False)
             for row, s in enumerate(part):
                 out.append(logp[row, : len(s.targets)].detach().float().cpu())
@@ -205,121 +220,145 @@ class Trainer:
 
     def step(self, batch: Batch | Sequence[Sample]) -> dict[str, float]:
         """One iteration on `batch` (all its samples): proximal pass, then `epochs` x
-        `optimizer_steps` optimizer steps. Returns metrics (losses/*, time/*, ...)."""
+        `optimizer_steps` optimizer steps. Returns metrics (losses/*, time/*, ...).
+        Under torchrun every rank passes the same batch and trains on its share."""
         samples = list(batch.samples if isinstance(batch, Batch) else batch)
         if not samples:
             raise ValueError("step needs at least one sample")
-        cfg = self.config
+        cfg, info = self.config, self.dist
+        seq_mean = cfg.loss.agg == "seq-mean-token-mean"
         times: dict[str, float] = {}
+
+        # The mini-batches are the same on every rank (same seed, same batch); each rank
+        # trains on its contiguous share of each.
+        order = list(range(len(samples)))
+        plans = []
+        for _ in range(cfg.epochs):
+            if cfg.shuffle:
+                self._rng.shuffle(order)
+            plans += [D.shard_batch(mini, info) for mini in _chunks(order, cfg.optimizer_steps)]
+        mine = sorted({i for plan in plans for i in plan})
         t0 = time.perf_counter()
-        seqs = self.sequences(samples)
+        seqs = dict(zip(mine, self.sequences([samples[i] for i in mine]), strict=True))
+        dummy = seqs[mine[0]] if mine else self.sequences(samples[:1])[0]
         times["time/sequences_s"] = time.perf_counter() - t0
 
-        self.model.train()  # no dropout in Qwen2.5-VL; train() only matters for checkpointing
+        self.model.train()  # no dropout in Qwen2.5-VL; train() matters for checkpointing
         t0 = time.perf_counter()
-        prox = self.proximal(seqs)
-        ref = self.proximal(seqs, self.ref_model) if self.ref_model is not None else None
+        ordered = [seqs[i] for i in mine]
+        prox = dict(zip(mine, self.proximal(ordered, dummy=dummy), strict=True))
+        ref = None
+        if self.ref_model is not None:
+            ref = dict(zip(mine, self.proximal(ordered, self.ref_model), strict=True))
         times["time/proximal_forward_s"] = time.perf_counter() - t0
 
         adv = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
         replay = torch.tensor([s.is_replay for s in samples], dtype=torch.bool)
         acc: dict[str, list[tuple[float, float]]] = {}
-        extremes = {"ratio/min": math.inf, "ratio/max": -math.inf}
-        ent_sum = ent_n = 0.0
+        ratio_min, ratio_max = math.inf, -math.inf
+        loss_sum = ent_sum = ent_n = 0.0
         grad_norms: list[float] = []
         t_fb = t_opt = 0.0
-        for _ in range(cfg.epochs):
-            order = list(range(len(samples)))
-            if cfg.shuffle:
-                self._rng.shuffle(order)
-            for mini in _chunks(order, cfg.optimizer_steps):
-                t0 = time.perf_counter()
-                self.optimizer.zero_grad(set_to_none=True)
-                has_tok = [i for i in mini if len(seqs[i].targets) > 0]
-                denom = (
-                    float(len(has_tok))
-                    if cfg.loss.agg == "seq-mean-token-mean"
-                    else float(sum(len(seqs[i].targets) for i in mini))
+        for plan in plans:
+            t0 = time.perf_counter()
+            self.optimizer.zero_grad(set_to_none=True)
+            count = (lambda i: float(len(seqs[i].targets) > 0)) if seq_mean else (
+                lambda i: float(len(seqs[i].targets)))  # fmt: skip
+            denom = D.global_count(sum(count(i) for i in plan), info)
+            micros = self._micro(plan)
+            n_micro = D.max_count(len(micros), info)
+            for k in range(n_micro):
+                real = k < len(micros)
+                part_idx = micros[k] if real else [mine[0] if mine else 0]
+                part = [seqs.get(i, dummy) for i in part_idx]
+                logp, ent, mb = self._logprobs(self.model, part, grad=True, entropy=cfg.entropy)
+                n = mb.mask.shape[1]
+                lp_prox = _pad([prox.get(i, dummy.behaviour_logp) for i in part_idx], n)
+                lp_ref = _pad([ref[i] for i in part_idx], n) if ref is not None else None
+                loss, m = arpo_loss(
+                    logp,
+                    lp_prox.to(self.device),
+                    mb.behaviour_logp,
+                    adv[part_idx].to(self.device),
+                    mb.mask,
+                    replay[part_idx].to(self.device),
+                    cfg.loss,
+                    lp_ref.to(self.device) if lp_ref is not None else None,
                 )
-                for micro in _chunks(mini, math.ceil(len(mini) / cfg.micro_batch)):
-                    part = [seqs[i] for i in micro]
-                    logp, ent, mb = self._logprobs(self.model, part, grad=True, entropy=cfg.entropy)
-                    n = mb.mask.shape[1]
-                    lp_prox = _pad([prox[i] for i in micro], n).to(self.device)
-                    lp_ref = _pad([ref[i] for i in micro], n).to(self.device) if ref else None
-                    loss, m = arpo_loss(
-                        logp,
-                        lp_prox,
-                        mb.behaviour_logp,
-                        adv[micro].to(self.device),
-                        mb.mask,
-                        replay[micro].to(self.device),
-                        cfg.loss,
-                        lp_ref,
-                    )
-                    share = (
-                        float(sum(len(seqs[i].targets) > 0 for i in micro))
-                        if cfg.loss.agg == "seq-mean-token-mean"
-                        else float(m["tokens"])
-                    )
-                    scale = share / denom if denom else 0.0
+                share = sum(count(i) for i in part_idx) if real else 0.0
+                scale = D.loss_scale(share, denom, info)
+                with D.grad_sync(self.model, k == n_micro - 1):
                     (loss * scale).backward()
-                    w = m["tokens"]
-                    for k in (*_MEAN_METRICS, "loss/pg", "loss/kl"):
-                        if k in m and not math.isnan(m[k]):
-                            acc.setdefault(k, []).append((m[k], w))
-                    acc.setdefault("loss/total", []).append((m["loss/total"] * scale, 1.0))
-                    if w:
-                        extremes["ratio/min"] = min(extremes["ratio/min"], m["ratio/min"])
-                        extremes["ratio/max"] = max(extremes["ratio/max"], m["ratio/max"])
-                    if ent is not None:
-                        ent_sum += float(ent[mb.mask].sum())
-                        ent_n += float(mb.mask.sum())
-                t1 = time.perf_counter()
-                t_fb += t1 - t0
-                params = [p for p in self.model.parameters() if p.grad is not None]
-                norm = torch.nn.utils.clip_grad_norm_(
-                    params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
-                )
-                grad_norms.append(float(norm))
-                self.optimizer.step()
-                self.scheduler.step()
-                self.optimizer_steps_done += 1
-                t_opt += time.perf_counter() - t1
+                if not real:
+                    continue
+                loss_sum += m["loss/total"] * share / denom if denom else 0.0
+                w = m["tokens"]
+                for key in (*_MEAN_METRICS, "loss/pg", "loss/kl"):
+                    if key in m and not math.isnan(m[key]):
+                        acc.setdefault(key, []).append((m[key], w))
+                if w:
+                    ratio_min = min(ratio_min, m["ratio/min"])
+                    ratio_max = max(ratio_max, m["ratio/max"])
+                if ent is not None:
+                    ent_sum += float(ent[mb.mask].sum())
+                    ent_n += float(mb.mask.sum())
+            t1 = time.perf_counter()
+            t_fb += t1 - t0
+            clip = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
+            grad_norms.append(D.clip_grad_norm(self.model, clip, info))
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer_steps_done += 1
+            t_opt += time.perf_counter() - t1
         times["time/forward_backward_s"] = t_fb
         times["time/optimizer_s"] = t_opt
 
-        out: dict[str, float] = {}
-        for k, vals in acc.items():
-            if k == "loss/total":
-                # Summed over micro-batches (each scaled to its share), averaged over steps.
-                out["losses/loss"] = sum(v for v, _ in vals) / (cfg.epochs * len(grad_norms) or 1)
-                continue
+        # Per-rank values; the mean over ranks (NaN ranks left out) is the batch's value
+        # for the loss (each rank's sum is already scaled by its share) and close to it
+        # for the token-weighted means.
+        out: dict[str, float] = {"losses/loss": loss_sum / len(grad_norms)}
+        names = (*_MEAN_METRICS, "loss/pg", *(("loss/kl",) if self.ref_model is not None else ()))
+        for k in names:  # the same names on every rank (NaN: nothing measured here)
+            vals = acc.get(k, [])
             wsum = sum(w for _, w in vals)
             out[f"losses/{k.replace('/', '_')}"] = (
                 sum(v * w for v, w in vals) / wsum if wsum else math.nan
             )
-        finite = math.isfinite(extremes["ratio/min"])
-        out["losses/ratio_min"] = extremes["ratio/min"] if finite else math.nan
-        out["losses/ratio_max"] = extremes["ratio/max"] if finite else math.nan
         out["losses/entropy"] = ent_sum / ent_n if ent_n else math.nan
-        out["losses/grad_norm"] = float(np.mean(grad_norms)) if grad_norms else math.nan
-        out["losses/grad_norm_max"] = float(np.max(grad_norms)) if grad_norms else math.nan
+        out = D.all_reduce_mean(out, info)
+        out["losses/loss"] *= info.world_size  # the sum over ranks of the scaled shares
+        # Extremes of this rank's share (rank 0's under torchrun).
+        out["losses/ratio_min"] = ratio_min if math.isfinite(ratio_min) else math.nan
+        out["losses/ratio_max"] = ratio_max if math.isfinite(ratio_max) else math.nan
+        out["losses/grad_norm"] = float(np.mean(grad_norms))
+        out["losses/grad_norm_max"] = float(np.max(grad_norms))
         out["losses/lr"] = float(self.scheduler.get_last_lr()[0])
-        tokens = sum(len(s.input_ids) for s in seqs)
-        out["data/tokens"] = float(tokens)
-        out["data/loss_tokens"] = float(sum(len(s.targets) for s in seqs))
+        out["data/tokens"] = D.global_count(sum(len(seqs[i].input_ids) for i in mine), info)
+        out["data/loss_tokens"] = D.global_count(sum(len(seqs[i].targets) for i in mine), info)
         out.update(times)
         return out
 
     # ---- weights -----------------------------------------------------------------------
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """The full model state dict on CPU (names as the checkpoint's)."""
-        return {k: v.detach().cpu() for k, v in self.base_model.state_dict().items()}
+    def state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The full model state dict on CPU (names as the checkpoint's); under torchrun a
+        collective that returns it on rank 0 and None elsewhere."""
+        return D.full_state_dict(self.model, self.dist)
 
-    def weights_bytes(self) -> bytes:
-        """The policy's weights as one safetensors stream (what actors load)."""
+    def weights_bytes(self) -> bytes | None:
+        """The policy's weights as one safetensors stream (what actors load); a collective
+        under torchrun (None except on rank 0)."""
         from safetensors.torch import save
 
-        return save({k: v.contiguous() for k, v in self.state_dict().items()})
+        state = self.state_dict()
+        if state is None:
+            return None
+        return save({k: v.contiguous() for k, v in state.items()})
+
+    def optimizer_state(self) -> dict[str, Any] | None:
+        """The full optimizer state keyed by parameter name (loads into any world size);
+        a collective under torchrun (None except on rank 0)."""
+        return D.optimizer_state(self.model, self.optimizer, self.dist)
+
+    def load_optimizer_state(self, state: dict[str, Any] | None) -> None:
+        D.load_optimizer_state(self.model, self.optimizer, state, self.dist)
