@@ -38,9 +38,11 @@ estimated per optimizer step from a no-gradient pass of the policy over the whol
 (so it does not depend on the micro-batch size).
 
 Learning rate: 1e-6 by default, the rate of the ARPO reference's RL runs, so that the
-baselines move the real 7B model as far per step as ARPO does. The tiny random-weight
-test model needs far more: its runs in the tests and the measurements use lr 1e-4 with
-beta 0.1 (at 1e-6 a few hundred steps do not move its log-probs measurably).
+baselines move the real 7B model as far per step as ARPO does. The tiny test model moves
+at that rate too (measured, 5 DPO steps on one pair of 1-turn trajectories, beta 0.1: the
+margin (pi_c - pi_r) rises by 0.84 nats at lr 1e-6 with the loss 0.693 -> 0.660, by 8.4 at
+1e-5, by 61 at 1e-4 where the loss is near 0); the tests use 1e-4 so that one step gives
+a clear signal.
 
 Deviation from the paper's offline baselines: the paper does not give their
 hyper-parameters; the defaults here are the method papers' (beta 0.1, lambda_d = lambda_u
