@@ -183,3 +183,54 @@ def test_config_errors_name_the_field(tmp_path, tiny_dir, sim_tasks_file):
     learner = Learner(config(tmp_path, tiny_dir, sim_tasks_file, selection=str(sel)))
     with pytest.raises(ConfigError, match="selection"):
         learner.setup()
+
+
+@pytest.mark.slow
+def test_arpo_learner_under_torchrun_trains_with_a_real_actor(tmp_path, tiny_dir, sim_tasks_file):
+    """`torchrun --nproc_per_node 2 -m arpo.learner.cli` (gloo, FSDP2): rank 0 binds the
+    endpoints, a real actor fills groups, both ranks train, rank 0 writes metrics and a
+    checkpoint that a single-process learner resumes from."""
+    import socket
+
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    data, control = (f"tcp://127.0.0.1:{p}" for p in ports)
+    run = tmp_path / "run"
+    learner_args = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        "-m", "arpo.learner.cli", f"run_dir={str(run)!r}", f"tasks={str(sim_tasks_file)!r}",
+        f"trainer.model={str(tiny_dir)!r}", "iterations=2", "assemble.group_size=2",
+        "assemble.groups_per_step=2", "checkpoint.every=1", "metrics.progress_s=0",
+        "dist.backend='gloo'", f"transport.data={data!r}", f"transport.control={control!r}",
+    ]  # fmt: skip
+    actor_args = [
+        sys.executable, "-m", "arpo.actor.cli", "sim_envs=2", "policy='engine'",
+        f"engine.model={str(tiny_dir)!r}", "episode.max_steps=2", "episode.max_new_tokens=16",
+        f"spool_dir={str(tmp_path / 'spool')!r}", "progress_s=0",
+        f"transport.data={data!r}", f"transport.control={control!r}",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with (tmp_path / "learner.log").open("wb") as lo, (tmp_path / "actor.log").open("wb") as ao:
+        learner = subprocess.Popen(learner_args, stdout=lo, stderr=lo, env=env)
+        actor = subprocess.Popen(actor_args, stdout=ao, stderr=ao, env=env)
+        try:
+            rc = learner.wait(timeout=400)
+        finally:
+            actor.send_signal(signal.SIGTERM)
+            actor.wait(timeout=120)
+            if learner.poll() is None:
+                learner.kill()
+    assert rc == 0, (tmp_path / "learner.log").read_text()[-5000:]
+    rows = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["data/groups"] == 2 for r in rows)
+    # A single process resumes from the 2-rank checkpoint (full weights and optimizer state).
+    b = Learner(config(tmp_path, tiny_dir, sim_tasks_file, resume=True, iterations=2))
+    b.setup()
+    try:
+        assert b.iteration == 2 and b.version == 2
+    finally:
+        b.close()
