@@ -113,3 +113,19 @@ def test_config_rejects_zero(field: str) -> None:
 
     with pytest.raises(ConfigError, match=field):
         load_config(GrantConfig, None, [f"{field}=0"])
+
+
+def test_a_resent_trajectory_still_fills_its_slot_and_others_are_surplus() -> None:
+    """Ingest books a trajectory before it is journaled and stored; if that fails (a full
+    disk) the actor resends the same trajectory, which must not be taken for a surplus."""
+    book = GrantBook(TASKS, GrantConfig(group_size=2, groups_per_step=1, shuffle=False))
+    g0, g1 = book.request("a", 2)
+    first = _done(g0)
+    assert book.complete(first)
+    assert book.complete(first)  # the same trajectory again: still its slot
+    assert not book.complete(_done(g0))  # another trajectory for a filled slot
+    assert book.complete(_done(g1))  # the group is finished now
+    assert book.complete(first)
+    assert not book.complete(_done(g1))
+    st = book.stats()
+    assert st["redelivered"] == 2 and st["surplus"] == 2 and st["completed"] == 2

@@ -87,6 +87,8 @@ class _Slot:
     actor: str = ""
     issued: float = 0.0
     attempts: int = 0
+    trajectory_id: str = ""
+    """The trajectory that filled the slot (a resend of it is not a surplus)."""
 
 
 @dataclass
@@ -118,7 +120,8 @@ class GrantBook:
         self._cycle: list[str] = []
         self._lock = threading.Lock()
         self._groups: collections.OrderedDict[str, _Group] = collections.OrderedDict()
-        self._finished: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._finished: collections.OrderedDict[str, frozenset[str]] = collections.OrderedDict()
+        """Finished group ids -> the trajectory ids that filled their slots."""
         self._counter = itertools.count()
         self.version = 0
         self.opened = 0
@@ -186,7 +189,13 @@ class GrantBook:
     def complete(self, traj: Trajectory) -> bool:
         """Book a delivered trajectory; False when its slot was already filled (a surplus)."""
         with self._lock:
-            if traj.group_id in self._finished:
+            done = self._finished.get(traj.group_id)
+            if done is not None:
+                # The same trajectory again (ingest could not keep it the first time, e.g.
+                # a full disk): it still fills its slot. Any other one is a surplus.
+                if traj.trajectory_id in done:
+                    self.counts["redelivered"] += 1
+                    return True
                 self.counts["surplus"] += 1
                 return False
             g = self._groups.get(traj.group_id)
@@ -194,11 +203,15 @@ class GrantBook:
                 self.counts["unknown_group"] += 1
                 return True
             s = g.slots[traj.slot]
+            if s.state == "done" and s.trajectory_id == traj.trajectory_id:
+                self.counts["redelivered"] += 1
+                return True
             if s.state in ("done", "abandoned"):
                 self.counts["surplus"] += 1
                 return False
             if traj.status == Status.OK:
                 s.state = "done"
+                s.trajectory_id = traj.trajectory_id
                 self.counts["completed"] += 1
             elif s.attempts >= self.config.max_attempts:
                 s.state = "abandoned"
@@ -215,7 +228,9 @@ class GrantBook:
                 self.counts[f"regrant_{traj.status.value}"] += 1
             if g.finished():
                 del self._groups[g.group_id]
-                self._finished[g.group_id] = None
+                self._finished[g.group_id] = frozenset(
+                    x.trajectory_id for x in g.slots if x.trajectory_id
+                )
                 while len(self._finished) > 100_000:
                     self._finished.popitem(last=False)
             return True
