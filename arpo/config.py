@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
+import json
 import sys
 import tomllib
 import types
@@ -126,6 +127,42 @@ def to_dict(cfg: Any) -> dict[str, Any]:
         return v
 
     return conv(cfg)
+
+
+def _toml_value(v: Any, path: str) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, float):
+        if v != v:
+            return "nan"
+        if v in (float("inf"), float("-inf")):
+            return "inf" if v > 0 else "-inf"
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v, ensure_ascii=False)  # JSON's escapes are TOML basic-string escapes
+    if isinstance(v, list | tuple):
+        return "[" + ", ".join(_toml_value(x, path) for x in v) + "]"
+    raise ConfigError(f"config field {path}: {type(v).__name__} values cannot be written as TOML")
+
+
+def to_toml(cfg: Any) -> str:
+    """A config as a TOML document that `load_config` reads back to an equal config."""
+    lines: list[str] = []
+
+    def table(data: Mapping[str, Any], prefix: str) -> None:
+        subs = [(k, v) for k, v in data.items() if isinstance(v, dict)]
+        for k, v in data.items():
+            if not isinstance(v, dict):
+                lines.append(f"{k} = {_toml_value(v, prefix + k)}")
+        for k, v in subs:
+            lines.append("")
+            lines.append(f"[{prefix}{k}]")
+            table(v, f"{prefix}{k}.")
+
+    table(to_dict(cfg), "")
+    return "\n".join(lines).lstrip("\n") + "\n"
 
 
 def from_dict(cls: type[T], data: Mapping[str, Any], *, prefix: str = "") -> T:

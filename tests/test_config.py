@@ -126,3 +126,25 @@ def test_errors_name_the_field(
 def test_missing_file_names_the_path(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(Cfg, tmp_path / "nope.toml")
+
+
+def test_to_toml_round_trips_nested_configs(tmp_path) -> None:
+    from arpo.actor.config import ActorConfig
+    from arpo.config import to_toml
+    from arpo.learner.learner import LearnerConfig
+
+    for cfg in (
+        load_config(
+            LearnerConfig,
+            None,
+            ['trainer.model="m"', 'tasks="t"', "trainer.lr=3e-06", 'assemble.replay.mode="add"'],
+        ),
+        load_config(
+            ActorConfig,
+            None,
+            ["sim_envs=3", 'policy="scripted"', 'envs=["http://h:1", "http://h:2"]'],
+        ),
+    ):
+        p = tmp_path / "c.toml"
+        p.write_text(to_toml(cfg))
+        assert load_config(type(cfg), p) == cfg
