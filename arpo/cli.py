@@ -1,5 +1,6 @@
 """The `arpo` command.
 
+arpo train [--config FILE] [field=value ...]   a whole training run on this machine (arpo.train)
 arpo demo [--config FILE] [field=value ...]    the smallest end-to-end run (see arpo.demo)
 arpo demo --show-config                        every config field with its default and meaning
 arpo select-tasks [--config FILE] [field=value ...]   N base-agent runs per task, keep the solvable
@@ -29,6 +30,7 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="arpo", description="ARPO: RL for GUI agents")
     sub = ap.add_subparsers(dest="command", required=True)
+    _add_config_args(sub.add_parser("train", help="learner, actors, desktops, eval: one run"))
     _add_config_args(sub.add_parser("demo", help="the smallest end-to-end run of the data path"))
     _add_config_args(
         sub.add_parser("select-tasks", help="run the base agent N times per task, keep solvable")
@@ -42,6 +44,30 @@ def main(argv: list[str] | None = None) -> int:
     _add_config_args(offline_parser)
     offline_parser.add_argument("--algo", choices=["dpo", "kto", "rft"], help="the method")
     args = ap.parse_args(argv)
+
+    if args.command == "train":
+        import logging
+
+        from arpo.errors import ArpoError
+        from arpo.train import TrainConfig
+        from arpo.train import main as train_main
+
+        if args.show_config:
+            print(describe(TrainConfig))
+            return 0
+        try:
+            cfg = load_config(TrainConfig, args.config, args.overrides)
+        except ConfigError as e:
+            print(f"arpo train: {e}", file=sys.stderr)
+            return 2
+        logging.basicConfig(
+            level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr
+        )
+        try:
+            return train_main(cfg)
+        except ArpoError as e:
+            print(f"arpo train: {e}", file=sys.stderr)
+            return 1
 
     if args.command == "demo":
         from arpo.demo import DemoConfig, run

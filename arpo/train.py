@@ -1,0 +1,457 @@
+"""`arpo train`: a whole training run on one machine — learner, actors, environments, eval.
+
+    arpo train                                   # the embedded default: tiny model, simulated
+                                                 # desktops, a few minutes on the CPU
+    arpo train --config run.toml                 # any configuration (`--show-config` lists it)
+    arpo train minutes=30 local_desktops=2       # plus real desktops (Xvfb + LibreOffice ...)
+
+What it does, in order (every stage logs what it starts and where its log goes):
+
+1. the policy: `model`, or the tiny Qwen2.5-VL built into `<run_dir>/tiny`, warm-started
+   with `arpo sft` on oracle demonstrations of the simulated tasks when `warm_start`;
+2. the task pool: `tasks`, or simulated tasks generated into `<run_dir>/tasks`
+   (`sim_families` x `sim_tasks_per_family`), plus the local desktop tasks when
+   `local_desktops > 0`;
+3. processes: `arpo-learner` (its config written to `<run_dir>/learner.toml`), `actors`
+   `arpo-actor` processes with `sim_envs_per_actor` simulated desktops each, and with
+   `local_desktops > 0` that many real desktops (`arpo-envs up`) driven by one more actor;
+   each process logs to `<run_dir>/logs/`;
+4. supervision: a progress line from the learner's metrics; an actor that dies is
+   started again (its spool resends what the learner has not acknowledged), a learner
+   that dies is started again with `--resume` (`restart`), each at most
+   `max_restarts` times; after `minutes` (or when the learner has run `iterations`)
+   the learner gets SIGTERM (it finishes the iteration and checkpoints), then the
+   actors, then the desktops;
+5. results: `<run_dir>/learner/metrics.jsonl` (+ TensorBoard files), a plot of success
+   rate and reward against iteration (`<run_dir>/curve.png`), `arpo eval` of the final
+   checkpoint on the task pool (`<run_dir>/eval/eval.md`), and the checkpoint's path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from arpo.actor.config import ActorConfig
+from arpo.config import fail, option, to_toml, validate
+from arpo.errors import ArpoError
+from arpo.learner.checkpoint import latest_checkpoint
+from arpo.learner.learner import LearnerConfig
+from arpo.learner.metrics import read_metrics
+from arpo.policy.engine import EngineConfig
+
+log = logging.getLogger("arpo.train")
+
+
+def _default_learner() -> LearnerConfig:
+    """The embedded default: small groups and batches that train in minutes on 2 cores."""
+    from arpo.learner.assemble import AssembleConfig
+    from arpo.learner.checkpoint import CheckpointConfig
+    from arpo.learner.metrics import MetricsConfig
+    from arpo.learner.trainer import TrainerConfig
+
+    return LearnerConfig(
+        trainer=TrainerConfig(lr=1e-4, micro_batch=4, optimizer_steps=1),
+        assemble=AssembleConfig(group_size=4, groups_per_step=4, max_staleness=2),
+        checkpoint=CheckpointConfig(every=5, keep=2, verify=False),
+        metrics=MetricsConfig(progress_s=0),
+    )
+
+
+def _default_actor() -> ActorConfig:
+    from arpo.actor.episode import EpisodeConfig
+
+    return ActorConfig(
+        engine=EngineConfig(model="-"),
+        episode=EpisodeConfig(max_steps=4, max_new_tokens=48),
+        progress_s=0,
+    )
+
+
+@dataclass
+class TrainConfig:
+    """A training run on this machine (see the module docstring)."""
+
+    run_dir: str = option("runs/train", "Folder of the run (everything it writes).")
+    model: str = option("", "Policy to start from ('' = the tiny model, warm-started).")
+    warm_start: bool = option(True, "With model '': `arpo sft` on oracle demonstrations first.")
+    sft_per_family: int = option(24, "Warm start: simulated tasks per family demonstrated.")
+    sft_epochs: int = option(6, "Warm start: passes over the demonstrations.")
+    tasks: str = option("", "Task pool ('' = simulated tasks generated into run_dir/tasks).")
+    sim_families: list[str] = option(
+        doc="Simulated task families of the generated pool.",
+        factory=lambda: ["click_button", "menu_pick"],
+    )
+    sim_tasks_per_family: int = option(4, "Generated tasks per family.")
+    seed: int = option(0, "Seed of the generated tasks and of the learner.")
+    actors: int = option(1, "Actor processes with simulated desktops.")
+    sim_envs_per_actor: int = option(4, "Simulated desktops per actor.")
+    local_desktops: int = option(
+        0, "Real local desktops (Xvfb + openbox + apps) driven by one more actor."
+    )
+    local_tasks: str = option(
+        "", "Tasks for the real desktops ('' = the package's local task suite)."
+    )
+    minutes: float = option(5.0, "Training wall-clock budget (0: until learner.iterations).")
+    restart: bool = option(True, "Start a dead actor again, and a dead learner with --resume.")
+    max_restarts: int = option(5, "Restarts per process at most.")
+    progress_s: float = option(10.0, "Interval of the progress line (0: none).")
+    eval_runs_per_task: int = option(2, "Episodes per task in the final evaluation (0: none).")
+    eval_temperature: float = option(0.6, "Sampling temperature of the final evaluation.")
+    learner: LearnerConfig = option(
+        _default_learner(),
+        "The learner (run_dir, tasks, trainer.model and the endpoints are set by train).",
+    )
+    actor: ActorConfig = option(
+        _default_actor(),
+        "Template of every actor (envs, sim_envs, engine.model, endpoints are set by train).",
+    )
+
+    def validate(self) -> None:
+        if not self.run_dir:
+            fail("run_dir", "must name a folder")
+        if self.actors < 0 or self.sim_envs_per_actor < 0 or self.local_desktops < 0:
+            fail("actors", "actors, sim_envs_per_actor and local_desktops must be >= 0")
+        if self.actors * self.sim_envs_per_actor + self.local_desktops == 0:
+            fail("actors", "no environments: give actors and sim_envs_per_actor, or local_desktops")
+        if self.minutes < 0:
+            fail("minutes", "must be >= 0 (0: until learner.iterations)")
+        if self.minutes == 0 and self.learner.iterations == 0:
+            fail("minutes", "give minutes > 0 or learner.iterations > 0, or the run never ends")
+        if self.max_restarts < 0:
+            fail("max_restarts", "must be >= 0")
+        if self.eval_runs_per_task < 0:
+            fail("eval_runs_per_task", "must be >= 0")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class _Proc:
+    name: str
+    args: list[str]
+    log: Path
+    popen: subprocess.Popen | None = None
+    restarts: int = 0
+    extra_on_restart: list[str] = field(default_factory=list)
+
+    def start(self, restarted: bool = False) -> None:
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        args = self.args + (self.extra_on_restart if restarted else [])
+        with self.log.open("ab") as out:
+            self.popen = subprocess.Popen(
+                args, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True
+            )
+        log.info("%s: pid %d, log %s", self.name, self.popen.pid, self.log)
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def stop(self, timeout: float) -> int | None:
+        p = self.popen
+        if p is None:
+            return None
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+            try:
+                p.wait(timeout)
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop within %.0f s: SIGKILL", self.name, timeout)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait(30)
+        return p.returncode
+
+
+class TrainRun:
+    """The processes of one run and their supervision (see the module docstring)."""
+
+    def __init__(self, config: TrainConfig) -> None:
+        self.config = validate(config)
+        self.run_dir = Path(self.config.run_dir).resolve()
+        self.procs: list[_Proc] = []
+        self.learner: _Proc | None = None
+        self.desktop_state: Path | None = None
+        self.restarts: dict[str, int] = {}
+        self.summary: dict[str, Any] = {}
+
+    # ---- preparation -------------------------------------------------------------------
+
+    def policy(self) -> str:
+        cfg = self.config
+        if cfg.model:
+            return cfg.model
+        from arpo.policy.tiny import build_tiny_model
+
+        tiny = self.run_dir / "tiny"
+        if not (tiny / "config.json").exists():
+            build_tiny_model(tiny, seed=cfg.seed)
+        if not cfg.warm_start:
+            return str(tiny)
+        sft_dir = self.run_dir / "sft"
+        if not (sft_dir / "config.json").exists():
+            from arpo.offline.sft import SFTConfig
+            from arpo.offline.sft import run as run_sft
+
+            log.info("warm start: arpo sft on oracle demonstrations -> %s", sft_dir)
+            run_sft(
+                SFTConfig(
+                    model=str(tiny),
+                    out=str(sft_dir),
+                    families=list(cfg.sim_families),
+                    per_family=cfg.sft_per_family,
+                    task_seed=cfg.seed + 1000,  # demonstrations on other tasks than trained
+                    epochs=cfg.sft_epochs,
+                    max_steps=cfg.actor.episode.max_steps,
+                )
+            )
+        return str(sft_dir)
+
+    def task_pool(self) -> str:
+        cfg = self.config
+        if cfg.tasks:
+            return cfg.tasks
+        from arpo_envs.sim.tasks import write_tasks
+
+        out = self.run_dir / "tasks"
+        write_tasks(out / "sim", list(cfg.sim_families), cfg.sim_tasks_per_family, cfg.seed)
+        (out / "sim" / "test_all.json").unlink(missing_ok=True)
+        if cfg.local_desktops:
+            import shutil
+
+            src = Path(cfg.local_tasks) if cfg.local_tasks else _local_suite()
+            shutil.copytree(src, out / "desktop", dirs_exist_ok=True)
+        return str(out)
+
+    # ---- processes ---------------------------------------------------------------------
+
+    def _learner_proc(self, model: str, tasks: str, data: str, control: str) -> _Proc:
+        cfg = self.config
+        lc = replace(
+            cfg.learner,
+            run_dir=str(self.run_dir / "learner"),
+            tasks=tasks,
+            seed=cfg.seed,
+            trainer=replace(cfg.learner.trainer, model=model),
+            transport=replace(cfg.learner.transport, data=data, control=control),
+        )
+        validate(lc)
+        path = self.run_dir / "learner.toml"
+        path.write_text(to_toml(lc))
+        args = [sys.executable, "-m", "arpo.learner.cli", "--config", str(path)]
+        return _Proc("learner", args, self.run_dir / "logs" / "learner.log",
+                     extra_on_restart=["--resume"])  # fmt: skip
+
+    def _actor_proc(self, i: int, model: str, data: str, control: str, **kw: Any) -> _Proc:
+        cfg = self.config
+        ac = replace(
+            cfg.actor,
+            actor_id=f"actor-{i}",
+            engine=replace(cfg.actor.engine, model=model),
+            transport=replace(cfg.actor.transport, data=data, control=control),
+            spool_dir=str(self.run_dir / "spool" / f"actor-{i}"),
+            **kw,
+        )
+        validate(ac)
+        path = self.run_dir / f"actor-{i}.toml"
+        path.write_text(to_toml(ac))
+        args = [sys.executable, "-m", "arpo.actor.cli", "--config", str(path)]
+        return _Proc(f"actor-{i}", args, self.run_dir / "logs" / f"actor-{i}.log")
+
+    def _desktops(self) -> list[str]:
+        from arpo_envs.desktop.fleet import FleetConfig, up
+
+        self.desktop_state = self.run_dir / "desktops.json"
+        members = up(
+            FleetConfig(n=self.config.local_desktops, base_port=0, state_file=self.desktop_state),
+            announce=lambda *a: log.info("desktop: %s", " ".join(map(str, a))),
+        )
+        return [m.url for m in members]
+
+    # ---- the run -----------------------------------------------------------------------
+
+    def run(self) -> dict[str, Any]:
+        cfg = self.config
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        model = self.policy()
+        tasks = self.task_pool()
+        data = f"tcp://127.0.0.1:{_free_port()}"
+        control = f"tcp://127.0.0.1:{_free_port()}"
+        self.learner = self._learner_proc(model, tasks, data, control)
+        for i in range(cfg.actors):
+            if cfg.sim_envs_per_actor:
+                self.procs.append(self._actor_proc(i, model, data, control, envs=[],
+                                                   sim_envs=cfg.sim_envs_per_actor))  # fmt: skip
+        stop = {"flag": False}
+
+        def on_signal(signum: int, frame: Any) -> None:
+            log.info("signal %d: stopping the run", signum)
+            stop["flag"] = True
+
+        old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            if cfg.local_desktops:
+                urls = self._desktops()
+                self.procs.append(self._actor_proc(len(self.procs), model, data, control,
+                                                   envs=urls, sim_envs=0))  # fmt: skip
+            self.learner.start()
+            for p in self.procs:
+                p.start()
+            self._supervise(stop)
+        finally:
+            self._shutdown()
+            for s, h in old.items():
+                signal.signal(s, h)
+        return self._results(tasks)
+
+    def _supervise(self, stop: dict[str, bool]) -> None:
+        cfg = self.config
+        assert self.learner is not None
+        start = time.monotonic()
+        last_progress = 0.0
+        metrics = self.run_dir / "learner" / "metrics.jsonl"
+        while not stop["flag"]:
+            time.sleep(0.5)
+            if cfg.minutes and time.monotonic() - start > cfg.minutes * 60:
+                log.info("time budget of %.1f min used: stopping", cfg.minutes)
+                break
+            if not self.learner.alive():
+                code = self.learner.popen.returncode if self.learner.popen else None
+                if code == 0:
+                    log.info("the learner finished its iterations")
+                    break
+                self._restart(self.learner, f"the learner exited with code {code}")
+            for p in self.procs:
+                if not p.alive():
+                    self._restart(p, f"{p.name} exited with code {p.popen.returncode}")
+            if cfg.progress_s and time.monotonic() - last_progress >= cfg.progress_s:
+                last_progress = time.monotonic()
+                rows = read_metrics(metrics) if metrics.exists() else []
+                if rows:
+                    from arpo.learner.metrics import ProgressLine
+
+                    print(ProgressLine.format(rows[-1]["step"], rows[-1]), file=sys.stderr)
+                else:
+                    elapsed = time.monotonic() - start
+                    print(f"[{elapsed:5.0f} s] waiting for the first iteration ...",
+                          file=sys.stderr)  # fmt: skip
+
+    def _restart(self, p: _Proc, why: str) -> None:
+        if not self.config.restart or p.restarts >= self.config.max_restarts:
+            raise ArpoError(f"{why}; see {p.log}")
+        p.restarts += 1
+        self.restarts[p.name] = p.restarts
+        log.warning("%s: starting it again (%d of %d)", why, p.restarts, self.config.max_restarts)
+        p.start(restarted=True)
+
+    def _shutdown(self) -> None:
+        if self.learner is not None:
+            code = self.learner.stop(timeout=600)
+            log.info("learner stopped (code %s)", code)
+        for p in self.procs:
+            p.stop(timeout=120)
+        if self.desktop_state is not None:
+            from arpo_envs.desktop.fleet import down
+
+            down(self.desktop_state)
+
+    # ---- results -----------------------------------------------------------------------
+
+    def _results(self, tasks: str) -> dict[str, Any]:
+        cfg = self.config
+        learner_dir = self.run_dir / "learner"
+        metrics = learner_dir / "metrics.jsonl"
+        rows = read_metrics(metrics) if metrics.exists() else []
+        ckpt = latest_checkpoint(learner_dir / "checkpoints", verify=False)
+        out: dict[str, Any] = {
+            "metrics": str(metrics),
+            "iterations": len(rows),
+            "checkpoint": str(ckpt) if ckpt else None,
+            "restarts": dict(self.restarts),
+        }
+        if rows:
+            out["plot"] = str(plot_curves(rows, self.run_dir / "curve.png"))
+        if ckpt is not None and cfg.eval_runs_per_task and cfg.sim_envs_per_actor:
+            from arpo.learner.evaluate import EvalConfig, run_eval
+
+            sim_tasks = str(Path(tasks) / "sim") if (Path(tasks) / "sim").is_dir() else tasks
+            ev = run_eval(
+                EvalConfig(
+                    checkpoint=str(ckpt),
+                    tasks=sim_tasks,
+                    runs_per_task=cfg.eval_runs_per_task,
+                    temperature=cfg.eval_temperature,
+                    out=str(self.run_dir / "eval"),
+                    local_actor_args=[
+                        f"sim_envs={max(1, cfg.sim_envs_per_actor)}",
+                        f"episode.max_steps={cfg.actor.episode.max_steps}",
+                        f"episode.max_new_tokens={cfg.actor.episode.max_new_tokens}",
+                    ],
+                    progress_s=0,
+                    transport=replace(
+                        cfg.learner.transport,
+                        data=f"tcp://127.0.0.1:{_free_port()}",
+                        control=f"tcp://127.0.0.1:{_free_port()}",
+                    ),
+                )
+            )
+            out["eval"] = str(self.run_dir / "eval" / "eval.md")
+            out["eval_success_rate"] = ev.get("overall", {}).get("success_rate")
+        (self.run_dir / "summary.json").write_text(json.dumps(out, indent=2))
+        self.summary = out
+        return out
+
+
+def _local_suite() -> Path:
+    import arpo_envs.tasks as t
+
+    return Path(t.__file__).parent / "local"
+
+
+def plot_curves(rows: list[dict[str, Any]], path: Path) -> Path:
+    """Success rate and reward of the trained episodes against iteration, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in rows]
+    fig, ax = plt.subplots(1, 2, figsize=(10, 3.6))
+    for a, key, label in (
+        (ax[0], "charts/success_rate", "success rate"),
+        (ax[1], "charts/reward_mean", "mean reward"),
+    ):
+        ys = [r.get(key) for r in rows]
+        pts = [(s, y) for s, y in zip(steps, ys, strict=True) if y is not None]
+        if pts:
+            a.plot([p[0] for p in pts], [p[1] for p in pts], marker=".")
+        a.set_xlabel("iteration")
+        a.set_ylabel(label)
+        a.grid(alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def main(cfg: TrainConfig) -> int:
+    out = TrainRun(cfg).run()
+    print(json.dumps(out, indent=2))
+    if out.get("eval"):
+        print(Path(out["eval"]).read_text())
+    return 0
