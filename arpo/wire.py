@@ -16,8 +16,11 @@ Ack (kind 2): header `{"ids": [trajectory ids]}`, no payload frames.
 
 Control messages (no payload frames unless said):
 
-- grant request (3), actor -> learner: `{"actor", "req", "want"}`: ask for up to
-  `want` task grants; `req` is echoed in the reply.
+- grant request (3), actor -> learner: `{"actor", "req", "want", "pool"}`: ask for up
+  to `want` task grants of tasks in environment pool `pool` ("" any task; see
+  `arpo.env.task.task_pool`); `req` is echoed in the reply. The encoder always
+  writes `pool`; the decoder also accepts a header without it (an actor from before the
+  key existed), which means pool "". Every other key set is rejected.
 - grant (4), learner -> actor: `{"req", "grants", "retry"}`; `grants` is a list of
   `[grant_id, task_id, group, slot, version, task_json]` (the task file's JSON text,
   so actors need no task files); `retry` says how many seconds to wait before asking
@@ -159,11 +162,14 @@ class GrantRequest:
     """Request number, echoed in the reply (a reply to an older request is ignored)."""
     want: int = 1
     """How many grants the actor can start now (1..MAX_GRANTS)."""
+    pool: str = ""
+    """Environment pool the grants are for ("sim", "desktop", ...); "" takes any task."""
 
     def __post_init__(self) -> None:
         _check_id(self.actor, "grant request actor")
         _check_int(self.req, "grant request req")
         _check_int(self.want, "grant request want", 1, MAX_GRANTS)
+        _check_id(self.pool, "grant request pool", allow_empty=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -343,7 +349,7 @@ def encode(msg: Message) -> list[Frame]:
     if isinstance(msg, Ack):
         return [_preamble(KIND_ACK), _pack({"ids": list(msg.ids)})]
     if isinstance(msg, GrantRequest):
-        h = {"actor": msg.actor, "req": msg.req, "want": msg.want}
+        h = {"actor": msg.actor, "req": msg.req, "want": msg.want, "pool": msg.pool}
         return [_preamble(KIND_GRANT_REQUEST), _pack(h)]
     if isinstance(msg, GrantReply):
         grants = [
@@ -518,7 +524,7 @@ def decode(frames: Sequence[Any]) -> Message:
 
 
 _CONTROL_KEYS = {
-    KIND_GRANT_REQUEST: ("grant request", frozenset(("actor", "req", "want")), 2),
+    KIND_GRANT_REQUEST: ("grant request", frozenset(("actor", "req", "want", "pool")), 2),
     KIND_GRANT: ("grant", frozenset(("req", "grants", "retry")), 2),
     KIND_HEARTBEAT: (
         "heartbeat",
@@ -533,17 +539,21 @@ _CONTROL_KEYS = {
     KIND_WEIGHTS_REQUEST: ("weights request", frozenset(("version", "chunk")), 2),
     KIND_WEIGHTS_CHUNK: ("weights chunk", frozenset(("version", "index", "total")), 3),
 }
+_OPTIONAL_KEYS = {KIND_GRANT_REQUEST: frozenset(("pool",))}
+"""Keys a header may leave out (messages written before the key existed)."""
 
 
 def _decode_control(kind: int, header: dict[str, Any], frames: Sequence[Any]) -> Message:
     name, keys, n_frames = _CONTROL_KEYS[kind]
     if len(frames) != n_frames:
         raise WireError(f"{name} has {n_frames} frames, got {len(frames)}")
-    if set(header) != keys:
-        missing, extra = sorted(keys - set(header)), sorted(set(header) - keys)
+    got, optional = set(header), _OPTIONAL_KEYS.get(kind, frozenset())
+    if not keys - optional <= got <= keys:
+        missing, extra = sorted(keys - optional - got), sorted(got - keys)
         raise WireError(f"{name} header keys wrong: missing {missing}, unexpected {extra}")
     if kind == KIND_GRANT_REQUEST:
-        return GrantRequest(header["actor"], header["req"], header["want"])
+        pool = header.get("pool", "")
+        return GrantRequest(header["actor"], header["req"], header["want"], pool)
     if kind == KIND_GRANT:
         raw = header["grants"]
         if type(raw) is not list or len(raw) > MAX_GRANTS:

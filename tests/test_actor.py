@@ -283,6 +283,7 @@ def test_desktop_killed_mid_episode_is_an_env_error(learner_factory, tmp_path: P
                 url = line.split()[2]
         cfg = ActorConfig(
             envs=[url],
+            env_pool="sim",  # a simulated desktop's server, given as a URL
             policy="scripted",
             spool_dir=str(tmp_path / "spool"),
             transport=lr.transport(),

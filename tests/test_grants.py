@@ -129,3 +129,123 @@ def test_a_resent_trajectory_still_fills_its_slot_and_others_are_surplus() -> No
     assert not book.complete(_done(g1))
     st = book.stats()
     assert st["redelivered"] == 2 and st["surplus"] == 2 and st["completed"] == 2
+
+
+# ---------------------------------------------------------------------------- pools
+
+SIM = [{"id": f"s{i}", "snapshot": "arpo-sim", "config": [], "evaluator": {}} for i in range(3)]
+SCENE = [{"id": "s3", "config": [{"type": "sim_scene", "parameters": {}}], "evaluator": {}}]
+DESK = [
+    {"id": f"d{i}", "snapshot": "local_desktop", "config": [{"type": "open"}]} for i in range(2)
+]
+OSW = [{"id": "o0", "pool": "osworld", "snapshot": "arpo-sim"}]  # its own field wins
+MIXED = SIM + DESK + SCENE + OSW
+
+
+def test_task_pool_reads_the_field_then_the_sim_markers() -> None:
+    from arpo.env.task import task_pool
+    from arpo.errors import TaskError
+
+    assert [task_pool(t) for t in MIXED] == ["sim"] * 3 + ["desktop"] * 2 + ["sim", "osworld"]
+    with pytest.raises(TaskError, match="pool"):
+        task_pool({"id": "x", "pool": ""})
+    with pytest.raises(ValueError, match="pool"):
+        GrantBook([{"id": "x", "pool": 3}])
+
+
+def test_each_pool_gets_only_its_tasks_and_groups_still_fill() -> None:
+    book = GrantBook(MIXED, GrantConfig(group_size=3, groups_per_step=100, shuffle=True))
+    assert book.pools == {"sim": 4, "desktop": 2, "osworld": 1}
+    pool_of = {"s0": "sim", "s1": "sim", "s2": "sim", "s3": "sim", "d0": "desktop",
+               "d1": "desktop", "o0": "osworld"}  # fmt: skip
+    got: list[tuple[str, wire.Grant]] = []
+    # Interleaved requests of one grant at a time, as episode coroutines ask.
+    for _ in range(24):
+        for pool in ("sim", "desktop", "sim", "osworld"):
+            got += [(pool, g) for g in book.request(f"actor-{pool}", 1, pool=pool)]
+    assert len(got) == 96
+    for pool, g in got:
+        assert pool_of[g.task_id] == pool, (pool, g.task_id)
+        assert json.loads(g.task_json)["id"] == g.task_id
+    groups: dict[str, list[int]] = {}
+    for _, g in got:
+        groups.setdefault(g.group, []).append(g.slot)
+    assert all(sorted(s) == [0, 1, 2] for s in groups.values())  # every group filled
+    # Each pool visits its own tasks round robin: a round covers all of them.
+    sim_tasks = [g.task_id for p, g in got if p == "sim" and g.slot == 0]
+    assert len(sim_tasks) == 16 and set(sim_tasks[:4]) == {"s0", "s1", "s2", "s3"}
+    desk_tasks = [g.task_id for p, g in got if p == "desktop" and g.slot == 0]
+    assert set(desk_tasks[:2]) == {"d0", "d1"} and set(desk_tasks[2:4]) == {"d0", "d1"}
+    assert {g.task_id for p, g in got if p == "osworld"} == {"o0"}
+    assert all(book.complete(_done(g)) for _, g in got)
+    assert book.stats()["completed"] == 96 and book.stats()["groups_open"] == 0
+
+
+def test_open_slots_of_one_pool_are_not_given_to_another() -> None:
+    book = GrantBook(MIXED, GrantConfig(group_size=4, groups_per_step=10, shuffle=False))
+    (d,) = book.request("a", 1, pool="desktop")  # a desktop group with 3 open slots
+    sims = book.request("b", 4, pool="sim")
+    assert {g.group for g in sims} != {d.group} and all(g.task_id.startswith("s") for g in sims)
+    assert len({g.group for g in sims}) == 1  # one new sim group, filled in one request
+    rest = book.request("c", 3, pool="desktop")
+    assert {g.group for g in rest} == {d.group} and [g.slot for g in rest] == [1, 2, 3]
+    # Pool "" (an actor that names no pool) takes anything, oldest open slots first.
+    (o,) = book.request("d", 1, pool="osworld")
+    (anything,) = book.request("e", 1)
+    assert (anything.group, anything.slot) == (o.group, 1)
+
+
+def test_admission_is_global_across_pools() -> None:
+    cfg = GrantConfig(group_size=2, groups_per_step=1, max_staleness=1, shuffle=False)
+    book = GrantBook(MIXED, cfg)  # version 0: (0 + 1 + 1) * 1 = 2 groups in all
+    assert len(book.request("a", 2, pool="sim")) == 2
+    assert len(book.request("a", 5, pool="desktop")) == 2
+    assert book.request("a", 1, pool="desktop") == [] and book.request("a", 1, pool="sim") == []
+    book.set_version(1)
+    (g,) = book.request("a", 1, pool="osworld")
+    assert g.task_id == "o0" and g.version == 1
+    assert book.stats()["groups_opened"] == 3
+
+
+def test_a_pool_without_tasks_gets_nothing_and_one_warning(caplog) -> None:
+    book = GrantBook(SIM, GrantConfig(group_size=2))
+    with caplog.at_level("WARNING", logger="arpo.learner.grants"):
+        assert book.request("a", 1, pool="desktop") == []
+        assert book.request("b", 3, pool="desktop") == []
+    (rec,) = caplog.records
+    assert "'desktop'" in rec.getMessage() and "'sim' (3 tasks)" in rec.getMessage()
+    assert book.stats()["unknown_pool"] == 2 and book.stats()["groups_opened"] == 0
+    assert len(book.request("a", 2, pool="sim")) == 2
+
+
+def test_grant_server_routes_by_the_request_pool() -> None:
+    tc = TransportConfig(data="tcp://127.0.0.1:1", control="tcp://127.0.0.1:0")
+    book = GrantBook(MIXED, GrantConfig(group_size=2, groups_per_step=10, retry_s=0.25))
+    server = GrantServer(book, tc)
+    endpoint = server.start()
+
+    async def go() -> list[wire.Message | None]:
+        link = ActorLink(TransportConfig(data=tc.data, control=endpoint), on_ack=print,
+                         actor_id="a")  # fmt: skip
+        try:
+            out = []
+            for req, pool in enumerate(["desktop", "sim", "osworld", "nowhere"]):
+                out.append(
+                    await link.request(
+                        wire.GrantRequest("a", req, 2, pool),
+                        lambda m, r=req: isinstance(m, wire.GrantReply) and m.req == r,
+                        timeout=30,
+                    )
+                )
+            return out
+        finally:
+            await link.close()
+
+    try:
+        desk, sim, osw, nowhere = asyncio.run(go())
+    finally:
+        server.stop()
+    assert {g.task_id for g in desk.grants} <= {"d0", "d1"} and len(desk.grants) == 2
+    assert {g.task_id for g in sim.grants} <= {"s0", "s1", "s2", "s3"} and len(sim.grants) == 2
+    assert [g.task_id for g in osw.grants] == ["o0", "o0"]
+    assert nowhere.grants == () and nowhere.retry == 0.25

@@ -349,6 +349,7 @@ def _control_messages() -> list[wire.Message]:
     grant = wire.Grant("g-1", "task-1", "task-1/0", 3, 7, '{"id": "task-1", "instruction": "x"}')
     return [
         wire.GrantRequest("actor-0", 12, 4),
+        wire.GrantRequest("actor-0", 13, 1, "sim"),
         wire.GrantReply(12, (grant, wire.Grant("g-2", "t", "t/1", 0, 0, "{}")), 0.0),
         wire.GrantReply(13, (), 0.5),
         wire.Heartbeat("actor-0", "actor", 5, 2, 1.7e9, {"spool": 3, "steps_per_s": 1.5}),
@@ -388,6 +389,10 @@ _ANN = {"version": 1, "nbytes": 10, "chunks": 1, "chunk_bytes": 10, "sha256": "0
         (_control(3, {"actor": "a", "req": True, "want": 1}), "req must be an int"),
         (_control(3, {"actor": "", "req": 0, "want": 1}), "actor must be a string of 1.."),
         (_control(3, {"actor": "a", "req": 0, "want": 1}, b"x"), "has 2 frames, got 3"),
+        (_control(3, {"actor": "a", "req": 0, "want": 1, "pool": 3}), "pool must be a string"),
+        (_control(3, {"actor": "a", "req": 0, "want": 1, "pool": "p" * 1025}), "pool must be"),
+        (_control(3, {"actor": "a", "req": 0, "pool": "sim"}), "missing ['want']"),
+        (_control(3, {"actor": "a", "req": 0, "want": 1, "pool": "", "x": 1}), "unexpected ['x']"),
         (_control(4, {"req": 0, "grants": [["g", "t", "t/0", 0, 0]], "retry": 0}), "grants[0]"),
         (_control(4, {"req": 0, "grants": [["g", "t", "t/0", -1, 0, "{}"]], "retry": 0}), "slot"),
         (_control(4, {"req": 0, "grants": [], "retry": float("nan")}), "retry must be a finite"),
@@ -412,3 +417,20 @@ def test_malformed_control_message_names_the_reason(frames: list[bytes], reason:
     with pytest.raises(WireError) as e:
         wire.decode(frames)
     assert reason in str(e.value), str(e.value)
+
+
+def test_grant_request_carries_its_pool_and_accepts_the_header_without_it() -> None:
+    frames = wire.encode(wire.GrantRequest("actor-0", 7, 2, "desktop"))
+    assert msgpack.unpackb(frames[1]) == {
+        "actor": "actor-0",
+        "req": 7,
+        "want": 2,
+        "pool": "desktop",
+    }
+    assert wire.decode([bytes(f) for f in frames]).pool == "desktop"
+    # A request from an actor that does not send the key yet: any pool.
+    old = wire.decode(_control(3, {"actor": "a", "req": 1, "want": 1}))
+    assert old == wire.GrantRequest("a", 1, 1, "") and old.pool == ""
+    assert wire.GrantRequest("a", 1).pool == ""
+    with pytest.raises(WireError, match="pool"):
+        wire.GrantRequest("a", 1, 1, None)  # type: ignore[arg-type]

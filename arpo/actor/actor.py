@@ -6,8 +6,10 @@
 Coroutines (all in one event loop; every one of them is watched: an unexpected failure
 stops the actor loudly instead of leaving it hung):
 
-- one worker per environment: wait for room in the spool, get a grant (control link),
-  run the episode (`episode.run_episode`), write the trajectory to the spool, wake the
+- one worker per environment: wait for room in the spool, get a grant (control link)
+  for a task of the environment's pool (`sim_pool` for the simulated desktops started
+  here, `env_pool` for the `envs` URLs: the learner never sends a task to an environment
+  that cannot run it), run the episode (`episode.run_episode`), write the trajectory to the spool, wake the
   sender; an environment marked unhealthy retires its worker;
 - sender: sends spooled trajectories not yet acknowledged (oldest first, at most
   `max_unacked` in flight), and again after `ack_timeout_s`; an acknowledgement deletes the
@@ -27,6 +29,7 @@ disk for the next start); exit 0.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import signal
@@ -75,6 +78,8 @@ class ActorStats:
     abandoned: int = 0
     grants: int = 0
     grant_waits: int = 0
+    by_pool: dict[str, int] = field(default_factory=dict)
+    """Finished episodes per environment pool."""
 
 
 class Actor:
@@ -100,6 +105,8 @@ class Actor:
         """Links ("data", "control") on which the learner has been silent too long."""
         self._t0 = time.monotonic()
         self._sim_runners: list[Any] = []
+        self.env_pools: dict[int, str] = {}
+        """Environment index -> the pool its grants are asked for."""
         self._owns_policy = policy is None
 
     # ---- control ----------------------------------------------------------------------
@@ -156,15 +163,20 @@ class Actor:
             self.policy = await self._make_policy()
         if hasattr(self.policy, "start"):
             await self.policy.start()  # idempotent for every engine
-        urls = list(c.envs) + self._extra_urls + await self._start_sims()
-        # Simulated desktops have no animations to wait for: setup `sleep` steps are skipped.
-        only_sims = c.sim_envs > 0 and not c.envs and not self._extra_urls
-        runner_cfg = RunnerConfig(
-            reset_before_setup=c.reset_before_setup, sleep_scale=0.0 if only_sims else 1.0
-        )
+        urls = [(u, c.env_pool) for u in list(c.envs) + self._extra_urls]
+        urls += [(u, c.sim_pool) for u in await self._start_sims()]
+        n_url_envs = len(c.envs) + len(self._extra_urls)
+        # Simulated desktops have no animations to wait for: their setup `sleep` steps are
+        # skipped.
+        desktop_cfg = RunnerConfig(reset_before_setup=c.reset_before_setup, sleep_scale=1.0)
+        sim_cfg = RunnerConfig(reset_before_setup=c.reset_before_setup, sleep_scale=0.0)
         self.envs = [
-            Environment(i, u, runner_cfg, token=c.env_token or None) for i, u in enumerate(urls)
+            Environment(
+                i, u, sim_cfg if i >= n_url_envs else desktop_cfg, token=c.env_token or None
+            )
+            for i, (u, _) in enumerate(urls)
         ]
+        self.env_pools = {e.index: pool for e, (_, pool) in zip(self.envs, urls, strict=True)}
         self.link = ActorLink(c.transport, on_ack=self._acked, actor_id=self.actor_id)
         self.link.start()
         if len(self.spool):
@@ -174,7 +186,14 @@ class Actor:
                 len(self.spool),
             )
         self._t0 = time.monotonic()
-        log.info("actor %s: %d environments, spool %s", self.actor_id, len(self.envs), c.spool_dir)
+        pools = collections.Counter(self.env_pools.values())
+        log.info(
+            "actor %s: %d environments, spool %s (%s)",
+            self.actor_id,
+            len(self.envs),
+            c.spool_dir,
+            ", ".join(f"{n} in pool {p!r}" for p, n in sorted(pools.items())),
+        )
         services = [
             self._watch(self._sender(), "sender"),
             self._watch(self._heartbeats(), "heartbeat"),
@@ -258,14 +277,15 @@ class Actor:
 
     # ---- episodes ---------------------------------------------------------------------
 
-    async def _grant(self) -> wire.Grant | None:
+    async def _grant(self, pool: str) -> wire.Grant | None:
+        """A grant of a task of `pool`; None when stopping."""
         assert self.link is not None
         delay = 0.2
         while not self._stopping.is_set():
             self._req += 1
             req = self._req
             reply = await self.link.request(
-                wire.GrantRequest(self.actor_id, req, 1),
+                wire.GrantRequest(self.actor_id, req, 1, pool),
                 lambda m, req=req: isinstance(m, wire.GrantReply) and m.req == req,
             )
             if isinstance(reply, wire.GrantReply) and reply.grants:
@@ -279,6 +299,7 @@ class Actor:
 
     async def _worker(self, env: Environment) -> None:
         c = self.config
+        pool = self.env_pools[env.index]
         warned = False
         while not self._stopping.is_set() and env.healthy:
             if c.max_episodes and self.stats.episodes + self._episodes_running >= c.max_episodes:
@@ -295,7 +316,7 @@ class Actor:
                 await wait_event(self._stopping, 0.5)
                 continue
             warned = False
-            grant = await self._grant()
+            grant = await self._grant(pool)
             if grant is None:
                 break
             self._episodes_running += 1
@@ -311,6 +332,18 @@ class Actor:
                 if traj is not None:
                     await asyncio.to_thread(self.spool.put, traj)
                     self._finished(traj)
+                    s = self.stats.by_pool
+                    s[pool] = s.get(pool, 0) + 1
+                    log.debug(
+                        "actor %s: env %d (pool %r, %s) ran trajectory %s of task %s: %s",
+                        self.actor_id,
+                        env.index,
+                        pool,
+                        env.url,
+                        traj.trajectory_id,
+                        traj.task_id,
+                        traj.status.value,
+                    )
                     self._wake_sender.set()
                 else:
                     self.stats.abandoned += 1

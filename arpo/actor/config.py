@@ -27,7 +27,13 @@ class ActorConfig:
         factory=list,
     )
     env_token: str = option("", "Bearer token for the environment servers (local desktops).")
+    env_pool: str = option(
+        "desktop",
+        "Pool of the `envs` URLs: they are granted only tasks of this pool "
+        "(see arpo.env.task.task_pool; e.g. 'osworld' for tasks labelled so).",
+    )
     sim_envs: int = option(0, "Also start this many simulated desktops in this process.")
+    sim_pool: str = option("sim", "Pool of the simulated desktops: they get only its tasks.")
     sim_latency: str = option(
         "none", "Simulated desktops' step latency: none, fixed:<ms>, lognormal:<ms>[,<sigma>]."
     )
@@ -69,6 +75,10 @@ class ActorConfig:
                 fail("envs", f"{u!r} must start with http:// or https://")
         if self.sim_envs < 0:
             fail("sim_envs", "must be >= 0")
+        for name in ("env_pool", "sim_pool"):
+            pool = getattr(self, name)
+            if not pool or len(pool) > 1024:
+                fail(name, "must be a pool name of 1..1024 characters (e.g. 'desktop', 'sim')")
         if self.policy == "engine" and self.engine.model in ("", "-"):
             fail("engine.model", "is required with policy='engine' (or use policy='scripted')")
         if self.spool_max_bytes < 1:

@@ -8,6 +8,7 @@ does not know are kept in `extra` rather than rejected, because the benchmark gr
 
     tasks = load_tasks("shared/osworld/evaluation_examples")          # all files, by domain
     tasks = load_task_set("shared/osworld/evaluation_examples", "test_all.json")  # index order
+    task_pool(task_dict)   # "sim", "desktop" or the task's own "pool": where it can run
 
 JSON values inside steps, getters and options are kept as parsed (dicts and lists): treat them
 as read-only.
@@ -291,3 +292,37 @@ def load_task_set(root: str | Path, index: str = "test_all.json") -> list[Task]:
                 )
             tasks.append(load_task(f, domain))
     return tasks
+
+
+SIM_SNAPSHOT = "arpo-sim"
+"""The `snapshot` of the simulated desktop's tasks (`arpo_envs.sim.tasks`)."""
+SIM_SCENE_STEP = "sim_scene"
+"""The setup step that loads a simulated desktop's scene."""
+
+
+def task_pool(task: Mapping[str, Any]) -> str:
+    """The kind of environment a task dict runs on ("pool"), which grants are routed by.
+
+    The task's own `"pool"` field when present; else "sim" for a simulated desktop's task
+    (snapshot "arpo-sim" or a `sim_scene` setup step); else "desktop" (an OSWorld VM or a
+    real local desktop).
+
+        task_pool({"id": "t", "pool": "osworld"})   # "osworld"
+        task_pool(generate_tasks("click_button", 1)[0])   # "sim"
+    """
+    pool = task.get("pool")
+    if pool is not None:
+        if not isinstance(pool, str) or not pool or len(pool) > 1024:
+            raise TaskError(
+                f"task {task.get('id')!r}: 'pool' must be a non-empty string of at most "
+                f"1024 characters, got {pool!r:.80}"
+            )
+        return pool
+    if task.get("snapshot") == SIM_SNAPSHOT:
+        return "sim"
+    steps = task.get("config")
+    if isinstance(steps, list) and any(
+        isinstance(s, Mapping) and s.get("type") == SIM_SCENE_STEP for s in steps
+    ):
+        return "sim"
+    return "desktop"

@@ -3,19 +3,27 @@
     book = GrantBook(tasks, GrantConfig(group_size=8, groups_per_step=16, max_staleness=1))
     server = GrantServer(book, TransportConfig(control="tcp://127.0.0.1:5556"))
     server.start()                              # answers GrantRequest / WeightsRequest / Heartbeat
+    book.request("actor-0", want=1, pool="sim")  # what the server does for a GrantRequest
     server.publish_weights(version, safetensors_bytes, path)   # after each optimizer step
     Ingest(store, ..., version=lambda: server.version, on_trajectory=book.complete)
 
 A grant is (task, group, slot) plus the task's JSON, so actors need no task files.
 
-- Groups: a new group takes the next task (round robin over the task list) and has
-  `group_size` slots; open slots of older groups are granted before a new group opens,
-  so every group fills up to its size.
+- Pools: every task runs on one kind of environment, its pool (`arpo.env.task.task_pool`:
+  the task's "pool" field, else "sim" for simulated desktop tasks, else "desktop"). A
+  request names the pool of the environment that will run the episode and gets only
+  tasks of that pool (a LibreOffice task never goes to a simulated desktop); pool ""
+  takes any task. Each pool visits its own tasks round robin; a pool with no tasks gets
+  nothing (and a warning, once per pool, naming the pools there are).
+
+- Groups: a new group takes the next task of the pool (round robin) and has
+  `group_size` slots; open slots of older groups (of the pool) are granted before a new
+  group opens, so every group fills up to its size.
 - Admission (AReaL's staleness control): with the learner at policy version v, at most
   `(v + max_staleness + 1) * groups_per_step` groups are ever opened; the learner consumes
   `groups_per_step` groups per version, so no episode granted now can be trained more than
   `max_staleness` versions after its grant. When nothing may be granted, the reply is empty
-  with a `retry` delay.
+  with a `retry` delay. Admission counts the groups of all pools together.
 - Re-issue: a grant not completed within `grant_timeout_s` (its actor died, its
   environment hung) goes to the next actor that asks, under a new grant id. If both
   attempts deliver, the first to arrive fills the slot and the other is a surplus
@@ -41,7 +49,8 @@ from typing import Any
 
 from arpo import wire
 from arpo.config import fail, option
-from arpo.errors import WireError
+from arpo.env.task import task_pool
+from arpo.errors import TaskError, WireError
 from arpo.record import Status, Trajectory
 from arpo.transport import RouterServer, TransportConfig, WeightsServer
 
@@ -110,14 +119,24 @@ class GrantBook:
             raise ValueError("GrantBook needs at least one task")
         self.config = config or GrantConfig()
         self._tasks: dict[str, str] = {}
+        self._pool_of: dict[str, str] = {}
         for t in tasks:
             tid = t.get("id")
             if not isinstance(tid, str) or not tid:
                 raise ValueError(f"every task needs a string 'id', got {tid!r}")
+            try:
+                self._pool_of[tid] = task_pool(t)
+            except TaskError as e:
+                raise ValueError(str(e)) from None
             self._tasks[tid] = json.dumps(t, ensure_ascii=False)
-        self._order = list(self._tasks)
+        self._order: dict[str, list[str]] = {"": list(self._tasks)}
+        """Pool -> its task ids ("" -> every task)."""
+        for tid, pool in self._pool_of.items():
+            self._order.setdefault(pool, []).append(tid)
         self._rng = random.Random(self.config.seed)
-        self._cycle: list[str] = []
+        self._cycles: dict[str, list[str]] = {}
+        """Pool -> the tasks still to visit in its current round."""
+        self._warned_pools: set[str] = set()
         self._lock = threading.Lock()
         self._groups: collections.OrderedDict[str, _Group] = collections.OrderedDict()
         self._finished: collections.OrderedDict[str, frozenset[str]] = collections.OrderedDict()
@@ -135,12 +154,18 @@ class GrantBook:
         c = self.config
         return self.opened < (self.version + c.max_staleness + 1) * c.groups_per_step
 
-    def _next_task(self) -> str:
-        if not self._cycle:
-            self._cycle = list(self._order)
+    @property
+    def pools(self) -> dict[str, int]:
+        """Pool -> number of its tasks."""
+        return {p: len(ids) for p, ids in self._order.items() if p}
+
+    def _next_task(self, pool: str) -> str:
+        cycle = self._cycles.get(pool)
+        if not cycle:
+            cycle = self._cycles[pool] = list(self._order[pool])
             if self.config.shuffle:
-                self._rng.shuffle(self._cycle)
-        return self._cycle.pop(0)
+                self._rng.shuffle(cycle)
+        return cycle.pop(0)
 
     def _grant(self, g: _Group, i: int, actor: str, now: float) -> wire.Grant:
         s = g.slots[i]
@@ -151,13 +176,32 @@ class GrantBook:
             s.grant_id, g.task_id, g.group_id, i, self.version, self._tasks[g.task_id]
         )
 
-    def request(self, actor: str, want: int = 1, now: float | None = None) -> list[wire.Grant]:
-        """Up to `want` grants for `actor`: open or expired slots first, then new groups."""
+    def request(
+        self, actor: str, want: int = 1, now: float | None = None, pool: str = ""
+    ) -> list[wire.Grant]:
+        """Up to `want` grants of tasks of `pool` ("" any) for `actor`: open or expired slots
+        first, then new groups."""
         now = time.monotonic() if now is None else now
         out: list[wire.Grant] = []
         with self._lock:
+            if pool not in self._order:
+                self.counts["unknown_pool"] += 1
+                self.counts["refused"] += 1
+                if pool not in self._warned_pools:
+                    self._warned_pools.add(pool)
+                    log.warning(
+                        "actor %s asks for tasks of pool %r, which has none; the pools are %s",
+                        actor,
+                        pool,
+                        ", ".join(f"{p!r} ({n} tasks)" for p, n in self.pools.items()),
+                    )
+                return out
             timeout = self.config.grant_timeout_s
             for g in self._groups.values():
+                if len(out) >= want:
+                    break
+                if pool and self._pool_of[g.task_id] != pool:
+                    continue
                 for i, s in enumerate(g.slots):
                     if len(out) >= want:
                         break
@@ -170,7 +214,7 @@ class GrantBook:
                     if s.state == "open":
                         out.append(self._grant(g, i, actor, now))
             while len(out) < want and self._admissible():
-                task = self._next_task()
+                task = self._next_task(pool)
                 gid = f"{task}/g{next(self._counter)}"
                 g = _Group(
                     gid, task, self.version, [_Slot() for _ in range(self.config.group_size)]
@@ -300,7 +344,7 @@ class GrantServer:
             log.warning("grants: rejected a malformed message: %s", str(e)[:300])
             return []
         if isinstance(msg, wire.GrantRequest):
-            grants = self.book.request(msg.actor, msg.want)
+            grants = self.book.request(msg.actor, msg.want, pool=msg.pool)
             retry = 0.0 if grants else self.book.config.retry_s
             return [wire.encode(wire.GrantReply(msg.req, tuple(grants), retry))]
         if isinstance(msg, wire.WeightsRequest):
