@@ -53,6 +53,9 @@ from arpo.policy.engine import EngineConfig
 log = logging.getLogger("arpo.train")
 
 
+_SET_BY_TRAIN = "(set by arpo train)"
+
+
 def _default_learner() -> LearnerConfig:
     """The embedded default: small groups and batches that train in minutes on 2 cores."""
     from arpo.learner.assemble import AssembleConfig
@@ -61,7 +64,8 @@ def _default_learner() -> LearnerConfig:
     from arpo.learner.trainer import TrainerConfig
 
     return LearnerConfig(
-        trainer=TrainerConfig(lr=1e-4, micro_batch=4, optimizer_steps=1),
+        tasks=_SET_BY_TRAIN,
+        trainer=TrainerConfig(model=_SET_BY_TRAIN, lr=1e-4, micro_batch=4, optimizer_steps=1),
         assemble=AssembleConfig(group_size=4, groups_per_step=4, max_staleness=2),
         checkpoint=CheckpointConfig(every=5, keep=2, verify=False),
         metrics=MetricsConfig(progress_s=0),
@@ -72,7 +76,8 @@ def _default_actor() -> ActorConfig:
     from arpo.actor.episode import EpisodeConfig
 
     return ActorConfig(
-        engine=EngineConfig(model="-"),
+        sim_envs=1,
+        engine=EngineConfig(model=_SET_BY_TRAIN),
         episode=EpisodeConfig(max_steps=4, max_new_tokens=48),
         progress_s=0,
     )

@@ -234,3 +234,29 @@ def test_arpo_learner_under_torchrun_trains_with_a_real_actor(tmp_path, tiny_dir
         assert b.iteration == 2 and b.version == 2
     finally:
         b.close()
+
+
+def test_a_trajectory_the_model_cannot_take_is_dropped_not_fatal(
+    tmp_path, tiny_dir, sim_tasks_file
+):
+    """A response that sampled <|image_pad|> (a random policy does) has no pixels for it:
+    the learner drops that trajectory, counts it, and trains on the rest."""
+    cfg = config(tmp_path, tiny_dir, sim_tasks_file, iterations=1,
+                 assemble=AssembleConfig(group_size=3, groups_per_step=1, max_staleness=9))  # fmt: skip
+    learner = Learner(cfg)
+    learner.setup()
+    rng = np.random.default_rng(5)
+    proc = learner.trainer.processor
+    pad = learner.trainer.image_token_id
+    for r, bad in ((1.0, False), (0.0, True), (0.0, False)):
+        resp = random_response(rng, proc.tokenizer, 8)
+        if bad:
+            resp[2] = pad
+        traj = synthetic_trajectory(proc, "do it", screenshots=[screenshot_png(rng, 320, 200)],
+                                    responses=[resp], reward=r, task_id="fixed")  # fmt: skip
+        learner.store.put("fixed", wire.to_item(traj))
+    learner.run()
+    assert learner.iteration == 1
+    row = read_metrics(Path(cfg.run_dir) / "metrics.jsonl")[-1]
+    assert row["data/dropped_invalid"] == 1 and row["data/trajectories"] == 2
+    assert row["data/loss_tokens"] == 16  # the two good trajectories' 8 + 8 response tokens

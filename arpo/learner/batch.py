@@ -65,6 +65,36 @@ def response_positions(offsets: np.ndarray) -> np.ndarray:
     return np.concatenate(pos) if pos else np.zeros(0, np.int64)
 
 
+def check_item(item: Any, processor: Any, image_token_id: int) -> str | None:
+    """Why `item` cannot be trained on, or None: the cheap checks of `build_sequence`
+    (offsets, log-prob count, image tokens only in prompts and as many as the screenshots
+    need with this processor), reading only the PNG headers. A policy can sample an
+    <|image_pad|> token in a response (a random model does); such a trajectory has no
+    pixels for it."""
+    from arpo.policy.prompt import image_size, pixel_bounds, smart_resize
+
+    tokens = np.asarray(item.tokens)
+    offsets = np.asarray(item.offsets)
+    if len(offsets) % 2 or int(offsets.sum()) != len(tokens):
+        return f"offsets {offsets.tolist()[:8]} do not cover its {len(tokens)} tokens"
+    pos = response_positions(offsets)
+    if len(pos) != len(item.logprobs):
+        return f"{len(pos)} response tokens but {len(item.logprobs)} log-probs"
+    if len(pos) and int((tokens[pos] == image_token_id).sum()):
+        return "a response contains image placeholder tokens (sampled <|image_pad|>)"
+    lo, hi = pixel_bounds(processor)
+    want = 0
+    for b in item.blobs:
+        if b:
+            w, h = image_size(b)
+            rh, rw = smart_resize(h, w, min_pixels=lo, max_pixels=hi)
+            want += (rh // 28) * (rw // 28)
+    have = int((tokens == image_token_id).sum())
+    if have != want:
+        return f"{have} image tokens but its screenshots need {want} with this processor"
+    return None
+
+
 def _images(blobs: tuple[bytes, ...]) -> list[Any]:
     from PIL import Image
 

@@ -396,7 +396,7 @@ class Learner:
                         waited = 0.0
                     continue
                 waited = 0.0
-                last = self._iterate(batch)
+                last = self._iterate(batch) or last
             if self.iteration > 0:
                 self._announce("checkpoint")
                 self.save_checkpoint()
@@ -410,6 +410,9 @@ class Learner:
         cfg = self.config
         assert self.trainer is not None and self.metrics is not None
         t_start = time.perf_counter()
+        batch = self._valid(batch)
+        if not batch.samples:
+            return {}
         ckpt_due = cfg.checkpoint.due(self.iteration + 1)
         self._announce("step", _pack(batch.samples), ckpt_due)
         with self.spans("step"):
@@ -452,6 +455,28 @@ class Learner:
         self.progress.update(self.iteration, out)
         self.history.append(out)
         return out
+
+    def _valid(self, batch: Batch) -> Batch:
+        """The batch without trajectories the model cannot be trained on (counted as
+        data/dropped_invalid, logged): one bad record never stops the learner."""
+        from arpo.learner.batch import check_item
+
+        assert self.trainer is not None
+        t = self.trainer
+        keep = []
+        for s in batch.samples:
+            why = check_item(s.item, t.processor, t.image_token_id)
+            if why is None:
+                keep.append(s)
+            else:
+                log.warning("dropping trajectory %s of task %s: %s", s.trajectory_id, s.task_id,
+                            why)  # fmt: skip
+        dropped = len(batch.samples) - len(keep)
+        batch.counts["data/dropped_invalid"] = float(dropped)
+        batch.counts["data/trajectories"] = float(len(keep))
+        self.assembler.totals["data/dropped_invalid"] += dropped
+        batch.samples = keep
+        return batch
 
     def _ingest_metrics(self) -> dict[str, float]:
         assert self.ingest is not None and self.grants is not None

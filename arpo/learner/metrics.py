@@ -103,6 +103,8 @@ DATA: dict[str, str] = {
     "data/loss_tokens": "Tokens the loss covers (sampled response tokens).",
     "data/dropped_stale": "Trajectories dropped because they were too stale.",
     "data/dropped_status": "Trajectories kept out of training by their status (env_error, ...).",
+    "data/dropped_invalid": "Trajectories the model cannot be trained on (e.g. a sampled "
+    "<|image_pad|> in a response), dropped and logged.",
     "data/dropped_groups": "Groups left with fewer than assemble.min_group_size trajectories.",
     "data/trajectories": "Trajectories trained on this iteration (fresh and replayed).",
     "data/ingest_<counter>": "Ingest counters since start: stored, duplicates, surplus, "
