@@ -415,3 +415,12 @@ def test_full_spool_stops_new_episodes_and_drops_nothing(learner_factory, tmp_pa
     trajs = lr.drain()
     assert len(trajs) == actor.stats.episodes > at_full  # every episode delivered, none dropped
     assert len({t.trajectory_id for t in trajs}) == len(trajs)
+
+
+@pytest.mark.parametrize("field", ["env_pool", "sim_pool"])
+def test_config_rejects_an_empty_pool(field: str) -> None:
+    from arpo.config import load_config
+    from arpo.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=field):
+        load_config(ActorConfig, None, ["sim_envs=1", "policy='scripted'", f"{field}=''"])

@@ -249,3 +249,15 @@ def test_grant_server_routes_by_the_request_pool() -> None:
     assert {g.task_id for g in sim.grants} <= {"s0", "s1", "s2", "s3"} and len(sim.grants) == 2
     assert [g.task_id for g in osw.grants] == ["o0", "o0"]
     assert nowhere.grants == () and nowhere.retry == 0.25
+
+
+def test_an_expired_grant_is_reissued_only_within_its_pool() -> None:
+    book = GrantBook(MIXED, GrantConfig(group_size=1, groups_per_step=2, max_staleness=0,
+                                        grant_timeout_s=10.0, shuffle=False))  # fmt: skip
+    (d,) = book.request("dead-desktop-actor", 1, now=0.0, pool="desktop")
+    (s,) = book.request("a", 1, now=20.0, pool="sim")  # a new sim group, not the expired slot
+    assert s.task_id.startswith("s") and s.group != d.group
+    assert book.request("a", 1, now=21.0, pool="sim") == []  # admission full (2 groups)
+    (again,) = book.request("b", 1, now=22.0, pool="desktop")
+    assert (again.group, again.slot) == (d.group, d.slot) and again.grant_id != d.grant_id
+    assert book.stats()["reissued"] == 1

@@ -8,9 +8,10 @@ stops the actor loudly instead of leaving it hung):
 
 - one worker per environment: wait for room in the spool, get a grant (control link)
   for a task of the environment's pool (`sim_pool` for the simulated desktops started
-  here, `env_pool` for the `envs` URLs: the learner never sends a task to an environment
-  that cannot run it), run the episode (`episode.run_episode`), write the trajectory to the spool, wake the
-  sender; an environment marked unhealthy retires its worker;
+  here, `env_pool` for the `envs` URLs, so the learner never sends a task to an
+  environment that cannot run it), run the episode (`episode.run_episode`), write the
+  trajectory to the spool, wake the sender; an environment marked unhealthy retires its
+  worker;
 - sender: sends spooled trajectories not yet acknowledged (oldest first, at most
   `max_unacked` in flight), and again after `ack_timeout_s`; an acknowledgement deletes the
   spool file. What is in the spool at start is sent first: nothing finished is ever lost;
@@ -163,20 +164,16 @@ class Actor:
             self.policy = await self._make_policy()
         if hasattr(self.policy, "start"):
             await self.policy.start()  # idempotent for every engine
-        urls = [(u, c.env_pool) for u in list(c.envs) + self._extra_urls]
-        urls += [(u, c.sim_pool) for u in await self._start_sims()]
-        n_url_envs = len(c.envs) + len(self._extra_urls)
-        # Simulated desktops have no animations to wait for: their setup `sleep` steps are
-        # skipped.
+        # Simulated desktops started here have no animations to wait for: their setup
+        # `sleep` steps are skipped.
         desktop_cfg = RunnerConfig(reset_before_setup=c.reset_before_setup, sleep_scale=1.0)
         sim_cfg = RunnerConfig(reset_before_setup=c.reset_before_setup, sleep_scale=0.0)
+        envs = [(u, c.env_pool, desktop_cfg) for u in list(c.envs) + self._extra_urls]
+        envs += [(u, c.sim_pool, sim_cfg) for u in await self._start_sims()]
         self.envs = [
-            Environment(
-                i, u, sim_cfg if i >= n_url_envs else desktop_cfg, token=c.env_token or None
-            )
-            for i, (u, _) in enumerate(urls)
+            Environment(i, u, cfg, token=c.env_token or None) for i, (u, _, cfg) in enumerate(envs)
         ]
-        self.env_pools = {e.index: pool for e, (_, pool) in zip(self.envs, urls, strict=True)}
+        self.env_pools = {i: pool for i, (_, pool, _) in enumerate(envs)}
         self.link = ActorLink(c.transport, on_ack=self._acked, actor_id=self.actor_id)
         self.link.start()
         if len(self.spool):
@@ -508,8 +505,11 @@ class Actor:
         dt = max(1e-9, time.monotonic() - self._t0)
         silent = ",".join(sorted(self.silent_links))
         learner = f"learner SILENT ({silent})" if silent else "learner ok"
+        pools = ""
+        if len(s.by_pool) > 1:
+            pools = "; " + ", ".join(f"{p} {n}" for p, n in sorted(s.by_pool.items()))
         return (
-            f"[{self.actor_id}] episodes {s.episodes} (success {s.successes}) | "
+            f"[{self.actor_id}] episodes {s.episodes} (success {s.successes}{pools}) | "
             f"{s.steps / dt:.1f} steps/s | in flight {self._episodes_running} | "
             f"spool {len(self.spool)} ({self.spool.bytes_used / 1e6:.1f} MB) | "
             f"policy v{max(0, self.version)} | {learner}"
