@@ -15,7 +15,6 @@ A grant is (task, group, slot) plus the task's JSON, so actors need no task file
   tasks of that pool (a LibreOffice task never goes to a simulated desktop); pool ""
   takes any task. Each pool visits its own tasks round robin; a pool with no tasks gets
   nothing (and a warning, once per pool, naming the pools there are).
-
 - Groups: a new group takes the next task of the pool (round robin) and has
   `group_size` slots; open slots of older groups (of the pool) are granted before a new
   group opens, so every group fills up to its size.
@@ -187,8 +186,8 @@ class GrantBook:
             if pool not in self._order:
                 self.counts["unknown_pool"] += 1
                 self.counts["refused"] += 1
-                if pool not in self._warned_pools:
-                    self._warned_pools.add(pool)
+                if pool not in self._warned_pools and len(self._warned_pools) < 1000:
+                    self._warned_pools.add(pool)  # bounded: pool names come from actors
                     log.warning(
                         "actor %s asks for tasks of pool %r, which has none; the pools are %s",
                         actor,
