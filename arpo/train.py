@@ -415,7 +415,7 @@ class TrainRun:
                 )
             )
             out["eval"] = str(self.run_dir / "eval" / "eval.md")
-            out["eval_success_rate"] = ev.get("overall", {}).get("success_rate")
+            out["eval_success_rate"] = ev.get("overall", {}).get("success_rate_episodes")
         (self.run_dir / "summary.json").write_text(json.dumps(out, indent=2))
         self.summary = out
         return out

@@ -186,6 +186,7 @@ async def asynchronous(
     with tempfile.TemporaryDirectory() as spool:
         cfg = ActorConfig(
             envs=urls,
+            env_pool="sim",  # simulated desktop servers: they take the simulated tasks
             policy="scripted",
             spool_dir=spool,
             transport=TransportConfig(data=data, control=control),

@@ -287,10 +287,11 @@ class Learner:
         self.grants.start()
         self._rates()
         log.info(
-            "learner up: data %s, control %s, %d tasks, version %d",
+            "learner up: data %s, control %s, %d tasks (by pool: %s), version %d",
             self.ingest.endpoint,
             self.grants.endpoint,
             len(tasks),
+            book.pools,
             self.version,
         )
 
