@@ -26,6 +26,7 @@ from pathlib import Path
 
 from arpo import wire
 from arpo.errors import WireError
+from arpo.files import fsync_dir
 from arpo.record import Trajectory
 
 log = logging.getLogger("arpo.actor.spool")
@@ -34,14 +35,6 @@ MAGIC = b"ARPOSPL1"
 _COUNT = struct.Struct("<I")
 _LEN = struct.Struct("<Q")
 SUFFIX = ".traj"
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def write_frames(path: Path, frames: list[wire.Frame]) -> int:
@@ -58,7 +51,7 @@ def write_frames(path: Path, frames: list[wire.Frame]) -> int:
         os.fsync(f.fileno())
         size = f.tell()
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     return size
 
 

@@ -119,6 +119,12 @@ def _header(item: Any) -> Any:
     return wire.from_item(item)
 
 
+def _sample(item: Any, traj: Any, task: str, *, is_replay: bool) -> Sample:
+    """A sample of `item` (advantage and group filled in later)."""
+    return Sample(item, task, traj.trajectory_id, traj.reward, traj.checker_score,
+                  traj.min_version, 0.0, is_replay, -1)  # fmt: skip
+
+
 class GroupAssembler:
     """Takes groups from a `ReplayStore` (the learner is its only consumer)."""
 
@@ -204,19 +210,7 @@ class GroupAssembler:
             if v < version - cfg.max_staleness:
                 counts["data/dropped_stale"] += 1
                 continue
-            kept.append(
-                Sample(
-                    item,
-                    task,
-                    traj.trajectory_id,
-                    traj.reward,
-                    traj.checker_score,
-                    v,
-                    0.0,
-                    False,
-                    -1,
-                )
-            )
+            kept.append(_sample(item, traj, task, is_replay=False))
             if traj.checker_score > cfg.replay.admit_score_above:
                 self.store.add_success(task, item)
                 counts["replay/admitted"] += 1
@@ -246,20 +240,4 @@ class GroupAssembler:
             items = self.store.sample(task, r.k, mode=mode)
         except (BufferValueError, UnknownTask):
             return []  # no success of this task yet
-        out = []
-        for item in items:
-            traj = _header(item)
-            out.append(
-                Sample(
-                    item,
-                    task,
-                    traj.trajectory_id,
-                    traj.reward,
-                    traj.checker_score,
-                    traj.min_version,
-                    0.0,
-                    True,
-                    -1,
-                )
-            )
-        return out
+        return [_sample(item, _header(item), task, is_replay=True) for item in items]

@@ -74,6 +74,7 @@ import torch
 
 from arpo.config import fail, option
 from arpo.errors import SnapshotError
+from arpo.files import fsync_dir as _fsync_dir
 
 if TYPE_CHECKING:
     from arpo.learner.ingest import Ingest
@@ -168,14 +169,6 @@ def restore_rng(rng: dict[str, Any]) -> None:
 
 
 # ---------------------------------------------------------------------------- files
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _hash_and_sync(path: Path) -> str:

@@ -50,8 +50,6 @@ import collections
 import datetime
 import json
 import logging
-import sys
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,15 +58,17 @@ from typing import Any
 from arpo import wire
 from arpo.config import fail, option
 from arpo.errors import ArpoError, ConfigError, WireError
+from arpo.files import write_json_atomic
 from arpo.learner.ingest import IngestConfig, list_segments, read_segment, segment_path
 from arpo.learner.rollouts import (
     PoolConfig,
     check_not_set,
+    counts_table,
     load_pool,
     resolve_policy,
+    run_command,
     run_pool,
     with_overrides,
-    write_json_atomic,
 )
 from arpo.record import Trajectory
 
@@ -284,40 +284,15 @@ def run_collect(
 
 def format_table(result: dict[str, Any]) -> str:
     """A plain-text table of the counts per task."""
-    tasks = result["tasks"]
-    width = max([len("task"), *(len(t) for t in tasks)])
-    lines = [f"{'task':<{width}}  {'runs':>5}  {'successes':>9}  {'env_errors':>10}  unknown"]
-    for tid, c in tasks.items():
-        lines.append(
-            f"{tid:<{width}}  {c['runs']:>5}  {c['successes']:>9}  "
-            f"{c['env_errors']:>10}  {c['unknown']:>7}"
-        )
-    return "\n".join(lines)
+    return counts_table(result["tasks"])
 
 
 def main(cfg: CollectConfig) -> int:
     """`arpo collect`: run, print the counts and the output folder; the exit code."""
-    logging.basicConfig(
-        level=logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    last_print = [0.0]
 
-    def progress(done: int, total: int) -> None:
-        now = time.monotonic()
-        if cfg.progress_s and (now - last_print[0] >= cfg.progress_s or done == total):
-            last_print[0] = now
-            print(f"collect: {done}/{total} runs finished", file=sys.stderr, flush=True)
+    def report(result: dict[str, Any]) -> str:
+        where = Path(cfg.out) / TRAJECTORIES
+        return f"{format_table(result)}\n{result['stored']} trajectories stored in {where}"
 
-    try:
-        result = run_collect(cfg, on_progress=progress)
-    except ConfigError as e:
-        print(f"arpo collect: {e}", file=sys.stderr)
-        return 2
-    except ArpoError as e:  # TaskError too
-        print(f"arpo collect: {e}", file=sys.stderr)
-        return 1
-    print(format_table(result))
-    print(f"{result['stored']} trajectories stored in {Path(cfg.out) / TRAJECTORIES}")
-    return 0
+    return run_command("collect", cfg.progress_s,
+                       lambda progress: run_collect(cfg, on_progress=progress), report)  # fmt: skip

@@ -45,15 +45,14 @@ from __future__ import annotations
 
 import datetime
 import logging
-import sys
-import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from arpo.config import fail, option
-from arpo.errors import ArpoError, ConfigError
+from arpo.errors import ArpoError
+from arpo.files import write_atomic, write_json_atomic
 from arpo.learner.rollouts import (
     EpisodeOutcome,
     PolicySource,
@@ -62,10 +61,9 @@ from arpo.learner.rollouts import (
     check_not_set,
     load_pool,
     resolve_policy,
+    run_command,
     run_pool,
     with_overrides,
-    write_json_atomic,
-    write_text_atomic,
 )
 
 log = logging.getLogger("arpo.learner.evaluate")
@@ -315,7 +313,7 @@ def run_eval(
         **summarize(res.counts, res.episodes, {p.task["id"]: p.domain for p in pool}),
     }
     write_json_atomic(out / "eval.json", result)
-    write_text_atomic(out / "eval.md", format_markdown(result))
+    write_atomic(out / "eval.md", format_markdown(result))
     if not res.complete:
         raise ArpoError(
             f"evaluation timed out after {cfg.timeout_s:g} s with {res.done} of {res.total} "
@@ -326,27 +324,11 @@ def run_eval(
 
 def main(cfg: EvalConfig) -> int:
     """`arpo eval`: run, print the Markdown report and the output folder; the exit code."""
-    logging.basicConfig(
-        level=logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    last_print = [0.0]
 
-    def progress(done: int, total: int) -> None:
-        now = time.monotonic()
-        if cfg.progress_s and (now - last_print[0] >= cfg.progress_s or done == total):
-            last_print[0] = now
-            print(f"eval: {done}/{total} runs finished", file=sys.stderr, flush=True)
+    def report(result: dict[str, Any]) -> str:
+        out = Path(cfg.out)
+        written = f"written to {out / 'eval.json'} and {out / 'eval.md'}"
+        return f"{format_markdown(result)}\n{written}"
 
-    try:
-        result = run_eval(cfg, on_progress=progress)
-    except ConfigError as e:
-        print(f"arpo eval: {e}", file=sys.stderr)
-        return 2
-    except ArpoError as e:  # TaskError too
-        print(f"arpo eval: {e}", file=sys.stderr)
-        return 1
-    print(format_markdown(result))
-    print(f"written to {Path(cfg.out) / 'eval.json'} and {Path(cfg.out) / 'eval.md'}")
-    return 0
+    return run_command("eval", cfg.progress_s,
+                       lambda progress: run_eval(cfg, on_progress=progress), report)  # fmt: skip

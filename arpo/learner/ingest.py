@@ -86,6 +86,7 @@ from typing import Any
 from arpo import wire
 from arpo.config import fail, option
 from arpo.errors import BufferClosed, BufferError, WireError
+from arpo.files import fsync_dir
 from arpo.record import Status, Trajectory
 from arpo.transport import RouterServer, TransportConfig
 
@@ -219,14 +220,6 @@ def list_segments(journal_dir: str | Path) -> list[int]:
     return sorted(int(m.group(1)) for m in map(_SEGMENT.match, names) if m)
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class Journal:
     """The append side of the journal: one open segment, records appended unbuffered.
 
@@ -254,7 +247,7 @@ class Journal:
         path = segment_path(self.dir, self.segment)
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
         self._size = os.fstat(self._fd).st_size
-        _fsync_dir(self.dir)
+        fsync_dir(self.dir)
 
     def _write(self, buf: memoryview | bytes) -> None:
         assert self._fd is not None
@@ -320,7 +313,7 @@ class Journal:
                 segment_path(self.dir, n).unlink(missing_ok=True)
                 gone += 1
         if gone:
-            _fsync_dir(self.dir)
+            fsync_dir(self.dir)
         return gone
 
     def close(self) -> None:

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import signal
 import threading
 import time
@@ -51,6 +50,7 @@ import numpy as np
 
 from arpo.config import fail, option, validate
 from arpo.errors import ConfigError
+from arpo.files import write_atomic
 from arpo.learner import distributed as D
 from arpo.learner.assemble import AssembleConfig, Batch, GroupAssembler, Sample
 from arpo.learner.checkpoint import (
@@ -158,15 +158,6 @@ def resolved(cfg: LearnerConfig) -> LearnerConfig:
     )
     publish = cfg.publish_dir or str(run / "weights")
     return replace(cfg, ingest=ingest, checkpoint=ckpt, grants=grants, publish_dir=publish)
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 class Learner:
@@ -527,7 +518,7 @@ class Learner:
             d = Path(self.config.publish_dir)
             d.mkdir(parents=True, exist_ok=True)
             p = d / f"v{self.version:08d}.safetensors"
-            _write_atomic(p, data)
+            write_atomic(p, data)
             path = str(p.resolve())
             self._published.append(p)
             while len(self._published) > self.config.publish_keep:

@@ -38,7 +38,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import os
 import signal
 import subprocess
 import sys
@@ -534,26 +533,6 @@ def run_pool(
     )
 
 
-def write_json_atomic(path: Path, data: Any) -> None:
-    """Write JSON to a tmp file next to `path`, fsync, rename over `path`."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with tmp.open("w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write text through a tmp file next to `path` and a rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
 def check_not_set(args: list[str], keys: Mapping[str, Any], field_name: str) -> None:
     """In a `validate()`: fail `field_name` when one of `args` (field=value) sets one of `keys`."""
     for a in args:
@@ -565,3 +544,53 @@ def check_not_set(args: list[str], keys: Mapping[str, Any], field_name: str) -> 
 def with_overrides(args: list[str], forced: Mapping[str, Any]) -> list[str]:
     """`args` followed by `forced` as field=value overrides (TOML values: the last one wins)."""
     return [*args, *(f"{k}={json.dumps(v)}" for k, v in forced.items())]
+
+
+def counts_table(
+    tasks: Mapping[str, Mapping[str, Any]], marked: frozenset[str] | None = None
+) -> str:
+    """A plain-text table of runs / successes / env errors / unknown per task; with
+    `marked`, those tasks get a `*` in a first column."""
+    width = max([len("task"), *(len(t) for t in tasks)])
+    lead = "  " if marked is not None else ""
+    lines = [f"{lead}{'task':<{width}}  {'runs':>5}  {'successes':>9}  {'env_errors':>10}  unknown"]
+    for tid, c in tasks.items():
+        mark = ("* " if tid in marked else "  ") if marked is not None else ""
+        lines.append(
+            f"{mark}{tid:<{width}}  {c['runs']:>5}  {c['successes']:>9}  "
+            f"{c['env_errors']:>10}  {c['unknown']:>7}"
+        )
+    return "\n".join(lines)
+
+
+def run_command(
+    name: str,
+    progress_s: float,
+    run: Callable[[Callable[[int, int], None]], Any],
+    report: Callable[[Any], str],
+) -> int:
+    """The body of `arpo <name>`: logging to stderr, a rate-limited progress line, errors
+    as exit codes (2: configuration, 1: anything else the run reports), the report printed."""
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    last_print = [0.0]
+
+    def progress(done: int, total: int) -> None:
+        now = time.monotonic()
+        if progress_s and (now - last_print[0] >= progress_s or done == total):
+            last_print[0] = now
+            print(f"{name}: {done}/{total} runs finished", file=sys.stderr, flush=True)
+
+    try:
+        result = run(progress)
+    except ConfigError as e:
+        print(f"arpo {name}: {e}", file=sys.stderr)
+        return 2
+    except ArpoError as e:  # TaskError too
+        print(f"arpo {name}: {e}", file=sys.stderr)
+        return 1
+    print(report(result))
+    return 0

@@ -44,8 +44,6 @@ from __future__ import annotations
 import datetime
 import json
 import logging
-import sys
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,12 +51,14 @@ from typing import Any
 
 from arpo.config import fail, option
 from arpo.errors import ArpoError, ConfigError
+from arpo.files import write_json_atomic
 from arpo.learner.rollouts import (
     PoolConfig,
     PoolTally,
+    counts_table,
     load_task_pool,
+    run_command,
     run_pool,
-    write_json_atomic,
 )
 
 __all__ = [
@@ -193,44 +193,20 @@ def load_selection(path: str | Path) -> list[str]:
 
 def format_table(result: Mapping[str, Any]) -> str:
     """A plain-text table of the counts per task, selected tasks marked with `*`."""
-    chosen = set(result.get("selected", ()))
-    tasks = result["tasks"]
-    width = max([len("task"), *(len(t) for t in tasks)])
-    lines = [f"  {'task':<{width}}  {'runs':>5}  {'successes':>9}  {'env_errors':>10}  unknown"]
-    for tid, c in tasks.items():
-        mark = "*" if tid in chosen else " "
-        lines.append(
-            f"{mark} {tid:<{width}}  {c['runs']:>5}  {c['successes']:>9}  "
-            f"{c['env_errors']:>10}  {c['unknown']:>7}"
-        )
-    return "\n".join(lines)
+    return counts_table(result["tasks"], frozenset(result.get("selected", ())))
 
 
 def main(cfg: SelectConfig) -> int:
     """`arpo select-tasks`: run, print the table and the output path; the exit code."""
-    logging.basicConfig(
-        level=logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    last_print = [0.0]
 
-    def progress(done: int, total: int) -> None:
-        now = time.monotonic()
-        if cfg.progress_s and (now - last_print[0] >= cfg.progress_s or done == total):
-            last_print[0] = now
-            print(f"select-tasks: {done}/{total} runs finished", file=sys.stderr, flush=True)
+    def report(result: dict[str, Any]) -> str:
+        return (
+            f"{format_table(result)}\n"
+            f"{len(result['selected'])} of {len(result['tasks'])} tasks selected "
+            f"(successes >= {cfg.min_successes}"
+            + (f" and <= {cfg.max_successes}" if cfg.max_successes >= 0 else "")
+            + f" in {cfg.runs_per_task} runs); written to {cfg.out}"
+        )
 
-    try:
-        result = run_selection(cfg, on_progress=progress)
-    except ArpoError as e:  # TaskError too
-        print(f"arpo select-tasks: {e}", file=sys.stderr)
-        return 1
-    print(format_table(result))
-    print(
-        f"{len(result['selected'])} of {len(result['tasks'])} tasks selected "
-        f"(successes >= {cfg.min_successes}"
-        + (f" and <= {cfg.max_successes}" if cfg.max_successes >= 0 else "")
-        + f" in {cfg.runs_per_task} runs); written to {cfg.out}"
-    )
-    return 0
+    return run_command("select-tasks", cfg.progress_s,
+                       lambda progress: run_selection(cfg, on_progress=progress), report)  # fmt: skip
