@@ -146,9 +146,14 @@ def test_pairing_counts_tasks_without_a_pair(tiny: Path, processor) -> None:
     one, _ = dpo_pairs(out, mode="one-to-one")
     assert len(one) == 1
 
+    # a failure that sampled <|image_pad|> cannot be trained on: left out and counted
+    pad = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    odd = _traj(processor, rng, "both", 0.0, 1)
+    odd.turns[0].response_ids[0] = pad
     tr = OfflineTrainer(_cfg(tiny, algo="dpo", micro_batch=2))
-    history = tr.train(trajs)  # not fatal: the paired task trains
+    history = tr.train([*trajs, odd])  # not fatal: the paired task trains
     assert len(history) == 1 and tr.report["tasks_without_success"] == 1
+    assert tr.report["excluded_unusable"] == 1 and tr.report["pairs"] == 2
     with pytest.raises(ArpoError, match="no \\(success, failure\\) pair"):
         tr.train([t for t in trajs if t.task_id != "both"])
 

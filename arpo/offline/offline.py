@@ -18,6 +18,9 @@ Data: trajectories collected from the base agent (`arpo collect`'s folder, read 
 - kto: every success (desirable) and every failure (undesirable), unpaired;
 - rft: the successes only, trained with the token-mean NLL (the same loss as `arpo sft`).
 
+A trajectory the model cannot take (`arpo.learner.batch.check_item`: e.g. a sampled
+<|image_pad|> in a response) is left out, counted (`excluded_unusable`) and logged.
+
 Sequences are built exactly as the learner builds them (`arpo.learner.batch`:
 `build_sequence` from the stored token ids and PNGs, `collate`, `token_logprobs` at
 temperature 1): nothing is re-tokenised. A trajectory's log-probability is the sum over
@@ -66,7 +69,13 @@ import torch
 from arpo import wire
 from arpo.config import fail, option, to_dict, validate
 from arpo.errors import ArpoError, ConfigError
-from arpo.learner.batch import TrainSequence, build_sequence, collate, token_logprobs
+from arpo.learner.batch import (
+    TrainSequence,
+    build_sequence,
+    check_item,
+    collate,
+    token_logprobs,
+)
 from arpo.offline.data import Outcomes, dpo_pairs, read_trajectories, split_outcomes
 from arpo.offline.losses import dpo_loss, kto_kl_estimate, kto_loss, nll_loss, sequence_logps
 from arpo.record import Trajectory
@@ -330,7 +339,17 @@ class OfflineTrainer:
     def train(self, trajs: Iterable[Trajectory]) -> list[dict[str, float]]:
         """`epochs` passes over the method's units of `trajs`; per-step metrics."""
         cfg = self.config
-        outcomes = split_outcomes(trajs, cfg.success_score)
+        usable, unusable = [], 0
+        for t in trajs:
+            why = check_item(wire.to_item(t), self.processor, self.image_token_id)
+            if why is None:
+                usable.append(t)
+            else:
+                unusable += 1
+                log.warning("trajectory %s left out: %s", t.trajectory_id, why)
+        outcomes = split_outcomes(usable, cfg.success_score)
+        if unusable:
+            outcomes.excluded["unusable"] += unusable
         units, report = self.units(outcomes)
         self.report = report
         log.info("offline %s: %s", cfg.algo, report)
