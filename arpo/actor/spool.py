@@ -35,6 +35,9 @@ MAGIC = b"ARPOSPL1"
 _COUNT = struct.Struct("<I")
 _LEN = struct.Struct("<Q")
 SUFFIX = ".traj"
+LEDGER = "finished.log"
+"""Every trajectory ever put in the spool: `<id>\t<status>\t<task>` per line (kept when the
+trajectory itself leaves the spool), so a run can account for what its actors finished."""
 
 
 def write_frames(path: Path, frames: list[wire.Frame]) -> int:
@@ -53,6 +56,19 @@ def write_frames(path: Path, frames: list[wire.Frame]) -> int:
     os.replace(tmp, path)
     fsync_dir(path.parent)
     return size
+
+
+def read_ledger(folder: str | Path) -> dict[str, tuple[str, str]]:
+    """The spool's ledger: trajectory id -> (status, task id); a torn last line is skipped."""
+    path = Path(folder) / LEDGER
+    out: dict[str, tuple[str, str]] = {}
+    if not path.exists():
+        return out
+    for line in path.read_text(encoding="utf-8").splitlines():
+        parts = line.split("\t")
+        if len(parts) == 3:
+            out[parts[0]] = (parts[1], parts[2])
+    return out
 
 
 def read_frames(path: Path) -> list[memoryview]:
@@ -99,11 +115,15 @@ class Spool:
         return self.folder / (tid + SUFFIX)
 
     def put(self, traj: Trajectory) -> int:
-        """Write `traj` durably; returns its size on disk."""
+        """Write `traj` durably, then its line in the ledger; returns its size on disk."""
         path = self._path(traj.trajectory_id)
         size = write_frames(path, wire.encode(traj))
         with self._lock:
             self._sizes[traj.trajectory_id] = size
+            with open(self.folder / LEDGER, "a", encoding="utf-8") as f:
+                f.write(f"{traj.trajectory_id}\t{traj.status.value}\t{traj.task_id}\n")
+                f.flush()
+                os.fsync(f.fileno())
         return size
 
     def frames(self, tid: str) -> list[memoryview] | None:

@@ -112,6 +112,8 @@ class Batch:
     groups: int
     counts: dict[str, float] = field(default_factory=dict)
     """data/* and replay/* counters of this batch."""
+    dropped: list[tuple[str, str]] = field(default_factory=list)
+    """(trajectory id, reason) of the fresh trajectories taken from the store and left out."""
 
 
 def _header(item: Any) -> Any:
@@ -136,6 +138,7 @@ class GroupAssembler:
         self._pending: list[list[Sample]] = []
         """Groups taken but not yet handed out (a call that timed out keeps them)."""
         self._pending_counts: collections.Counter[str] = collections.Counter()
+        self._pending_dropped: list[tuple[str, str]] = []
         self.totals: collections.Counter[str] = collections.Counter()
         """Counters over the whole run (same names as Batch.counts)."""
 
@@ -181,6 +184,7 @@ class GroupAssembler:
                 samples.append(s)
         counts = dict(self._pending_counts)
         self._pending_counts = collections.Counter()
+        dropped, self._pending_dropped = self._pending_dropped, []
         replayed = [s for s in samples if s.is_replay]
         counts["data/groups"] = len(groups)
         counts["data/trajectories"] = len(samples)
@@ -194,7 +198,7 @@ class GroupAssembler:
         )
         counts["data/staleness_max"] = float(max((version - s.version for s in fresh), default=0))
         self.totals.update({k: v for k, v in counts.items() if not math.isnan(v)})
-        return Batch(samples, len(groups), counts)
+        return Batch(samples, len(groups), counts, dropped)
 
     def _score(
         self, task: str, items: list[Any], version: int, counts: collections.Counter[str]
@@ -205,10 +209,12 @@ class GroupAssembler:
             traj = _header(item)
             if traj.status != Status.OK:
                 counts["data/dropped_status"] += 1
+                self._pending_dropped.append((traj.trajectory_id, "status"))
                 continue
             v = traj.min_version
             if v < version - cfg.max_staleness:
                 counts["data/dropped_stale"] += 1
+                self._pending_dropped.append((traj.trajectory_id, "stale"))
                 continue
             kept.append(_sample(item, traj, task, is_replay=False))
             if traj.checker_score > cfg.replay.admit_score_above:
@@ -220,14 +226,20 @@ class GroupAssembler:
             picked = self._replay(task, kept, version)
             if picked:
                 if cfg.replay.mode == "replace":
+                    out = kept[len(kept) - len(picked) :]
+                    self._pending_dropped += [(s.trajectory_id, "replaced") for s in out]
                     kept = kept[: len(kept) - len(picked)]
                 kept += picked
         if len(kept) < cfg.min_group_size:
             counts["data/dropped_groups"] += 1
+            self._pending_dropped += [(s.trajectory_id, "small_group") for s in kept
+                                      if not s.is_replay]  # fmt: skip
             return []
         adv = advantages([s.reward for s in kept], norm_std=cfg.norm_std)
         if cfg.drop_flat_groups and not np.any(adv):
             counts["data/dropped_flat_groups"] += 1
+            self._pending_dropped += [(s.trajectory_id, "flat_group") for s in kept
+                                      if not s.is_replay]  # fmt: skip
             return []
         for s, a in zip(kept, adv, strict=True):
             s.advantage = float(a)

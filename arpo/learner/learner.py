@@ -37,8 +37,10 @@ each batch, which rank 0 broadcasts (`arpo.learner.distributed`).
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
+import os
 import signal
 import threading
 import time
@@ -270,6 +272,11 @@ class Learner:
         if ckpt is not None and ckpt.journal_segment is not None:
             counts = self.ingest.replay_journal(ckpt.journal_segment)
             log.info("resume: journal replayed into the store: %s", counts)
+        elif cfg.resume and ckpt is None:
+            # A crash before the first checkpoint: everything acknowledged is in the journal.
+            counts = self.ingest.replay_journal(0)
+            log.info("resume without a checkpoint: the whole journal replayed: %s", counts)
+        self._open_ledger(ckpt.iteration if ckpt is not None else 0)
         self.assembler = GroupAssembler(store, cfg.assemble, seed=cfg.seed)
         self.metrics = MetricsLogger(run, cfg.metrics)
         self.progress = ProgressLine(cfg.metrics.progress_s)
@@ -404,6 +411,7 @@ class Learner:
         t_start = time.perf_counter()
         batch = self._valid(batch)
         if not batch.samples:
+            self._record(batch, self.iteration + 1)
             return {}
         ckpt_due = cfg.checkpoint.due(self.iteration + 1)
         self._announce("step", _pack(batch.samples), ckpt_due)
@@ -413,6 +421,7 @@ class Learner:
         self.iteration += 1
         with self.spans("publish"):
             self._publish()
+        self._record(batch)
         fresh = [s for s in batch.samples if not s.is_replay]
         for s in fresh:
             self.task_stats.record(s.task_id, s.checker_score >= cfg.success_score, s.reward)
@@ -439,6 +448,8 @@ class Learner:
         out.update(self._ingest_metrics())
         out.update(self._rates())
         out.update(self.task_stats.metrics())
+        out["data/trained_total"] = float(len(self.trained))
+        out["data/trained_twice"] = float(sum(1 for n in self.trained.values() if n > 1))
         if ckpt_due:
             t0 = time.perf_counter()
             self.save_checkpoint()
@@ -463,12 +474,45 @@ class Learner:
             else:
                 log.warning("dropping trajectory %s of task %s: %s", s.trajectory_id, s.task_id,
                             why)  # fmt: skip
+                if not s.is_replay:
+                    batch.dropped.append((s.trajectory_id, "invalid"))
         dropped = len(batch.samples) - len(keep)
         batch.counts["data/dropped_invalid"] = float(dropped)
         batch.counts["data/trajectories"] = float(len(keep))
         self.assembler.totals["data/dropped_invalid"] += dropped
         batch.samples = keep
         return batch
+
+    # ---- the ledger of what was trained ------------------------------------------------
+
+    def _open_ledger(self, keep_through: int) -> None:
+        """`trained.log`: `<iteration>\t<trajectory id>\t<fresh|replay|dropped_<reason>>` per
+        line. On a resume from checkpoint k the lines of later iterations go (the model that
+        trained on them was lost with the crash; the resumed run trains them again)."""
+        self.ledger = Path(self.config.run_dir) / "trained.log"
+        kept: list[str] = []
+        if self.ledger.exists():
+            for line in self.ledger.read_text(encoding="utf-8").splitlines():
+                parts = line.split("\t")
+                if len(parts) == 3 and parts[0].isdigit() and int(parts[0]) <= keep_through:
+                    kept.append(line)
+        write_atomic(self.ledger, "".join(f"{x}\n" for x in kept))
+        self.trained = collections.Counter(
+            p[1] for p in (x.split("\t") for x in kept) if p[2] == "fresh"
+        )
+
+    def _record(self, batch: Batch, iteration: int | None = None) -> None:
+        it = self.iteration if iteration is None else iteration
+        lines = [
+            f"{it}\t{s.trajectory_id}\t{'replay' if s.is_replay else 'fresh'}"
+            for s in batch.samples
+        ]
+        lines += [f"{it}\t{tid}\tdropped_{why}" for tid, why in batch.dropped]
+        with open(self.ledger, "a", encoding="utf-8") as f:
+            f.write("".join(x + "\n" for x in lines))
+            f.flush()
+            os.fsync(f.fileno())
+        self.trained.update(s.trajectory_id for s in batch.samples if not s.is_replay)
 
     def _ingest_metrics(self) -> dict[str, float]:
         assert self.ingest is not None and self.grants is not None
@@ -564,13 +608,15 @@ class Learner:
 
 
 def _pack(samples: list[Sample]) -> list[tuple[Any, ...]]:
-    """Samples as plain data for `broadcast_object` (store items are not picklable)."""
+    """Samples as plain data for `broadcast_object` (store items are not picklable; blobs
+    may be zmq.Frames or memoryviews, which are not either: they go as bytes)."""
     out = []
     for s in samples:
         it = s.item
         out.append((
             np.array(it.tokens), np.array(it.logprobs), np.array(it.offsets),
-            np.array(it.rewards), it.version, tuple(it.blobs), bytes(it.metadata),
+            np.array(it.rewards), it.version, tuple(bytes(b) for b in it.blobs),
+            bytes(it.metadata),
             s.task_id, s.trajectory_id, s.reward, s.checker_score, s.version, s.advantage,
             s.is_replay, s.group,
         ))  # fmt: skip
