@@ -6,6 +6,7 @@ from typing import Any, Literal, final
 
 import numpy as np
 import numpy.typing as npt
+from typing_extensions import Buffer
 
 __all__ = ["SNAPSHOT_FORMAT_VERSION", "Item", "ReplayStore", "__version__"]
 
@@ -21,7 +22,7 @@ class Item:
         offsets: npt.ArrayLike,
         rewards: npt.ArrayLike,
         version: int,
-        blobs: Sequence[bytes] = (),
+        blobs: Sequence[Buffer] = (),
         metadata: bytes = b"",
     ) -> Item: ...
     @property
@@ -37,7 +38,7 @@ class Item:
     @property
     def version(self) -> int: ...
     @property
-    def blobs(self) -> tuple[bytes, ...]: ...
+    def blobs(self) -> tuple[Buffer, ...]: ...
     @property
     def metadata(self) -> bytes: ...
     @property

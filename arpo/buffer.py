@@ -17,11 +17,19 @@ Semantics (the contract other components rely on):
 * `Item(tokens, logprobs, offsets, rewards, version, blobs=(), metadata=b"")`: tokens and
   offsets are 1-D int32, logprobs and rewards 1-D float32. A numpy array must already have
   that dtype and be 1-D (else `BufferValueError` naming the field); a list is converted
-  (rewards also takes one number). The arrays are copied once; `blobs` (a sequence of
-  `bytes`) and `metadata` (`bytes`) are kept by reference, never copied. `item.tokens`,
-  `.logprobs`, `.offsets`, `.rewards` are read-only numpy views of the item's memory (their
-  `base` is the item, which they keep alive); `item.blobs` is a tuple of the very `bytes`
-  objects given; `item.key` is unique in the process; items compare equal by key.
+  (rewards also takes one number). The arrays are copied once; `blobs` and `metadata`
+  (`bytes`) are kept by reference, never copied. A blob is `bytes`, a `zmq.Frame` (a frame
+  received with `recv_multipart(copy=False)`), or a read-only C-contiguous `memoryview` whose
+  `.obj` is `bytes` or a `zmq.Frame` (a slice of one, `memoryview(frame).toreadonly()`):
+  objects whose memory cannot move or change while the item holds them. Anything else (a
+  bytearray, a writable memoryview, a numpy array, an mmap, a view of one of them) is a
+  `BufferValueError` naming `blobs[i]`; pass `bytes(blob)` to store a copy. The item holds a
+  strong reference to each blob and to the object a memoryview views (so `view.release()`
+  cannot free the memory the store reads). `item.tokens`, `.logprobs`, `.offsets`,
+  `.rewards` are read-only numpy views of the item's memory (their `base` is the item, which
+  they keep alive); `item.blobs` is a tuple of the very objects given (read them through the
+  buffer protocol: `memoryview(b)`, `bytes(b)`, `io.BytesIO(b)`); `item.key` is unique in
+  the process; items compare equal by key.
   `item.nbytes` = 4 * (len(tokens) + len(logprobs) + len(offsets) + len(rewards)) + the blob
   lengths + len(metadata).
 * Fresh queue: `put` appends; beyond `fresh_capacity` the task's oldest fresh item is
@@ -50,7 +58,8 @@ Semantics (the contract other components rely on):
   max_version (None when empty).
 * `snapshot(path)` writes the whole store atomically (tmp file + fsync + rename) while it
   keeps working; `ReplayStore.restore(path, max_bytes=None, ...)` loads it (None keeps the
-  snapshot's setting; items beyond smaller limits are evicted oldest first). Restored items
+  snapshot's setting; items beyond smaller limits are evicted oldest first). Snapshots write
+  every blob's bytes, whatever object held them; restored blobs are `bytes`. Restored items
   keep their keys (an item resident twice is restored as one item); keys made afterwards in
   this process never collide with them, but restoring one file twice gives two stores whose
   items share keys. A bad file

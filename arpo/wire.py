@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import math
 import struct
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -719,7 +720,8 @@ def to_item(traj: Trajectory) -> Any:
     `offsets` the per-turn lengths [n_prompt_0, n_response_0, n_prompt_1, ...],
     `logprobs` the behaviour log-probs of the response tokens in order, `rewards`
     [reward, checker_score, format_reward], `version` the oldest turn's policy
-    version, `blobs` the PNGs (kept by reference), `metadata` the wire header.
+    version, `blobs` the PNGs (kept by reference, without a copy when they are bytes or
+    views of received frames), `metadata` the wire header.
     """
     from arpo.buffer import Item
 
@@ -736,19 +738,25 @@ def to_item(traj: Trajectory) -> Any:
         np.asarray(offsets, dtype=np.int32),
         np.asarray([traj.reward, traj.checker_score, traj.format_reward], dtype=np.float32),
         max(traj.min_version, 0),
-        blobs=[_as_bytes(t.screenshot) for t in traj.turns],
+        blobs=[_as_blob(t.screenshot) for t in traj.turns],
         metadata=_pack(trajectory_header(traj)),
     )
 
 
-def _as_bytes(buf: Frame) -> bytes:
-    """The PNG as a `bytes` object, without a copy when it is (a whole view of) one already:
-    frames received with `recv_multipart(copy=True)` are bytes, and decode's memoryviews
-    point at them."""
+def _as_blob(buf: Frame) -> bytes | memoryview:
+    """The PNG as a blob the store keeps by reference (see `arpo.buffer`), without a copy
+    when it is bytes or a view of bytes or of a zmq.Frame: frames received with
+    `recv_multipart(copy=True)` are bytes, with `copy=False` zmq.Frames, and decode's
+    memoryviews point at them (a view of a frame is passed read-only: the store rejects
+    writable views). Anything else (a bytearray, a view of writable memory) is copied."""
     if isinstance(buf, bytes):
         return buf
-    if isinstance(buf, memoryview) and isinstance(buf.obj, bytes) and buf.nbytes == len(buf.obj):
-        return buf.obj
+    if isinstance(buf, memoryview) and buf.c_contiguous:
+        if isinstance(buf.obj, bytes):
+            return buf.obj if buf.nbytes == len(buf.obj) else buf
+        zmq = sys.modules.get("zmq")  # frames exist only once pyzmq is imported
+        if zmq is not None and isinstance(buf.obj, zmq.Frame):
+            return buf.toreadonly()
     return bytes(buf)
 
 

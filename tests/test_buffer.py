@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import mmap
 import subprocess
 import sys
 import threading
@@ -11,6 +12,7 @@ import weakref
 
 import numpy as np
 import pytest
+import zmq
 
 from arpo.buffer import (
     BufferClosed,
@@ -153,6 +155,135 @@ def test_item_rejects_bad_fields_naming_them(kwargs: dict, field: str, fragment:
     msg = str(exc.value)
     assert msg.startswith(field) and fragment in msg, msg
     assert isinstance(exc.value, ValueError)
+
+
+# ----- blobs kept by reference: bytes, zmq.Frame, read-only memoryviews of them -----
+
+
+def _received_frame(payload: bytes) -> zmq.Frame:
+    """A frame as the learner's ingest gets it: sent over a real socket, received with
+    copy=False (its memory belongs to libzmq)."""
+    ctx = zmq.Context.instance()
+    pull, push = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    try:
+        port = pull.bind_to_random_port("tcp://127.0.0.1")
+        push.connect(f"tcp://127.0.0.1:{port}")
+        push.send(payload)
+        assert pull.poll(10_000)
+        return pull.recv(copy=False)
+    finally:
+        push.close(0)
+        pull.close(0)
+
+
+def _address(buf: object) -> int:
+    """Address of the first byte of a buffer."""
+    return np.frombuffer(buf, np.uint8).ctypes.data  # type: ignore[call-overload]
+
+
+def test_frame_and_readonly_view_blobs_are_kept_by_identity() -> None:
+    payload = bytes(range(256)) * 400
+    frame = _received_frame(payload)
+    view = memoryview(frame).toreadonly()
+    part = memoryview(payload)[100:200]
+    small = _received_frame(b"tiny")  # libzmq keeps messages this small inside the frame
+    it = Item([1], [0.0], [1], 0.0, 0, blobs=[frame, view, part, small, payload])
+    assert all(a is b for a, b in zip(it.blobs, [frame, view, part, small, payload], strict=True))
+    assert it.nbytes == 4 * 4 + 2 * len(payload) + 100 + 4 + len(payload)
+    s = ReplayStore(seed=0)
+    s.put("t", it)
+    (got,) = s.take_group("t", 1, timeout=0)
+    assert got.blobs[0] is frame and got.blobs[1] is view and got.blobs[2] is part
+    # No copy: the stored view's memory is the frame's.
+    assert _address(got.blobs[1]) == _address(frame)
+    assert bytes(got.blobs[0]) == payload and bytes(got.blobs[3]) == b"tiny"
+
+
+def _bad_blobs() -> list[tuple[str, object, str]]:
+    frame = zmq.Frame(b"x" * 100_000)
+    arr = np.zeros(16, np.uint8)
+    return [
+        ("bytearray", bytearray(b"no"), "must be bytes"),
+        ("writable view of a frame", memoryview(frame), "writable memoryview"),
+        ("view of a bytearray", memoryview(bytearray(b"no")), "memoryview of a bytearray"),
+        ("read-only view of a bytearray", memoryview(bytearray(4)).toreadonly(), "bytearray"),
+        ("numpy array", arr, "got ndarray"),
+        ("view of a numpy array", memoryview(arr).toreadonly(), "memoryview of a ndarray"),
+        ("mmap", mmap.mmap(-1, 4096), "got mmap"),
+        ("view of an mmap", memoryview(mmap.mmap(-1, 4096)).toreadonly(), "of a mmap"),
+        ("strided view of bytes", memoryview(b"abcdef")[::2], "contiguous"),
+        ("str", "text", "must be bytes"),
+    ]
+
+
+@pytest.mark.parametrize(("name", "blob", "fragment"), _bad_blobs(), ids=lambda x: str(x))
+def test_mutable_or_closable_blobs_are_rejected_naming_the_index(
+    name: str, blob: object, fragment: str
+) -> None:
+    with pytest.raises(BufferValueError) as exc:
+        Item([1], [0.0], [1], 0.0, 0, blobs=[b"ok", zmq.Frame(b"ok"), blob])
+    msg = str(exc.value)
+    assert msg.startswith("blobs[2]") and fragment in msg, (name, msg)
+    if isinstance(blob, memoryview):
+        blob.release()  # the rejected item holds no export of it
+    if isinstance(blob, mmap.mmap):
+        blob.close()
+
+
+def test_single_frame_or_view_must_be_wrapped() -> None:
+    for single in (zmq.Frame(b"x"), memoryview(b"x")):
+        with pytest.raises(BufferValueError, match="wrap it as"):
+            Item([1], [0.0], [1], 0.0, 0, blobs=single)
+
+
+def test_frame_lives_as_long_as_the_item() -> None:
+    payload = b"\x89PNG" + bytes(range(256)) * 300
+    frame = _received_frame(payload)
+    gone = weakref.ref(frame)
+    s = ReplayStore(seed=0)
+    s.put("t", Item([1], [0.0], [1], 0.0, 0, blobs=[memoryview(frame).toreadonly()]))
+    del frame
+    gc.collect()
+    assert gone() is not None, "the stored item keeps the frame alive"
+    (got,) = s.take_group("t", 1, timeout=0)
+    assert bytes(got.blobs[0]) == payload
+    del got
+    gc.collect()
+    assert gone() is None, "the frame is freed with the last item holding it"
+
+
+def test_released_view_cannot_free_the_memory_the_store_reads(tmp_path) -> None:
+    payload = bytes(range(256)) * 300
+    frame = _received_frame(payload)
+    gone = weakref.ref(frame)
+    view = memoryview(frame).toreadonly()
+    s = ReplayStore(seed=0)
+    s.put("t", Item([1], [0.0], [1], 0.0, 0, blobs=[view]))
+    view.release()  # drops the view's own reference to the frame
+    del frame
+    gc.collect()
+    assert gone() is not None, "the item holds the frame, not only the view"
+    s.snapshot(tmp_path / "s.snap")
+    restored = ReplayStore.restore(tmp_path / "s.snap")
+    (got,) = restored.take_group("t", 1, timeout=0)
+    assert got.blobs == (payload,)
+
+
+def test_snapshot_restore_of_frame_and_view_blobs(tmp_path) -> None:
+    payload = bytes(range(256)) * 500
+    frame = _received_frame(payload)
+    blobs = [frame, memoryview(frame).toreadonly()[10:50], memoryview(payload).toreadonly(), b""]
+    s = ReplayStore(seed=0)
+    s.put("t", Item([1, 2], [0.0], [1, 1], 1.0, 3, blobs=blobs, metadata=b"m"))
+    s.add_success("t", Item([3], [0.0], [1], 1.0, 4, blobs=[_received_frame(b"ok")]))
+    s.snapshot(tmp_path / "s.snap")
+    r = ReplayStore.restore(tmp_path / "s.snap")
+    (fresh,) = r.take_group("t", 1, timeout=0)
+    assert all(type(b) is bytes for b in fresh.blobs), "restored blobs are bytes"
+    assert fresh.blobs == (payload, payload[10:50], payload, b"")
+    assert fresh.metadata == b"m" and fresh.tokens.tolist() == [1, 2]
+    (replay,) = r.sample("t", 1)
+    assert replay.blobs == (b"ok",)
 
 
 # ----- fresh queue -----

@@ -342,6 +342,50 @@ def test_store_item_roundtrip_keeps_png_objects(realistic: Trajectory) -> None:
     assert got.version == realistic.min_version and got.rewards[0] == realistic.reward
 
 
+def test_store_item_of_frames_received_without_copy_shares_their_memory(
+    realistic: Trajectory,
+) -> None:
+    from arpo.buffer import ReplayStore
+
+    ctx = zmq.Context()
+    try:
+        pull = ctx.socket(zmq.PULL)
+        port = pull.bind_to_random_port("tcp://127.0.0.1")
+        push = ctx.socket(zmq.PUSH)
+        push.connect(f"tcp://127.0.0.1:{port}")
+        push.send_multipart(wire.encode(realistic), copy=False)
+        assert pull.poll(10_000)
+        frames = pull.recv_multipart(copy=False)  # what the learner's ingest receives
+        push.close(0)
+        pull.close(0)
+    finally:
+        ctx.term()
+    item = wire.to_item(wire.decode(frames))
+    # Each PNG blob is a read-only view of its received frame: same memory, no copy.
+    for blob, frame in zip(item.blobs, frames[5:], strict=True):
+        assert isinstance(blob, memoryview) and blob.readonly and blob.obj is frame
+        assert (
+            np.frombuffer(blob, np.uint8).ctypes.data == np.frombuffer(frame, np.uint8).ctypes.data
+        )
+    del frames
+    store = ReplayStore(max_bytes=1 << 26, seed=0)
+    store.put(realistic.task_id, item)
+    del item
+    (got,) = store.take_group(realistic.task_id, 1, timeout=0)
+    assert wire.from_item(got) == realistic  # the store kept the frames alive
+
+
+def test_store_item_copies_pngs_in_mutable_memory() -> None:
+    png = make_png(np.random.default_rng(0), 2_000)
+    traj = Trajectory(task_id="t", turns=(_turn(png=png),), checker_score=1.0, reward=1.0)
+    frames = [bytearray(bytes(f)) for f in wire.encode(traj)]
+    item = wire.to_item(wire.decode(frames))
+    (blob,) = item.blobs
+    assert type(blob) is bytes and blob == png  # a bytearray can change: stored as a copy
+    frames[-1][10] ^= 0xFF
+    assert item.blobs[0] == png
+
+
 # ------------------------------------------------------------------ control messages
 
 

@@ -1,5 +1,10 @@
 //! `Item`: an immutable trajectory whose arrays are exposed as read-only numpy
-//! views and whose blobs are the caller's own `bytes` objects.
+//! views and whose blobs are the caller's own objects, kept by reference.
+//!
+//! A blob is `bytes`, a `zmq.Frame`, or a read-only, C-contiguous memoryview
+//! whose underlying object is `bytes` or a `zmq.Frame`. Anything else (a
+//! bytearray, a numpy array, an mmap, a writable memoryview) is rejected: its
+//! memory could change or go away while the store reads it.
 
 use std::ffi::c_void;
 use std::sync::Arc;
@@ -9,28 +14,74 @@ use numpy::npyffi::{self, npy_intp, NpyTypes, PY_ARRAY_API};
 use numpy::prelude::*;
 use numpy::{Element, PyArray1, PyArrayDescrMethods, PyReadonlyArray1, PyUntypedArray};
 use pyo3::basic::CompareOp;
+use pyo3::ffi;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyFloat, PyInt, PyTuple};
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyBytes, PyDict, PyFloat, PyInt, PyMemoryView, PyTuple, PyType};
 
 use crate::errors::value_error;
 
-/// A Python `bytes` object held by the store without copying it.
+/// A Python object whose bytes the store holds without copying them.
 ///
-/// `ptr`/`len` are read once from the object. They stay valid for as long as
-/// `obj` is alive, which this struct guarantees: `bytes` objects are immutable
-/// and CPython never moves an object. Reading them needs no GIL, so the store
-/// may read blobs (snapshots) with the GIL released.
+/// `ptr`/`len` are read once from the object's buffer, and the buffer export
+/// is released right away (so dropping a `PyBlob` never needs the GIL: the
+/// store drops items with the GIL released). The memory stays valid and
+/// unchanged for as long as `owner` is alive, which this struct guarantees by
+/// holding it:
+///
+/// - `bytes` is immutable and CPython never moves an object;
+/// - a `zmq.Frame` owns a libzmq message whose data stays where it is until
+///   the frame is deallocated (the data is inline in the frame object for
+///   small messages, a heap block for larger ones); pyzmq exports it as
+///   writable, but nothing writes to a frame it received, and a frame made
+///   zero-copy over a mutable object carries pyzmq's own rule (do not modify
+///   the object while the frame is in use);
+/// - for a memoryview, `owner` is the object it views (`bytes` or a
+///   `zmq.Frame`), held separately from the view, so releasing the view
+///   (`memoryview.release()`) cannot free the memory.
+///
+/// Reading the bytes needs no GIL, so the store may read blobs (snapshots)
+/// with the GIL released.
 pub struct PyBlob {
-    obj: Py<PyBytes>,
+    /// The object given (returned by `Item.blobs`).
+    obj: Py<PyAny>,
+    /// The object that owns the memory, when it is not `obj` (a memoryview's base).
+    _owner: Option<Py<PyAny>>,
     ptr: *const u8,
     len: usize,
 }
 
-// SAFETY: the pointed-to bytes are immutable and owned by `obj` (a `Py<T>`,
-// itself Send + Sync); see the struct docs.
+// SAFETY: the pointed-to bytes are immutable and owned by `obj`/`_owner`
+// (`Py<T>`, itself Send + Sync); see the struct docs.
 unsafe impl Send for PyBlob {}
 // SAFETY: as above; shared reads of immutable memory.
 unsafe impl Sync for PyBlob {}
+
+/// `zmq.Frame`, once `zmq` has been imported by someone (this module never
+/// imports it: without pyzmq there are no frames to accept).
+fn zmq_frame_type(py: Python<'_>) -> PyResult<Option<Bound<'_, PyType>>> {
+    static FRAME: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+    if let Some(t) = FRAME.get(py) {
+        return Ok(Some(t.bind(py).clone()));
+    }
+    let modules = PyModule::import(py, "sys")?.getattr("modules")?;
+    let Some(zmq) = modules.cast::<PyDict>()?.get_item("zmq")? else {
+        return Ok(None);
+    };
+    let Ok(frame) = zmq.getattr("Frame") else {
+        return Ok(None);
+    };
+    let frame = frame.cast_into::<PyType>().map_err(PyErr::from)?;
+    let _ = FRAME.set(py, frame.clone().unbind());
+    Ok(Some(frame))
+}
+
+fn type_name(obj: &Bound<'_, PyAny>) -> String {
+    obj.get_type()
+        .name()
+        .map(|n| n.to_string())
+        .unwrap_or_default()
+}
 
 impl PyBlob {
     pub fn new(bytes: &Bound<'_, PyBytes>) -> Self {
@@ -38,17 +89,95 @@ impl PyBlob {
         PyBlob {
             ptr: data.as_ptr(),
             len: data.len(),
-            obj: bytes.clone().unbind(),
+            obj: bytes.clone().into_any().unbind(),
+            _owner: None,
         }
     }
 
-    pub fn object<'py>(&self, py: Python<'py>) -> &Bound<'py, PyBytes> {
+    /// Blob `index` of an item: `bytes`, a `zmq.Frame` or a read-only
+    /// memoryview of one of them (see the struct docs), kept by reference.
+    pub fn from_object(blob: &Bound<'_, PyAny>, index: usize) -> PyResult<Self> {
+        if let Ok(bytes) = blob.cast::<PyBytes>() {
+            return Ok(PyBlob::new(bytes));
+        }
+        let py = blob.py();
+        let frame_type = zmq_frame_type(py)?;
+        let is_frame = |o: &Bound<'_, PyAny>| -> PyResult<bool> {
+            match &frame_type {
+                Some(t) => o.is_instance(t),
+                None => Ok(false),
+            }
+        };
+        let view = blob.cast::<PyMemoryView>().ok();
+        let owner = match view {
+            Some(mv) => {
+                let base = mv.getattr("obj").map_err(|e| {
+                    value_error(format!(
+                        "blobs[{index}] is a memoryview that cannot be read: {e}"
+                    ))
+                })?;
+                if !(base.is_instance_of::<PyBytes>() || is_frame(&base)?) {
+                    return Err(value_error(format!(
+                        "blobs[{index}] is a memoryview of a {}: only views of bytes or of a \
+                         zmq.Frame are kept by reference (their memory cannot change); pass \
+                         bytes(blob) to store a copy",
+                        type_name(&base)
+                    )));
+                }
+                Some(base)
+            }
+            None if is_frame(blob)? => None,
+            None => {
+                return Err(value_error(format!(
+                    "blobs[{index}] must be bytes, a zmq.Frame or a read-only memoryview of \
+                     one, got {}: pass bytes(blob) to store a copy",
+                    type_name(blob)
+                )))
+            }
+        };
+        // A simple (contiguous, untyped) export, released right away with the
+        // GIL held: the pointer stays valid through `owner` (see the struct
+        // docs), and nothing is left to release when the blob is dropped.
+        let mut raw = std::mem::MaybeUninit::<ffi::Py_buffer>::uninit();
+        // SAFETY: `blob` is a live object; on success `raw` is initialised.
+        if unsafe { ffi::PyObject_GetBuffer(blob.as_ptr(), raw.as_mut_ptr(), ffi::PyBUF_SIMPLE) }
+            != 0
+        {
+            let e = PyErr::fetch(py);
+            return Err(value_error(format!(
+                "blobs[{index}] cannot be read as contiguous bytes: {e}"
+            )));
+        }
+        // SAFETY: initialised by the successful call above.
+        let mut raw = unsafe { raw.assume_init() };
+        let (ptr, len, readonly) = (raw.buf as *const u8, raw.len as usize, raw.readonly != 0);
+        // SAFETY: releases the export obtained above, once.
+        unsafe { ffi::PyBuffer_Release(&mut raw) };
+        if view.is_some() && !readonly {
+            return Err(value_error(format!(
+                "blobs[{index}] is a writable memoryview: its content could change under the \
+                 store; pass view.toreadonly() (a view of bytes or a zmq.Frame) or bytes(view)"
+            )));
+        }
+        Ok(PyBlob {
+            obj: blob.clone().unbind(),
+            _owner: owner.map(Bound::unbind),
+            ptr,
+            len,
+        })
+    }
+
+    pub fn object<'py>(&self, py: Python<'py>) -> &Bound<'py, PyAny> {
         self.obj.bind(py)
     }
 }
 
 impl AsRef<[u8]> for PyBlob {
     fn as_ref(&self) -> &[u8] {
+        if self.len == 0 {
+            // An empty buffer's pointer may be null (an empty zmq message).
+            return &[];
+        }
         // SAFETY: see the struct docs.
         unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
     }
@@ -154,34 +283,26 @@ fn blob_list(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Vec<PyBlob>> {
     let Some(obj) = obj else {
         return Ok(Vec::new());
     };
-    if obj.is_instance_of::<PyBytes>() || obj.is_instance_of::<pyo3::types::PyString>() {
+    if obj.is_instance_of::<PyBytes>()
+        || obj.is_instance_of::<pyo3::types::PyString>()
+        || obj.is_instance_of::<PyMemoryView>()
+        || zmq_frame_type(obj.py())?.is_some_and(|t| obj.is_instance(&t).unwrap_or(false))
+    {
         return Err(value_error(format!(
-            "blobs must be a sequence of bytes objects, got a single {}: wrap it as (blob,)",
-            obj.get_type().name()?
+            "blobs must be a sequence of blobs, got a single {}: wrap it as (blob,)",
+            type_name(obj)
         )));
     }
     let iter = obj.try_iter().map_err(|_| {
         value_error(format!(
-            "blobs must be a sequence of bytes objects, got {}",
-            obj.get_type()
-                .name()
-                .map(|n| n.to_string())
-                .unwrap_or_default()
+            "blobs must be a sequence of bytes / zmq.Frame / read-only memoryview objects, \
+             got {}",
+            type_name(obj)
         ))
     })?;
     let mut blobs = Vec::new();
     for (i, b) in iter.enumerate() {
-        let b = b?;
-        let bytes = b.cast::<PyBytes>().map_err(|_| {
-            value_error(format!(
-                "blobs[{i}] must be bytes, got {}",
-                b.get_type()
-                    .name()
-                    .map(|n| n.to_string())
-                    .unwrap_or_default()
-            ))
-        })?;
-        blobs.push(PyBlob::new(bytes));
+        blobs.push(PyBlob::from_object(&b?, i)?);
     }
     Ok(blobs)
 }
@@ -349,7 +470,7 @@ impl PyItem {
         self.inner.version()
     }
 
-    /// The blobs: the very `bytes` objects given at construction.
+    /// The blobs: the very objects given at construction (`bytes` after a restore).
     #[getter]
     fn blobs<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
         PyTuple::new(py, self.inner.blobs().iter().map(|b| b.object(py)))
@@ -357,8 +478,9 @@ impl PyItem {
 
     /// The metadata `bytes` object given at construction.
     #[getter]
-    fn metadata<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
-        self.inner.metadata().object(py).clone()
+    fn metadata<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        // Metadata is only ever made from `bytes` (construction and restore).
+        Ok(self.inner.metadata().object(py).cast::<PyBytes>()?.clone())
     }
 
     /// Bytes charged to the store's budget per residency.
