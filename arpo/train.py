@@ -110,6 +110,12 @@ class TrainConfig:
     local_tasks: str = option(
         "", "Tasks for the real desktops ('' = the package's local task suite)."
     )
+    env_urls: list[str] = option(
+        doc="Environment servers started elsewhere (OSWorld VMs, desktops), driven by one "
+        "more actor that asks for tasks of env_urls_pool.",
+        factory=list,
+    )
+    env_urls_pool: str = option("desktop", "The task pool of the env_urls environments.")
     minutes: float = option(5.0, "Training wall-clock budget (0: until learner.iterations).")
     restart: bool = option(True, "Start a dead actor again, and a dead learner with --resume.")
     max_restarts: int = option(5, "Restarts per process at most.")
@@ -130,7 +136,7 @@ class TrainConfig:
             fail("run_dir", "must name a folder")
         if self.actors < 0 or self.sim_envs_per_actor < 0 or self.local_desktops < 0:
             fail("actors", "actors, sim_envs_per_actor and local_desktops must be >= 0")
-        if self.actors * self.sim_envs_per_actor + self.local_desktops == 0:
+        if self.actors * self.sim_envs_per_actor + self.local_desktops + len(self.env_urls) == 0:
             fail("actors", "no environments: give actors and sim_envs_per_actor, or local_desktops")
         if self.minutes < 0:
             fail("minutes", "must be >= 0 (0: until learner.iterations)")
@@ -319,6 +325,10 @@ class TrainRun:
                 urls = self._desktops()
                 self.procs.append(self._actor_proc(len(self.procs), model, data, control,
                                                    envs=urls, sim_envs=0))  # fmt: skip
+            if cfg.env_urls:
+                self.procs.append(self._actor_proc(len(self.procs), model, data, control,
+                                                   envs=list(cfg.env_urls), sim_envs=0,
+                                                   env_pool=cfg.env_urls_pool))  # fmt: skip
             self.learner.start()
             for p in self.procs:
                 p.start()
@@ -370,11 +380,13 @@ class TrainRun:
         p.start(restarted=True)
 
     def _shutdown(self) -> None:
+        # Actors first: they finish or abandon their episodes and flush their spools to
+        # the learner while it still runs; then the learner checkpoints what it holds.
+        for p in self.procs:
+            p.stop(timeout=180)
         if self.learner is not None:
             code = self.learner.stop(timeout=600)
             log.info("learner stopped (code %s)", code)
-        for p in self.procs:
-            p.stop(timeout=120)
         if self.desktop_state is not None:
             from arpo_envs.desktop.fleet import down
 
@@ -422,9 +434,78 @@ class TrainRun:
             )
             out["eval"] = str(self.run_dir / "eval" / "eval.md")
             out["eval_success_rate"] = ev.get("overall", {}).get("success_rate_episodes")
+        out["accounting"] = account(self.run_dir, ckpt)
         (self.run_dir / "summary.json").write_text(json.dumps(out, indent=2))
         self.summary = out
         return out
+
+
+def account(run_dir: Path, checkpoint: Path | None) -> dict[str, Any]:
+    """Where every trajectory the actors finished went.
+
+    Finished (the actors' spool ledgers, by status) against: trained (the learner's
+    `trained.log`, as of the final checkpoint), dropped by the learner with a reason
+    (stale, replaced by a replayed success, invalid, ...), still in the store (the final
+    checkpoint's snapshot) or in the journal after it, and still in an actor's spool
+    (never acknowledged). `unaccounted` lists `ok` trajectories found in none of them;
+    `trained_twice` counts fresh trajectories trained in two iterations. Both must be 0."""
+    import collections
+
+    from arpo import wire
+    from arpo.actor.spool import SUFFIX, read_ledger
+    from arpo.buffer import ReplayStore
+    from arpo.learner.checkpoint import load_checkpoint
+    from arpo.learner.ingest import list_segments, read_segment, segment_path
+
+    finished: dict[str, tuple[str, str]] = {}
+    in_spool: set[str] = set()
+    for d in sorted((run_dir / "spool").glob("*")):
+        finished.update(read_ledger(d))
+        in_spool |= {p.name[: -len(SUFFIX)] for p in d.glob("*" + SUFFIX)}
+    trained: collections.Counter[str] = collections.Counter()
+    dropped: dict[str, str] = {}
+    ledger = run_dir / "learner" / "trained.log"
+    if ledger.exists():
+        for line in ledger.read_text(encoding="utf-8").splitlines():
+            parts = line.split("\t")
+            if len(parts) != 3:
+                continue
+            if parts[2] == "fresh":
+                trained[parts[1]] += 1
+            elif parts[2].startswith("dropped_"):
+                dropped[parts[1]] = parts[2][len("dropped_") :]
+    in_store: set[str] = set()
+    in_journal: set[str] = set()
+    if checkpoint is not None:
+        ck = load_checkpoint(checkpoint, verify=False)
+        if ck.store_path is not None:
+            store = ReplayStore.restore(ck.store_path)
+            for task in store.tasks():
+                n = store.fresh_len(task)
+                if n:
+                    in_store |= {wire.from_item(i).trajectory_id
+                                 for i in store.take_group(task, n, timeout=0)}  # fmt: skip
+            store.close()
+        journal = run_dir / "learner" / "journal"
+        for seg in list_segments(journal):
+            if ck.journal_segment is not None and seg >= ck.journal_segment:
+                for rec in read_segment(segment_path(journal, seg)):
+                    in_journal.add(wire.decode(rec.frames).trajectory_id)
+    ok = {tid for tid, (status, _) in finished.items() if status == "ok"}
+    accounted = set(trained) | set(dropped) | in_store | in_journal | in_spool
+    unaccounted = sorted(ok - accounted)
+    return {
+        "finished": len(finished),
+        "finished_by_status": dict(collections.Counter(st for st, _ in finished.values())),
+        "trained": len(set(trained) & ok),
+        "dropped_by_reason": dict(collections.Counter(dropped[t] for t in set(dropped) & ok)),
+        "in_store": len(in_store & ok),
+        "in_journal": len(in_journal & ok),
+        "in_spool": len(in_spool & ok),
+        "unaccounted": len(unaccounted),
+        "unaccounted_ids": unaccounted[:20],
+        "trained_twice": sum(1 for n in trained.values() if n > 1),
+    }
 
 
 def _local_suite() -> Path:

@@ -39,6 +39,7 @@ import collections
 import itertools
 import json
 import logging
+import os
 import random
 import threading
 import time
@@ -141,6 +142,9 @@ class GrantBook:
         self._finished: collections.OrderedDict[str, frozenset[str]] = collections.OrderedDict()
         """Finished group ids -> the trajectory ids that filled their slots."""
         self._counter = itertools.count()
+        self.epoch = os.urandom(4).hex()
+        """Part of every group id: a restarted learner's new book never reuses the ids of
+        groups granted before the restart (their late trajectories stay unknown groups)."""
         self.version = 0
         self.opened = 0
         self.counts: collections.Counter[str] = collections.Counter()
@@ -214,7 +218,7 @@ class GrantBook:
                         out.append(self._grant(g, i, actor, now))
             while len(out) < want and self._admissible():
                 task = self._next_task(pool)
-                gid = f"{task}/g{next(self._counter)}"
+                gid = f"{task}/{self.epoch}-g{next(self._counter)}"
                 g = _Group(
                     gid, task, self.version, [_Slot() for _ in range(self.config.group_size)]
                 )

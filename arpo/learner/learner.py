@@ -357,8 +357,13 @@ class Learner:
         return self.trainer.state_dict(), self.trainer.optimizer_state()
 
     def _on_trajectory(self, book: GrantBook):
+        """Book the trajectory's grant slot, and store it even when the book calls it a
+        surplus (its slot was filled by a re-issued grant): groups are formed per task
+        from the store, so an extra good episode of the task is data, not a duplicate."""
+
         def on(traj: Any) -> bool:
-            return book.complete(traj)
+            book.complete(traj)
+            return True
 
         return on
 
