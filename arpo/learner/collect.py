@@ -61,8 +61,7 @@ from arpo.errors import ArpoError, ConfigError, WireError
 from arpo.files import write_json_atomic
 from arpo.learner.ingest import IngestConfig, list_segments, read_segment, segment_path
 from arpo.learner.rollouts import (
-    PoolConfig,
-    check_not_set,
+    PolicyPoolConfig,
     counts_table,
     load_pool,
     resolve_policy,
@@ -77,61 +76,28 @@ log = logging.getLogger("arpo.learner.collect")
 TRAJECTORIES = "trajectories"
 OUTCOMES = "outcomes.json"
 
-_FORCED = {
-    "engine.model": "the model or checkpoint field",
-    "episode.temperature": "the temperature field",
-    "episode.top_p": "the top_p field",
-}
-
 
 @dataclass
-class CollectConfig(PoolConfig):
+class CollectConfig(PolicyPoolConfig):
     """`arpo collect`: a model run N times per task, trajectories and outcomes kept on disk.
 
-    The shared fields (tasks, transport, local actor, timeouts) are `PoolConfig`'s.
+    The shared fields (tasks, transport, local actor, policy, sampling) are
+    `PolicyPoolConfig`'s.
     """
 
-    model: str = option(
-        "",
-        "A model folder or hub id, or a learner checkpoint folder, or a run's checkpoints "
-        "folder (the newest valid checkpoint is used).",
-    )
-    checkpoint: str = option("", "A checkpoint (or checkpoints folder) instead of model.")
-    verify: bool = option(
-        True, "Check the checkpoint's sha256 hashes (false: sizes only, faster for big models)."
-    )
     runs_per_task: int = option(8, "Episodes per task.")
     temperature: float = option(1.0, "Sampling temperature (rollouts use 1.0).")
-    top_p: float = option(1.0, "Nucleus of the sampling.")
-    local_actor: bool = option(
-        True, "Start one arpo-actor process for this run (stopped with SIGTERM at the end)."
-    )
-    local_actor_log: str = option(
-        "", "File that receives the local actor's stderr (default: <out>/actor.log)."
-    )
     out: str = option("runs/collect", "Folder of the collection (trajectories/, outcomes.json).")
     overwrite: bool = option(False, "Replace a collection already in out.")
     journal_fsync_every: int = option(
         1, "fsync the trajectory journal every this many records (1: before every ack)."
     )
+    _policy_field = "model"
 
     def validate(self) -> None:
         super().validate()
-        if not self.checkpoint and not self.model:
-            fail("model", "give model=<model folder or checkpoint> (or checkpoint=<folder>)")
-        if self.checkpoint and self.model:
-            fail("model", "give either checkpoint or model, not both")
-        if self.checkpoint and not Path(self.checkpoint).exists():
-            fail("checkpoint", f"{self.checkpoint!r} does not exist")
-        if self.temperature < 0:
-            fail("temperature", "must be >= 0 (0: greedy)")
-        if not 0.0 < self.top_p <= 1.0:
-            fail("top_p", "must be in (0, 1]")
-        if not self.out:
-            fail("out", "is required: the folder of the collection")
         if self.journal_fsync_every < 1:
             fail("journal_fsync_every", "must be >= 1")
-        check_not_set(self.local_actor_args, _FORCED, "local_actor_args")
 
 
 # ---------------------------------------------------------------------------- reading

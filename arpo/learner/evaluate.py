@@ -50,15 +50,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from arpo.config import fail, option
+from arpo.config import option
 from arpo.errors import ArpoError
 from arpo.files import write_atomic, write_json_atomic
 from arpo.learner.rollouts import (
     EpisodeOutcome,
+    PolicyPoolConfig,
     PolicySource,
-    PoolConfig,
     PoolResult,
-    check_not_set,
     load_pool,
     resolve_policy,
     run_command,
@@ -68,57 +67,18 @@ from arpo.learner.rollouts import (
 
 log = logging.getLogger("arpo.learner.evaluate")
 
-_FORCED = {
-    "engine.model": "the model or checkpoint field",
-    "episode.temperature": "the temperature field",
-    "episode.top_p": "the top_p field",
-}
-
 
 @dataclass
-class EvalConfig(PoolConfig):
+class EvalConfig(PolicyPoolConfig):
     """`arpo eval`: a checkpoint or model run N times per task, success rates reported.
 
-    The shared fields (tasks, transport, local actor, timeouts) are `PoolConfig`'s.
+    The shared fields (tasks, transport, local actor, policy, sampling) are
+    `PolicyPoolConfig`'s.
     """
 
-    checkpoint: str = option(
-        "",
-        "A learner checkpoint folder (its model/ is evaluated), or a run's checkpoints "
-        "folder (the newest valid checkpoint is used).",
-    )
-    model: str = option(
-        "", "A model folder or hub id to evaluate instead of a checkpoint (or a checkpoint)."
-    )
-    verify: bool = option(
-        True, "Check the checkpoint's sha256 hashes (false: sizes only, faster for big models)."
-    )
     runs_per_task: int = option(4, "Episodes per task.")
     temperature: float = option(0.6, "Sampling temperature (the reference evaluates at 0.6).")
-    top_p: float = option(1.0, "Nucleus of the sampling.")
-    local_actor: bool = option(
-        True, "Start one arpo-actor process for this run (stopped with SIGTERM at the end)."
-    )
-    local_actor_log: str = option(
-        "", "File that receives the local actor's stderr (default: <out>/actor.log)."
-    )
     out: str = option("runs/eval", "Folder of eval.json and eval.md.")
-
-    def validate(self) -> None:
-        super().validate()
-        if not self.checkpoint and not self.model:
-            fail("checkpoint", "give checkpoint=<folder> or model=<model folder>")
-        if self.checkpoint and self.model:
-            fail("model", "give either checkpoint or model, not both")
-        if self.checkpoint and not Path(self.checkpoint).exists():
-            fail("checkpoint", f"{self.checkpoint!r} does not exist")
-        if self.temperature < 0:
-            fail("temperature", "must be >= 0 (0: greedy)")
-        if not 0.0 < self.top_p <= 1.0:
-            fail("top_p", "must be in (0, 1]")
-        if not self.out:
-            fail("out", "is required: the folder of eval.json and eval.md")
-        check_not_set(self.local_actor_args, _FORCED, "local_actor_args")
 
 
 # ---------------------------------------------------------------------------- aggregation

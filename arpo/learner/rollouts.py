@@ -123,6 +123,60 @@ class PoolConfig:
                 fail("local_actor_args", f"{a!r} is not of the form field=value")
 
 
+POLICY_ACTOR_FIELDS = {
+    "engine.model": "the model or checkpoint field",
+    "episode.temperature": "the temperature field",
+    "episode.top_p": "the top_p field",
+}
+"""Actor fields a policy run sets itself (refused in `local_actor_args`)."""
+
+
+@dataclass
+class PolicyPoolConfig(PoolConfig):
+    """A pool run of one given policy (a checkpoint or a model) at given sampling settings:
+    the shared fields of `arpo eval` and `arpo collect`."""
+
+    checkpoint: str = option(
+        "",
+        "A learner checkpoint folder (its model/ is used), or a run's checkpoints folder "
+        "(the newest valid checkpoint is used).",
+    )
+    model: str = option(
+        "", "A model folder or hub id instead of a checkpoint (a checkpoint folder works too)."
+    )
+    verify: bool = option(
+        True, "Check the checkpoint's sha256 hashes (false: sizes only, faster for big models)."
+    )
+    temperature: float = option(1.0, "Sampling temperature.")
+    top_p: float = option(1.0, "Nucleus of the sampling.")
+    local_actor: bool = option(
+        True, "Start one arpo-actor process for this run (stopped with SIGTERM at the end)."
+    )
+    local_actor_log: str = option(
+        "", "File that receives the local actor's stderr (default: <out>/actor.log)."
+    )
+    out: str = option("runs/pool", "Output folder.")
+
+    def validate(self) -> None:
+        super().validate()
+        if not self.checkpoint and not self.model:
+            fail(self._policy_field, "give checkpoint=<folder> or model=<model folder>")
+        if self.checkpoint and self.model:
+            fail("model", "give either checkpoint or model, not both")
+        if self.checkpoint and not Path(self.checkpoint).exists():
+            fail("checkpoint", f"{self.checkpoint!r} does not exist")
+        if self.temperature < 0:
+            fail("temperature", "must be >= 0 (0: greedy)")
+        if not 0.0 < self.top_p <= 1.0:
+            fail("top_p", "must be in (0, 1]")
+        if not self.out:
+            fail("out", "is required: the output folder")
+        check_not_set(self.local_actor_args, POLICY_ACTOR_FIELDS, "local_actor_args")
+
+    _policy_field = "checkpoint"
+    """The field named when neither checkpoint nor model is given."""
+
+
 # ---------------------------------------------------------------------------- the task pool
 
 
@@ -398,8 +452,13 @@ def stop_local_actor(proc: subprocess.Popen, spool: Path, timeout_s: float = 60.
             proc.wait()
     if proc.returncode:
         log.warning("the local actor exited with code %d", proc.returncode)
-    with contextlib.suppress(OSError):  # an empty spool folder: everything was delivered
-        spool.rmdir()
+    # Everything delivered: only the ledger of finished episodes is left; remove the folder.
+    from arpo.actor.spool import LEDGER
+
+    with contextlib.suppress(OSError):
+        if {p.name for p in spool.iterdir()} <= {LEDGER}:
+            (spool / LEDGER).unlink(missing_ok=True)
+            spool.rmdir()
     return proc.returncode
 
 
