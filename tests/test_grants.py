@@ -261,3 +261,15 @@ def test_an_expired_grant_is_reissued_only_within_its_pool() -> None:
     (again,) = book.request("b", 1, now=22.0, pool="desktop")
     assert (again.group, again.slot) == (d.group, d.slot) and again.grant_id != d.grant_id
     assert book.stats()["reissued"] == 1
+
+
+def test_groups_the_learner_dropped_free_their_places() -> None:
+    """A learner that drops groups (too stale) without stepping must still get new ones:
+    otherwise admission, counted in versions, would wait forever."""
+    cfg = GrantConfig(group_size=1, groups_per_step=2, max_staleness=1, shuffle=False)
+    book = GrantBook(TASKS, cfg)
+    assert len(book.request("a", 100)) == 4 and book.request("a", 1) == []
+    book.set_retired(3)  # three groups taken out of the store and dropped, version still 0
+    assert len(book.request("a", 100)) == 3
+    book.set_retired(2)  # never goes back
+    assert book.request("a", 1) == []

@@ -135,6 +135,8 @@ class GroupAssembler:
         self.config = validate(config or AssembleConfig())
         self._rng = np.random.default_rng(seed)
         self._next = 0
+        self.taken = 0
+        """Groups taken from the store so far (trained, pending or dropped)."""
         self._pending: list[list[Sample]] = []
         """Groups taken but not yet handed out (a call that timed out keeps them)."""
         self._pending_counts: collections.Counter[str] = collections.Counter()
@@ -166,6 +168,7 @@ class GroupAssembler:
                 except BufferTimeout:
                     continue
                 took = True
+                self.taken += 1
                 group = self._score(task, items, version, self._pending_counts)
                 if group:
                     self._pending.append(group)

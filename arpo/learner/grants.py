@@ -19,7 +19,9 @@ A grant is (task, group, slot) plus the task's JSON, so actors need no task file
   `group_size` slots; open slots of older groups (of the pool) are granted before a new
   group opens, so every group fills up to its size.
 - Admission (AReaL's staleness control): with the learner at policy version v, at most
-  `(v + max_staleness + 1) * groups_per_step` groups are ever opened; the learner consumes
+  `max(v * groups_per_step, retired) + (max_staleness + 1) * groups_per_step` groups are
+  ever opened, where `retired` counts the groups the learner has taken out of the store
+  (a group it drops, e.g. as too stale, frees its place too); the learner consumes
   `groups_per_step` groups per version, so no episode granted now can be trained more than
   `max_staleness` versions after its grant. When nothing may be granted, the reply is empty
   with a `retry` delay. Admission counts the groups of all pools together.
@@ -147,15 +149,25 @@ class GrantBook:
         groups granted before the restart (their late trajectories stay unknown groups)."""
         self.version = 0
         self.opened = 0
+        self.retired = 0
+        """Groups the learner has taken out of the store (`set_retired`)."""
         self.counts: collections.Counter[str] = collections.Counter()
 
     def set_version(self, version: int) -> None:
         with self._lock:
             self.version = max(self.version, version)
 
+    def set_retired(self, groups: int) -> None:
+        """The learner has taken `groups` groups out of the store so far (trained or dropped,
+        e.g. as too stale): each frees a place for a new group, so groups the learner had to
+        drop can never starve it of new ones."""
+        with self._lock:
+            self.retired = max(self.retired, groups)
+
     def _admissible(self) -> bool:
         c = self.config
-        return self.opened < (self.version + c.max_staleness + 1) * c.groups_per_step
+        window = (c.max_staleness + 1) * c.groups_per_step
+        return self.opened < max(self.version * c.groups_per_step, self.retired) + window
 
     @property
     def pools(self) -> dict[str, int]:
