@@ -211,6 +211,29 @@ def task_domain(task: Mapping[str, Any], folder: str = "") -> str:
     return tid.split("-", 1)[0] if "-" in tid and tid.split("-", 1)[0] else "unknown"
 
 
+def _absolute_files(task: dict[str, Any], folder: Path) -> dict[str, Any]:
+    """The task with its `upload_file` steps' relative `local_path`s that exist beside the
+    task file made absolute: a grant carries only the task's JSON, so an actor (on this
+    filesystem) could not find files named relative to the task file's folder."""
+    import copy
+
+    out = copy.deepcopy(task)
+    steps = list(out.get("config") or [])
+    ev = out.get("evaluator")
+    if isinstance(ev, dict):
+        steps += list(ev.get("postconfig") or [])
+    for step in steps:
+        if not isinstance(step, dict) or step.get("type") != "upload_file":
+            continue
+        for f in (step.get("parameters") or {}).get("files") or []:
+            local = f.get("local_path") if isinstance(f, dict) else None
+            if isinstance(local, str) and local and not Path(local).is_absolute():
+                beside = folder / local
+                if not Path(local).is_file() and beside.is_file():
+                    f["local_path"] = str(beside.resolve())
+    return out
+
+
 def load_pool(path: str | Path) -> list[PoolTask]:
     """The tasks of a pool (see `PoolConfig.tasks`), each checked as an OSWorld task.
 
@@ -226,7 +249,7 @@ def load_pool(path: str | Path) -> list[PoolTask]:
                 raise TaskError(f"{f}: cannot read a task file: {e}") from None
             # A task has an id and an evaluator; index files and the like are skipped.
             if isinstance(raw, dict) and "id" in raw and "evaluator" in raw:
-                found.append((raw, str(f), f.parent.name))
+                found.append((_absolute_files(raw, f.parent), str(f), f.parent.name))
     elif p.is_file():
         try:
             text = p.read_text(encoding="utf-8")
