@@ -15,13 +15,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import faulthandler
-import logging
-import signal
 import sys
 
 from arpo.config import describe, load_config
 from arpo.errors import ConfigError
+from arpo.logs import setup_process
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,14 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"arpo-actor: {e}", file=sys.stderr)
         return 2
-    # `kill -USR1 <pid>` prints every thread's stack to stderr (a hung actor explains itself).
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
-    logging.basicConfig(
-        level=logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    logging.getLogger("arpo").setLevel(args.log_level.upper())
+    setup_process(args.log_level)
 
     async def run() -> bool:
         actor = Actor(cfg)

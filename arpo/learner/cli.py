@@ -12,13 +12,11 @@ component failed, 2 for a bad configuration.
 from __future__ import annotations
 
 import argparse
-import faulthandler
-import logging
-import signal
 import sys
 
 from arpo.config import describe, load_config
 from arpo.errors import ArpoError, ConfigError
+from arpo.logs import setup_process
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,13 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"arpo-learner: {e}", file=sys.stderr)
         return 2
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
-    logging.basicConfig(
-        level=logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    logging.getLogger("arpo").setLevel(args.log_level.upper())
+    setup_process(args.log_level)
     try:
         run_learner(cfg)
     except ConfigError as e:
