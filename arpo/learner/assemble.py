@@ -116,11 +116,6 @@ class Batch:
     """(trajectory id, reason) of the fresh trajectories taken from the store and left out."""
 
 
-def _header(item: Any) -> Any:
-    """The trajectory of a store item (views, no copies)."""
-    return wire.from_item(item)
-
-
 def _sample(item: Any, traj: Any, task: str, *, is_replay: bool) -> Sample:
     """A sample of `item` (advantage and group filled in later)."""
     return Sample(item, task, traj.trajectory_id, traj.reward, traj.checker_score,
@@ -209,7 +204,7 @@ class GroupAssembler:
         cfg = self.config
         kept: list[Sample] = []
         for item in items:
-            traj = _header(item)
+            traj = wire.from_item(item)
             if traj.status != Status.OK:
                 counts["data/dropped_status"] += 1
                 self._pending_dropped.append((traj.trajectory_id, "status"))
@@ -255,4 +250,4 @@ class GroupAssembler:
             items = self.store.sample(task, r.k, mode=mode)
         except (BufferValueError, UnknownTask):
             return []  # no success of this task yet
-        return [_sample(item, _header(item), task, is_replay=True) for item in items]
+        return [_sample(item, wire.from_item(item), task, is_replay=True) for item in items]
