@@ -72,3 +72,28 @@ def png_pool() -> list[bytes]:
 @pytest.fixture
 def realistic(png_pool: list[bytes]) -> Trajectory:
     return make_trajectory(np.random.default_rng(1), pngs=png_pool)
+
+
+# ---- shared by the pool-run tests (select, collect, evaluate) ---------------------------
+
+POOL_FAMILIES = ["click_button", "menu_pick", "type_submit"]
+"""Simulated task families of the small pools those tests write."""
+SCRIPTED_ACTOR = ["sim_envs=4", "policy='scripted'", "episode.scroll_clicks=1", "progress_s=0"]
+"""`local_actor_args` of a scripted local actor (no model) on 4 simulated desktops."""
+
+
+def loopback() -> object:
+    """Transport endpoints on free loopback ports."""
+    from arpo.transport import TransportConfig
+
+    return TransportConfig(data="tcp://127.0.0.1:0", control="tcp://127.0.0.1:0")
+
+
+class ListStore:
+    """A store that keeps every item ingest puts into it, in order."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[str, object]] = []
+
+    def put(self, task: str, item: object) -> None:
+        self.items.append((task, item))

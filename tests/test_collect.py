@@ -7,11 +7,11 @@ from __future__ import annotations
 import collections
 import json
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
 from arpo_envs.sim.tasks import generate_tasks, write_tasks
+from conftest import POOL_FAMILIES, SCRIPTED_ACTOR, ListStore, loopback
 
 from arpo import cli, wire
 from arpo.config import load_config, validate
@@ -19,21 +19,10 @@ from arpo.errors import ArpoError, ConfigError
 from arpo.learner.collect import CollectConfig, load_outcomes, read_collection, run_collect
 from arpo.learner.ingest import list_segments, segment_path
 from arpo.record import Trajectory
-from arpo.transport import TransportConfig
 
-FAMILIES = ["click_button", "menu_pick", "type_submit"]
-LOOPBACK = TransportConfig(data="tcp://127.0.0.1:0", control="tcp://127.0.0.1:0")
-SCRIPTED = ["sim_envs=4", "policy='scripted'", "episode.scroll_clicks=1", "progress_s=0"]
-
-
-class ListStore:
-    """A store that keeps every item ingest puts into it, in order."""
-
-    def __init__(self) -> None:
-        self.items: list[tuple[str, Any]] = []
-
-    def put(self, task: str, item: Any) -> None:
-        self.items.append((task, item))
+FAMILIES = POOL_FAMILIES
+LOOPBACK = loopback()
+SCRIPTED = SCRIPTED_ACTOR
 
 
 @pytest.fixture(scope="module")

@@ -9,12 +9,12 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
 import torch
 from arpo_envs.sim.tasks import generate_tasks, write_tasks
+from conftest import POOL_FAMILIES, SCRIPTED_ACTOR, ListStore, loopback
 
 from arpo import cli, wire
 from arpo.config import load_config, validate
@@ -25,21 +25,10 @@ from arpo.learner.evaluate import EvalConfig, run_eval
 from arpo.learner.rollouts import load_pool, task_domain
 from arpo.policy.tiny import build_tiny_model
 from arpo.record import Status
-from arpo.transport import TransportConfig
 
-FAMILIES = ["click_button", "menu_pick", "type_submit"]
-LOOPBACK = TransportConfig(data="tcp://127.0.0.1:0", control="tcp://127.0.0.1:0")
-SCRIPTED = ["sim_envs=4", "policy='scripted'", "episode.scroll_clicks=1", "progress_s=0"]
-
-
-class ListStore:
-    """A store that keeps every item ingest puts into it, in order."""
-
-    def __init__(self) -> None:
-        self.items: list[tuple[str, Any]] = []
-
-    def put(self, task: str, item: Any) -> None:
-        self.items.append((task, item))
+FAMILIES = POOL_FAMILIES
+LOOPBACK = loopback()
+SCRIPTED = SCRIPTED_ACTOR
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from arpo_envs.sim.tasks import generate_tasks, write_tasks
+from conftest import POOL_FAMILIES, loopback
 
 from arpo import cli, wire
 from arpo.buffer import ReplayStore
@@ -28,8 +29,8 @@ from arpo.learner.select import (
 from arpo.record import Status, Trajectory
 from arpo.transport import TransportConfig
 
-FAMILIES = ["click_button", "menu_pick", "type_submit"]
-LOOPBACK = TransportConfig(data="tcp://127.0.0.1:0", control="tcp://127.0.0.1:0")
+FAMILIES = POOL_FAMILIES
+LOOPBACK = loopback()
 ACTOR = ["sim_envs=4", "policy='scripted'", "episode.scroll_clicks=1", "progress_s=0"]
 
 
