@@ -101,6 +101,29 @@ def test_kto_step_raises_desirable_and_lowers_undesirable(tiny: Path, processor)
     assert after[1] < before[1] - 0.02
 
 
+def test_kto_balance_weighs_sparse_successes_like_the_failures(tiny: Path, processor) -> None:
+    rng = np.random.default_rng(4)
+    trajs = [_traj(processor, rng, "t", 1.0, turns=1)]
+    trajs += [_traj(processor, rng, "t", 0.0, turns=1) for _ in range(3)]
+    out = split_outcomes(trajs, 1.0)
+    balanced = OfflineTrainer(_cfg(tiny, algo="kto", kto_lambda_d=0.5))
+    units, report = balanced.units(out)
+    assert len(units) == 4
+    assert balanced.kto_lambda_d == pytest.approx(0.5 * 3 / 1)  # lambda_d n_d == lambda_u n_u
+    assert report["kto_lambda_d"] == pytest.approx(1.5)
+    plain = OfflineTrainer(_cfg(tiny, algo="kto", kto_lambda_d=0.5, kto_balance=False))
+    plain.units(out)
+    assert plain.kto_lambda_d == 0.5
+    # The weight reaches the loss: one step moves the success's log-prob further when balanced.
+    good = trajs[:1]
+    moved = []
+    for tr in (balanced, plain):
+        before = tr.logps(good)[0]
+        tr.step_kto(trajs, [True, False, False, False])
+        moved.append(float(tr.logps(good)[0] - before))
+    assert moved[0] > moved[1]
+
+
 def test_rft_step_raises_the_success_and_ignores_failures(tiny: Path, processor) -> None:
     rng = np.random.default_rng(3)
     good, bad = _traj(processor, rng, "t", 1.0), _traj(processor, rng, "t", 0.0)

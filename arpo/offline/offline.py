@@ -100,6 +100,12 @@ class OfflineConfig:
     label_smoothing: float = option(0.0, "Conservative DPO: assumed label-flip rate in [0, 0.5).")
     kto_lambda_d: float = option(1.0, "KTO weight of desirable (successful) trajectories.")
     kto_lambda_u: float = option(1.0, "KTO weight of undesirable (failed) trajectories.")
+    kto_balance: bool = option(
+        True,
+        "KTO: scale the desirable weight to kto_lambda_d * n_u / n_d so that both sides weigh "
+        "the same in total (the KTO paper keeps lambda_d n_d / lambda_u n_u in [1, 4/3]; with "
+        "sparse successes, equal weights let the failures drown them); false: as given.",
+    )
     pairing: Literal["all", "one-to-one"] = option(
         "all", "DPO pairs: every success x failure of a task, or shuffled one-to-one."
     )
@@ -163,6 +169,7 @@ class OfflineTrainer:
         self.config = config
         torch.manual_seed(config.seed)
         self._rng = random.Random(config.seed)
+        self.kto_lambda_d = config.kto_lambda_d  # kto_balance rescales it in train()
         dtype = getattr(torch, config.dtype)
         self.device = torch.device(config.device)
         self.processor = AutoProcessor.from_pretrained(config.model)
@@ -284,7 +291,7 @@ class OfflineTrainer:
             pi = sequence_logps(logp, mask)
             loss, m = kto_loss(
                 pi, self.ref_logps(part).to(pi), flags[micro].to(pi.device), beta=cfg.beta,
-                lambda_d=cfg.kto_lambda_d, lambda_u=cfg.kto_lambda_u, kl=z0,
+                lambda_d=self.kto_lambda_d, lambda_u=cfg.kto_lambda_u, kl=z0,
             )  # fmt: skip
             share = len(micro) / len(trajs)
             (loss * share).backward()
@@ -315,7 +322,7 @@ class OfflineTrainer:
 
     # ---- the run --------------------------------------------------------------------------
 
-    def units(self, outcomes: Outcomes) -> tuple[list[Any], dict[str, int]]:
+    def units(self, outcomes: Outcomes) -> tuple[list[Any], dict[str, Any]]:
         """What one epoch iterates over, and a report of how it was made."""
         cfg = self.config
         report = {
@@ -333,6 +340,10 @@ class OfflineTrainer:
         if cfg.algo == "kto":
             units = [(t, True) for ts in outcomes.successes.values() for t in ts]
             units += [(t, False) for ts in outcomes.failures.values() for t in ts]
+            n_d, n_u = outcomes.n_successes, outcomes.n_failures
+            if cfg.kto_balance and n_d and n_u:
+                self.kto_lambda_d = cfg.kto_lambda_d * n_u / n_d
+            report["kto_lambda_d"] = round(self.kto_lambda_d, 4)
             return units, report
         return [t for ts in outcomes.successes.values() for t in ts], report
 
