@@ -62,6 +62,7 @@ log = logging.getLogger("experiment")
 ONLINE = ("grpo", "arpo", "arpo_uncorrected")
 OFFLINE = ("dpo", "kto", "rft")
 GROUP_SIZE = 4
+SMOOTH = 4  # iterations per point of the plotted training curves
 
 
 def _train_config(args: argparse.Namespace, method: str, seed: int, model: str, tasks: str):
@@ -293,14 +294,18 @@ def plot(out: Path, results: dict[str, Any]) -> Path:
             continue
         n = min(len(c) for c in curves)
         a = np.array([[np.nan if x is None else x for x in c[:n]] for c in curves], float)
-        it = np.arange(1, n + 1)
-        mean = np.nanmean(a, axis=0)
-        ax[0].plot(it, mean, label=f"{m} (n={len(curves)})")
-        ax[0].fill_between(it, np.nanmin(a, axis=0), np.nanmax(a, axis=0), alpha=0.2)
-    ax[0].axhline(results["warm_start"], color="gray", ls="--", lw=1, label="warm start (eval)")
+        # Each point is 16 episodes: a moving mean over `SMOOTH` iterations per seed.
+        k = min(SMOOTH, n)
+        a = np.array([np.convolve(np.nan_to_num(r), np.ones(k) / k, mode="valid") for r in a])
+        it = np.arange(k, n + 1)
+        ax[0].plot(it, a.mean(axis=0), label=f"{m} (n={len(curves)})")
+        ax[0].fill_between(it, a.min(axis=0), a.max(axis=0), alpha=0.2)
+    ax[0].axhline(
+        results["warm_start"], color="gray", ls="--", lw=1, label="warm start, eval at T=0.6"
+    )
     ax[0].set_xlabel("iteration")
-    ax[0].set_ylabel("success rate of trained episodes")
-    ax[0].set_title("training (mean, min-max over seeds)")
+    ax[0].set_ylabel(f"success rate (T=1), mean of {SMOOTH} iterations")
+    ax[0].set_title("training episodes (mean and min-max over seeds)")
     ax[0].legend(fontsize=8)
     ax[0].grid(alpha=0.3)
     names = [m for m in ONLINE + OFFLINE if results["methods"][m]]
