@@ -344,6 +344,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--offline-lr", type=float, default=1e-4, help="arpo offline lr.")
     p.add_argument("--offline-epochs", type=int, default=2, help="arpo offline epochs.")
     p.add_argument("--report-only", action="store_true", help="Tables and plot from results.")
+    p.add_argument(
+        "--save-as",
+        default="",
+        help="Also copy results.md / .json and curves.png to benchmarks/results/<name>.*.",
+    )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     out = Path(args.out).resolve()
@@ -354,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         results = json.loads(res_path.read_text())
         print(report(out, results))
         plot(out, results)
+        _save_as(out, args.save_as)
         return 0
 
     from arpo.train import TrainConfig, TrainRun
@@ -401,7 +407,20 @@ def main(argv: list[str] | None = None) -> int:
     save()
     print(report(out, results))
     print(plot(out, results))
+    _save_as(out, args.save_as)
     return 0
+
+
+def _save_as(out: Path, name: str) -> None:
+    if not name:
+        return
+    import shutil
+
+    dest = Path(__file__).resolve().parent / "results"
+    dest.mkdir(parents=True, exist_ok=True)
+    for src, ext in (("results.md", "md"), ("results.json", "json"), ("curves.png", "png")):
+        shutil.copyfile(out / src, dest / f"{name}.{ext}")
+    log.info("copied to %s/%s.{md,json,png}", dest, name)
 
 
 if __name__ == "__main__":
