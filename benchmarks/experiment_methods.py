@@ -101,6 +101,18 @@ def _train_config(args: argparse.Namespace, method: str, seed: int, model: str, 
     return replace(cfg, learner=la, actor=replace(cfg.actor, episode=episode, flush_deadline_s=5.0))
 
 
+def _actor_args(args: argparse.Namespace) -> list[str]:
+    """The local actor of eval / collect: the episode limits of the online runs' actors."""
+    from arpo.train import TrainConfig
+
+    ep = TrainConfig().actor.episode
+    return [
+        f"sim_envs={args.envs}",
+        f"episode.max_steps={ep.max_steps}",
+        f"episode.max_new_tokens={ep.max_new_tokens}",
+    ]
+
+
 def _eval(args: argparse.Namespace, policy: str, tasks: str, out: Path, seed: int) -> dict:
     from arpo.learner.evaluate import EvalConfig, run_eval
 
@@ -116,11 +128,7 @@ def _eval(args: argparse.Namespace, policy: str, tasks: str, out: Path, seed: in
             temperature=0.6,
             out=str(out),
             progress_s=0,
-            local_actor_args=[
-                f"sim_envs={args.envs}",
-                "episode.max_steps=4",
-                "episode.max_new_tokens=48",
-            ],
+            local_actor_args=_actor_args(args),
         )
     )
     return json.loads(done.read_text())
@@ -194,11 +202,7 @@ def _offline(args, seed: int, model: str, tasks: str, budget: int) -> dict[str, 
                 out=str(data),
                 overwrite=True,
                 progress_s=0,
-                local_actor_args=[
-                    f"sim_envs={args.envs}",
-                    "episode.max_steps=4",
-                    "episode.max_new_tokens=48",
-                ],
+                local_actor_args=_actor_args(args),
             )
         )
     outcomes = load_outcomes(data / "outcomes.json")
@@ -268,6 +272,8 @@ def report(out: Path, results: dict[str, Any]) -> str:
             train = _spread(last)
             hits = (
                 f"{sum(p['replay_hits'] for p in per):.0f} / {sum(p['triggered'] for p in per):.0f}"
+                if m != "grpo"
+                else "- (no replay)"
             )
         else:
             train, hits = "-", "-"
