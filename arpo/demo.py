@@ -181,14 +181,12 @@ def run(cfg: DemoConfig) -> dict[str, object]:
     for it in range(cfg.iterations):
         for t in tasks:
             items = store.take_group(t, cfg.group_size, timeout=120.0)
-            group = [wire.from_item(x) for x in items]
-            for item, tr in zip(items, group, strict=True):
-                if tr.checker_score > cfg.replay.admit_score_above:
-                    store.add_success(t, item)  # the same stored item: no copy
+            group = fresh = [wire.from_item(x) for x in items]
             rewards = [tr.reward for tr in group]
             fresh_rewards, buffered = list(rewards), store.replay_len(t)
             used = "-"
-            if needs_replay(rewards, cfg.replay) and store.replay_len(t) > 0:
+            scores = [tr.checker_score for tr in group]
+            if needs_replay(scores, cfg.replay) and store.replay_len(t) > 0:
                 mode = "newest" if cfg.replay.pick == "newest" else "uniform"
                 picked = [wire.from_item(x) for x in store.sample(t, cfg.replay.k, mode=mode)]
                 group = (
@@ -199,6 +197,9 @@ def run(cfg: DemoConfig) -> dict[str, object]:
                 rewards = [tr.reward for tr in group]
                 used = f"+{len(picked)}"
                 replay_hits += 1
+            for item, tr in zip(items, fresh, strict=True):
+                if tr.checker_score > cfg.replay.admit_score_above:
+                    store.add_success(t, item)  # after the pick; the same stored item
             adv = advantages(rewards)
             groups.append(
                 {

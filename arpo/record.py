@@ -6,7 +6,8 @@ again (DESIGN section 3):
 - per turn: the prompt token ids added at this turn (the user message with its
   image placeholder tokens), the PNG bytes of the screenshot shown, the sampled
   response token ids, the behaviour log-probability of every sampled token, the
-  policy version that generated the turn, the parsed action and whether it parsed;
+  policy version that generated the turn, the sampling settings it was drawn with
+  (temperature, top_p), the parsed action and whether it parsed;
 - outcome: checker score, format reward, total reward, status, wall times;
 - ids: trajectory (uuid hex), task, group (the task grant), slot in the group, actor.
 
@@ -106,6 +107,12 @@ class Turn:
     """The parsed action: pyautogui code, or WAIT / DONE / FAIL; empty when not parsed."""
     parsed: bool = True
     """Whether the response parsed into an action."""
+    temperature: float = 1.0
+    """Sampling temperature the response was drawn with (0: greedy; NaN: not recorded, a
+    record from before the field existed). The learner trains only turns sampled with its
+    own settings (`arpo.learner.assemble`)."""
+    top_p: float = 1.0
+    """Nucleus the response was drawn with, in (0, 1] (NaN: not recorded)."""
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -135,6 +142,9 @@ class Turn:
             raise RecordError(f"turn.action must be a str, got {type(self.action).__name__}")
         if not isinstance(self.parsed, bool):
             raise RecordError(f"turn.parsed must be a bool, got {type(self.parsed).__name__}")
+        t, p = sampling_values(self.temperature, self.top_p, "turn.")
+        set_(self, "temperature", t)
+        set_(self, "top_p", p)
 
     @classmethod
     def trusted(
@@ -146,6 +156,8 @@ class Turn:
         policy_version: int,
         action: str,
         parsed: bool,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
     ) -> Turn:
         """Build a Turn from values the caller has already validated (the wire decoder
         checks whole frames at once); skips the per-field checks of the constructor."""
@@ -158,6 +170,8 @@ class Turn:
         set_(t, "policy_version", policy_version)
         set_(t, "action", action)
         set_(t, "parsed", parsed)
+        set_(t, "temperature", temperature)
+        set_(t, "top_p", top_p)
         return t
 
     def __eq__(self, other: object) -> bool:
@@ -171,9 +185,33 @@ class Turn:
             and self.policy_version == other.policy_version
             and self.action == other.action
             and self.parsed == other.parsed
+            and _same_float(self.temperature, other.temperature)
+            and _same_float(self.top_p, other.top_p)
         )
 
     __hash__ = None  # type: ignore[assignment]
+
+
+def _same_float(a: float, b: float) -> bool:
+    return a == b or (math.isnan(a) and math.isnan(b))
+
+
+def sampling_values(temperature: Any, top_p: Any, prefix: str = "") -> tuple[float, float]:
+    """Checked (temperature, top_p) of a sampled turn: temperature >= 0, top_p in (0, 1];
+    NaN stands for 'not recorded' (either both NaN or neither)."""
+    out = []
+    for name, v in (("temperature", temperature), ("top_p", top_p)):
+        if isinstance(v, bool) or not isinstance(v, int | float):
+            raise RecordError(f"{prefix}{name} must be a number, got {type(v).__name__}")
+        out.append(float(v))
+    t, p = out
+    if math.isnan(t) and math.isnan(p):
+        return t, p
+    if not (math.isfinite(t) and t >= 0.0):
+        raise RecordError(f"{prefix}temperature must be a finite number >= 0, got {t}")
+    if not 0.0 < p <= 1.0:
+        raise RecordError(f"{prefix}top_p must be in (0, 1], got {p}")
+    return t, p
 
 
 def _finite(value: Any, name: str) -> float:

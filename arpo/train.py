@@ -146,6 +146,18 @@ class TrainConfig:
             fail("max_restarts", "must be >= 0")
         if self.eval_runs_per_task < 0:
             fail("eval_runs_per_task", "must be >= 0")
+        from arpo.actor.episode import EpisodeConfig
+
+        default = EpisodeConfig()
+        for name in ("temperature", "top_p"):
+            a, t = getattr(self.actor.episode, name), getattr(self.learner.trainer, name)
+            if a != getattr(default, name) and a != t:
+                fail(
+                    f"actor.episode.{name}",
+                    f"is {a} but learner.trainer.{name} is {t}: the learner owns the rollout "
+                    f"sampling settings and sends them with every grant, so the actors' "
+                    f"log-probs are the ones it scores; set learner.trainer.{name} only",
+                )
 
 
 def _free_port() -> int:

@@ -8,7 +8,10 @@ A message is a list of frames (a ZeroMQ multipart message):
 
 Trajectory (kind 1): header keys `tid task group slot actor score fmt reward
 status timings turns`, where `turns` is a list of
-`[n_prompt, n_response, n_png, policy_version, parsed, action]`; then three frames
+`[n_prompt, n_response, n_png, policy_version, parsed, action, temperature, top_p]`
+(the sampling settings the turn was drawn with; the decoder also accepts the 6-entry
+form of records written before they existed, which decodes with NaN for both, "not
+recorded", and the learner does not train such turns); then three frames
 holding every turn's prompt ids (int32), response ids (int32) and log-probs
 (float32) concatenated in turn order, then one frame per turn with its PNG.
 
@@ -22,9 +25,13 @@ Control messages (no payload frames unless said):
   writes `pool`; the decoder also accepts a header without it (an actor from before the
   key existed), which means pool "". Every other key set is rejected.
 - grant (4), learner -> actor: `{"req", "grants", "retry"}`; `grants` is a list of
-  `[grant_id, task_id, group, slot, version, task_json]` (the task file's JSON text,
-  so actors need no task files); `retry` says how many seconds to wait before asking
-  again when the list is empty (admission control or nothing to do).
+  `[grant_id, task_id, group, slot, version, task_json, min_version, temperature,
+  top_p]`: the task file's JSON text (so actors need no task files), the oldest policy
+  version the episode may be sampled with (the actor fetches newer weights before it
+  starts the episode), and the sampling settings the learner scores (nil: the actor's
+  own; the decoder also accepts the 6-entry form, which means min_version 0 and the
+  actor's own settings); `retry` says how many seconds to wait before asking again when
+  the list is empty (admission control or nothing to do).
 - heartbeat (5), both ways: `{"sender", "role", "seq", "version", "time", "stats"}`;
   `role` is "actor" or "learner", `version` the policy version the sender holds,
   `stats` a small map of counters (name -> number).
@@ -62,7 +69,7 @@ import msgpack
 import numpy as np
 
 from arpo.errors import RecordError, WireError
-from arpo.record import PNG_SIGNATURE, Status, Trajectory, Turn
+from arpo.record import PNG_SIGNATURE, Status, Trajectory, Turn, sampling_values
 
 WIRE_VERSION = 1
 MAGIC = b"ARPO"
@@ -188,6 +195,13 @@ class Grant:
     """The learner's policy version when the grant was issued."""
     task_json: str
     """The task file as JSON text (OSWorld schema)."""
+    min_version: int = 0
+    """The episode must be sampled with policy weights of at least this version: an actor
+    holding older weights fetches the newest before it starts (staleness control)."""
+    temperature: float | None = None
+    """Sampling temperature the learner scores (None: the actor's own setting)."""
+    top_p: float | None = None
+    """Nucleus the learner scores (None: the actor's own setting)."""
 
     def __post_init__(self) -> None:
         _check_id(self.grant_id, "grant id")
@@ -197,6 +211,16 @@ class Grant:
         _check_int(self.version, "grant version")
         if type(self.task_json) is not str or len(self.task_json) > MAX_STR_BYTES:
             raise WireError(f"grant task_json must be a string of at most {MAX_STR_BYTES} bytes")
+        _check_int(self.min_version, "grant min_version")
+        if (self.temperature is None) != (self.top_p is None):
+            raise WireError("grant temperature and top_p must both be set or both be nil")
+        if self.temperature is not None:
+            t = _check_float(self.temperature, "grant temperature")
+            p = _check_float(self.top_p, "grant top_p")
+            if not 0.0 < p <= 1.0:
+                raise WireError(f"grant top_p must be in (0, 1], got {p!r:.40}")
+            object.__setattr__(self, "temperature", t)
+            object.__setattr__(self, "top_p", p)
 
 
 @dataclass(frozen=True, slots=True)
@@ -354,8 +378,10 @@ def encode(msg: Message) -> list[Frame]:
         return [_preamble(KIND_GRANT_REQUEST), _pack(h)]
     if isinstance(msg, GrantReply):
         grants = [
-            [g.grant_id, g.task_id, g.group, g.slot, g.version, g.task_json] for g in msg.grants
-        ]
+            [g.grant_id, g.task_id, g.group, g.slot, g.version, g.task_json, g.min_version,
+             g.temperature, g.top_p]
+            for g in msg.grants
+        ]  # fmt: skip
         return [
             _preamble(KIND_GRANT),
             _pack({"req": msg.req, "grants": grants, "retry": msg.retry}),
@@ -410,6 +436,8 @@ def trajectory_header(traj: Trajectory) -> dict[str, Any]:
                 t.policy_version,
                 t.parsed,
                 t.action,
+                t.temperature,
+                t.top_p,
             ]
             for t in traj.turns
         ],
@@ -561,9 +589,10 @@ def _decode_control(kind: int, header: dict[str, Any], frames: Sequence[Any]) ->
             raise WireError(f"grant 'grants' must be a list of at most {MAX_GRANTS} entries")
         grants = []
         for i, g in enumerate(raw):
-            if type(g) is not list or len(g) != 6:
+            if type(g) is not list or len(g) not in (6, 9):
                 raise WireError(
-                    f"grants[{i}] must be [grant_id, task_id, group, slot, version, task_json]"
+                    f"grants[{i}] must be [grant_id, task_id, group, slot, version, task_json, "
+                    "min_version, temperature, top_p] (or the first 6 of them)"
                 )
             grants.append(Grant(*g))
         return GrantReply(header["req"], tuple(grants), header["retry"])
@@ -621,7 +650,7 @@ def _turn_specs(header: dict[str, Any]) -> list[list[Any]]:
         # `type(x) is int` also rejects bools (a bool is an int subclass).
         if (
             type(t) is not list
-            or len(t) != 6
+            or len(t) not in (6, 8)
             or type(t[0]) is not int
             or type(t[1]) is not int
             or type(t[2]) is not int
@@ -634,9 +663,17 @@ def _turn_specs(header: dict[str, Any]) -> list[list[Any]]:
             or t[3] < 0
         ):
             raise WireError(
-                f"turns[{i}] must be [n_prompt, n_response, n_png, version, parsed, action] "
-                f"with ints >= 0, a bool and a str; got {t!r:.200}"
+                f"turns[{i}] must be [n_prompt, n_response, n_png, version, parsed, action, "
+                f"temperature, top_p] with ints >= 0, a bool, a str and two numbers; "
+                f"got {t!r:.200}"
             )
+        if len(t) == 6:
+            t.extend((math.nan, math.nan))  # a record from before the sampling fields
+        else:
+            try:
+                t[6], t[7] = sampling_values(t[6], t[7], f"turns[{i}].")
+            except RecordError as e:
+                raise WireError(str(e)) from None
     return turns_h
 
 
@@ -682,14 +719,18 @@ def _assemble(
         raise WireError("log-probs frame holds NaN or inf")
     try:
         turns = []
-        for i, (_, _, n_png, ver, parsed, action) in enumerate(specs):
+        for i, (_, _, n_png, ver, parsed, action, temp, top_p) in enumerate(specs):
             png = pngs[i]
             if len(png) != n_png:
                 raise WireError(f"turns[{i}] PNG frame has {len(png)} bytes, header says {n_png}")
             if n_png and png[:8] != PNG_SIGNATURE:
                 raise WireError(f"turns[{i}] screenshot frame is not a PNG (bad signature)")
             # Every field was checked above, frame-wide: skip the per-turn constructor checks.
-            turns.append(Turn.trusted(prompts[i], png, responses[i], lps[i], ver, action, parsed))
+            turns.append(
+                Turn.trusted(
+                    prompts[i], png, responses[i], lps[i], ver, action, parsed, temp, top_p
+                )
+            )
         status = _get(header, "status", str, "a string")
         if status not in Status._value2member_map_:
             raise WireError(f"unknown status {status!r}")

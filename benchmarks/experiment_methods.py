@@ -12,8 +12,8 @@ setting where the paper expects replay to help. Then, per seed:
 
 - online (`arpo train`, learner + one actor with `--envs` simulated desktops, up to
   `--staleness` policy versions in flight), `--iterations` iterations of `--groups` groups
-  of 4 episodes each, reward = checker score + `--format-weight` x format reward (0 by
-  default: see below):
+  of 4 episodes each, reward = checker score + `--format-weight` x format reward (0.5,
+  the reference's, by default):
   - `grpo`:  GRPO, no replay (`learner.assemble.replay.enabled=false`);
   - `arpo`:  replay of stored successes into groups without one, importance-corrected
     (weight exp(pi_prox - mu) of the replayed success's own behaviour log-probs);
@@ -29,14 +29,10 @@ setting where the paper expects replay to help. Then, per seed:
 - every resulting policy, and the warm start itself, evaluated with `arpo eval` on the
   16 tasks (`--eval-runs` episodes per task, temperature 0.6 as the reference evaluates).
 
-Why the format reward is off by default: with the reference's 0.5 x (-1 for an action
-that does not parse), a group in which no episode succeeds still has reward variance
-whenever one of its episodes fails to parse, so GRPO pushes up the parseable but wrong
-episodes of that group, and the reference's replay trigger (reward std < 0.05) does not
-fire on it. The tiny model fails to parse often, so that noise dominates its few
-successes (measured: `--format-weight 0.5 --seeds 0` took all three online methods below
-the warm start). With the checker score alone, a group without a success is flat (no
-gradient), which is exactly the group replay is meant for.
+The format reward is on (0.5, the reference's): the replay trigger reads the checker
+scores with the population std, as the reference does, so a group without a success is
+replayed into even when one of its episodes failed to parse (an earlier version read the
+total reward and switched the format reward off to make such groups trigger).
 
 Writes `<out>/results.json`, `<out>/results.md` (the tables the README quotes) and
 `<out>/curves.png` (training success rate against iteration, mean and min-max over seeds,
@@ -343,8 +339,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--format-weight",
         type=float,
-        default=0.0,
-        help="Online reward = checker score + this x format reward (the reference: 0.5).",
+        default=0.5,
+        help="Online reward = checker score + this x format reward (0.5: the reference).",
     )
     p.add_argument("--eval-runs", type=int, default=4, help="Evaluation episodes per task.")
     p.add_argument("--offline-lr", type=float, default=1e-4, help="arpo offline lr.")

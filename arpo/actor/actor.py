@@ -9,7 +9,10 @@ stops the actor loudly instead of leaving it hung):
 - one worker per environment: wait for room in the spool, get a grant (control link)
   for a task of the environment's pool (`sim_pool` for the simulated desktops started
   here, `env_pool` for the `envs` URLs, so the learner never sends a task to an
-  environment that cannot run it), run the episode (`episode.run_episode`), write the
+  environment that cannot run it), make sure the policy holds weights of at least the
+  grant's `min_version` (asking the weights coroutine to fetch them now, not at the next
+  heartbeat, and waiting for them: no episode starts with weights older than its
+  grant), run the episode (`episode.run_episode`), write the
   trajectory to the spool, wake the sender; an environment marked unhealthy retires its
   worker;
 - sender: sends spooled trajectories not yet acknowledged (oldest first, at most
@@ -17,8 +20,9 @@ stops the actor loudly instead of leaving it hung):
   spool file. What is in the spool at start is sent first: nothing finished is ever lost;
 - heartbeat: both links every `heartbeat_s`; notices (and logs) a learner that stops
   answering and its return; collection goes on into the spool meanwhile;
-- weights: when the learner's heartbeat announces a newer version, fetch it (chunks or a
-  shared path) and hand it to the engine, which applies it between requests;
+- weights: when the learner's heartbeat announces a newer version, or a worker holds a
+  grant that needs one, fetch the newest (chunks or a shared path) and hand it to the
+  engine, which applies it between requests;
 - progress: the live line (episodes, successes, steps/s, in flight, spool, version).
 
 Shutdown (SIGTERM / Ctrl-C / `stop()`): no new grants; in-flight episodes get
@@ -81,6 +85,10 @@ class ActorStats:
     grant_waits: int = 0
     by_pool: dict[str, int] = field(default_factory=dict)
     """Finished episodes per environment pool."""
+    weight_waits: int = 0
+    """Grants that waited for newer weights before their episode started."""
+    weight_wait_s: float = 0.0
+    """Seconds environments spent waiting for those weights."""
 
 
 class Actor:
@@ -109,6 +117,11 @@ class Actor:
         self.env_pools: dict[int, str] = {}
         """Environment index -> the pool its grants are asked for."""
         self._owns_policy = policy is None
+        self._weights_wanted = asyncio.Event()
+        """Set by a worker whose grant needs newer weights: fetch now."""
+        self._want_version = 0
+        self._refused = -1
+        """A version the engine rejected (not fetched again; its grants run on older weights)."""
 
     # ---- control ----------------------------------------------------------------------
 
@@ -318,6 +331,9 @@ class Actor:
                 break
             self._episodes_running += 1
             try:
+                if not await self._ensure_version(grant):
+                    self.stats.abandoned += 1  # stopping: the learner re-issues the grant
+                    continue
                 traj = await run_episode(
                     env,
                     grant,
@@ -355,6 +371,36 @@ class Actor:
             if not any(e.healthy for e in self.envs):
                 log.error("actor %s: no healthy environment left", self.actor_id)
                 self.stop()
+
+    async def _ensure_version(self, grant: wire.Grant) -> bool:
+        """Wait until the policy holds weights of at least `grant.min_version` (False when
+        the actor stops first). A policy that cannot take weights, or a version the engine
+        refused, does not wait (the learner's staleness filter is the backstop)."""
+        need = grant.min_version
+        if self.version >= need or not hasattr(self.policy, "update_weights"):
+            return True
+        self.stats.weight_waits += 1
+        t0 = last_log = time.monotonic()
+        try:
+            while self.version < need and self._refused < need:
+                if self._stopping.is_set():
+                    return False
+                self._want_version = max(self._want_version, need)
+                self._weights_wanted.set()
+                await wait_event(self._stopping, 0.02)
+                if time.monotonic() - last_log > 30.0:
+                    last_log = time.monotonic()
+                    log.warning(
+                        "actor %s: grant %s waits for policy v%d for %.0f s (holding v%d)",
+                        self.actor_id,
+                        grant.grant_id,
+                        need,
+                        last_log - t0,
+                        self.version,
+                    )
+            return True
+        finally:
+            self.stats.weight_wait_s += time.monotonic() - t0
 
     def _stepped(self) -> None:
         self.stats.steps += 1
@@ -450,11 +496,13 @@ class Actor:
 
     async def _weights(self) -> None:
         assert self.link is not None
-        refused = -1  # a version the engine rejected is not fetched again
         while True:
-            await asyncio.sleep(self.config.transport.heartbeat_s)
-            newest = self.link.learner_version
-            if newest <= max(self.version, refused) or not hasattr(self.policy, "update_weights"):
+            await wait_event(self._weights_wanted, self.config.transport.heartbeat_s)
+            self._weights_wanted.clear()
+            newest = max(self.link.learner_version, self._want_version)
+            if newest <= max(self.version, self._refused) or not hasattr(
+                self.policy, "update_weights"
+            ):
                 continue
             got = await fetch_weights(self.link)
             if got is None:
@@ -467,7 +515,7 @@ class Actor:
                 weights = await self._weights_for_engine(ann, data)
                 await self.policy.update_weights(weights, ann.version)
             except Exception:
-                refused = ann.version
+                self._refused = ann.version
                 log.exception(
                     "actor %s: policy v%d could not be applied; still serving v%d",
                     self.actor_id,

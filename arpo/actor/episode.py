@@ -11,7 +11,8 @@ The loop (the ARPO reference's, asynchronous per environment):
    slot again);
 2. up to `max_steps` turns: screenshot, the turn's prompt ids (`EpisodePrompt`), one
    sampled response (token ids + behaviour log-probs + the policy version that
-   produced them), parse (`try_parse_response`), execute the commands; the episode
+   produced them + the temperature and top_p they were drawn with: the grant's when it
+   carries them, else `EpisodeConfig`'s), parse (`try_parse_response`), execute the commands; the episode
    ends on DONE / FAIL, on a parse failure (format reward -1) or at the step limit;
 3. evaluate with the task's checker; reward = checker score + `format_weight` * format
    reward.
@@ -62,8 +63,14 @@ class EpisodeConfig:
 
     max_steps: int = option(15, "Turns per episode (the reference's 15).")
     history_images: int = option(15, "Screenshots kept in the model's context.")
-    temperature: float = option(1.0, "Sampling temperature of rollouts.")
-    top_p: float = option(1.0, "Nucleus of rollouts.")
+    temperature: float = option(
+        1.0,
+        "Sampling temperature of episodes whose grant carries none (pool runs); a training "
+        "learner's grants carry its trainer.temperature, which wins.",
+    )
+    top_p: float = option(
+        1.0, "Nucleus of episodes whose grant carries none; a learner's grants carry theirs."
+    )
     max_new_tokens: int = option(512, "Longest response per turn.")
     format_weight: float = option(0.5, "reward = checker score + format_weight * format reward.")
     scroll_clicks: int = option(5, "Wheel clicks per scroll action (the reference's 5).")
@@ -193,7 +200,9 @@ async def run_episode(
     episode = policy.episode(task) if hasattr(policy, "episode") else policy
     prompt, lo, hi = _prompt_for(policy, task.instruction, cfg)
     params = SamplingParams(
-        temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens
+        temperature=cfg.temperature if grant.temperature is None else grant.temperature,
+        top_p=cfg.top_p if grant.top_p is None else grant.top_p,
+        max_new_tokens=cfg.max_new_tokens,
     )
     action_cfg = A.ActionConfig(scroll_clicks=cfg.scroll_clicks)
     turns: list[Turn] = []
@@ -225,6 +234,8 @@ async def run_episode(
                     policy_version=int(comp.policy_version),
                     action=parsed.action,
                     parsed=parsed.parsed,
+                    temperature=params.temperature,
+                    top_p=params.top_p,
                 )
             )
             if on_step is not None:

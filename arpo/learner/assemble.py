@@ -10,21 +10,34 @@ of a task are in flight than one, a group may mix episodes of two grants of the 
 task (same task, policy versions within the staleness bound), which GRPO treats the
 same way.
 
-For each group taken:
+For each group taken, in this order (the reference's, plus the filters of an
+asynchronous system):
 
 1. Trajectories whose status is not `ok` (ingest keeps them out of the store, but a
-   store restored from elsewhere or an embedding program may hold them) and those
-   older than `max_staleness` versions (oldest turn's version < v - max_staleness) are
-   dropped and counted (`data/dropped_status`, `data/dropped_stale`).
-2. Successes (checker score > `replay.admit_score_above`) enter the task's replay
-   buffer (the store's replay role: capacity per task, FIFO).
-3. Replay (`arpo.learner.groups`, the reference rule by default): when the group's
-   rewards have std < 0.05 and mean < 0.2, `k` successes of the task from its replay
-   buffer (uniformly, or the newest) replace the last `k` fresh trajectories of the
-   group ('replace', the reference) or are added to it ('add'). Replayed trajectories
-   keep their own behaviour log-probs and versions; the loss's importance weight
-   corrects them (`arpo.learner.loss`).
-4. Group advantages from the total rewards (after replay). A group left with fewer
+   store restored from elsewhere or an embedding program may hold them) are dropped
+   (`data/dropped_status`). So is any trajectory the learner cannot score exactly,
+   before anything is computed from the group: a turn sampled with other settings than
+   `sampling` (the learner's temperature and top_p; `data/dropped_sampling`), or a
+   record the model cannot train on (`check`: image tokens that disagree with the
+   screenshots, token ids outside the vocabulary, an unreadable screenshot;
+   `data/dropped_invalid`).
+2. Successes (checker score > `replay.admit_score_above`) are noted for the task's
+   replay buffer whatever their age: a success too stale to train as a fresh episode
+   is still a success to replay (its importance weight corrects it).
+3. Trajectories older than `max_staleness` versions (oldest turn's version <
+   v - max_staleness) are dropped (`data/dropped_stale`).
+4. Replay (`arpo.learner.groups`, the reference rule by default): when the group's
+   checker scores have population std < 0.05 and mean < 0.2, `k` successes of the task
+   from its replay buffer (uniformly, or the newest) replace the last `k` fresh
+   trajectories of the group ('replace', the reference) or are added to it ('add').
+   Replayed trajectories keep their own behaviour log-probs and versions; the loss's
+   importance weight corrects them (`arpo.learner.loss`). A picked success that fails
+   the checks of step 1 is evicted from the buffer (`replay/evicted`) and another is
+   picked.
+5. The successes noted in step 2 enter the buffer (the store's replay role: capacity
+   per task, FIFO), after the pick, so a group never gets its own success back in
+   place of a real episode.
+6. Group advantages from the total rewards (after replay). A group left with fewer
    than `min_group_size` trajectories is dropped (`data/dropped_groups`).
 
 `next_batch` gathers `groups_per_step` groups, visiting the tasks that have a full
@@ -37,6 +50,7 @@ import collections
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,7 +60,7 @@ from arpo import wire
 from arpo.config import fail, option, validate
 from arpo.errors import BufferTimeout, BufferValueError, UnknownTask
 from arpo.learner.groups import ReplayConfig, advantages, needs_replay
-from arpo.record import Status
+from arpo.record import Status, Trajectory
 
 log = logging.getLogger("arpo.learner.assemble")
 
@@ -116,6 +130,30 @@ class Batch:
     """(trajectory id, reason) of the fresh trajectories taken from the store and left out."""
 
 
+Check = Callable[[Any, Trajectory], "str | None"]
+"""Why a store item (and its decoded trajectory) cannot be trained on, or None."""
+
+_REPLAY_TRIES = 8
+"""Picks per triggered group before giving up on a buffer of untrainable successes."""
+
+
+def sampling_mismatch(traj: Trajectory, temperature: float, top_p: float) -> str | None:
+    """Why `traj` was not sampled with (temperature, top_p), or None when every turn was."""
+    for i, t in enumerate(traj.turns):
+        if not (math.isclose(t.temperature, temperature, rel_tol=1e-6)
+                and math.isclose(t.top_p, top_p, rel_tol=1e-6)):  # fmt: skip
+            got = (
+                "without recorded sampling settings"
+                if math.isnan(t.temperature)
+                else f"at temperature {t.temperature:g}, top_p {t.top_p:g}"
+            )
+            return (
+                f"turn {i} was sampled {got}; the learner scores temperature "
+                f"{temperature:g}, top_p {top_p:g}"
+            )
+    return None
+
+
 def _sample(item: Any, traj: Any, task: str, *, is_replay: bool) -> Sample:
     """A sample of `item` (advantage and group filled in later)."""
     return Sample(item, task, traj.trajectory_id, traj.reward, traj.checker_score,
@@ -125,9 +163,22 @@ def _sample(item: Any, traj: Any, task: str, *, is_replay: bool) -> Sample:
 class GroupAssembler:
     """Takes groups from a `ReplayStore` (the learner is its only consumer)."""
 
-    def __init__(self, store: Any, config: AssembleConfig | None = None, seed: int = 0) -> None:
+    def __init__(
+        self,
+        store: Any,
+        config: AssembleConfig | None = None,
+        seed: int = 0,
+        *,
+        sampling: tuple[float, float] | None = None,
+        check: Check | None = None,
+    ) -> None:
+        """`sampling`: the (temperature, top_p) the learner scores; trajectories with a
+        turn sampled otherwise are dropped (None: not checked). `check(item, traj)`: why a
+        record cannot be trained on by this model, or None (see the module docstring)."""
         self.store = store
         self.config = validate(config or AssembleConfig())
+        self.sampling = sampling
+        self.check = check
         self._rng = np.random.default_rng(seed)
         self._next = 0
         self.taken = 0
@@ -198,36 +249,60 @@ class GroupAssembler:
         self.totals.update({k: v for k, v in counts.items() if not math.isnan(v)})
         return Batch(samples, len(groups), counts, dropped)
 
+    def _untrainable(self, item: Any, traj: Trajectory) -> tuple[str, str] | None:
+        """(counter, reason) when the learner cannot score `traj` exactly, else None."""
+        if self.sampling is not None:
+            why = sampling_mismatch(traj, *self.sampling)
+            if why is not None:
+                return "sampling", why
+        if self.check is not None:
+            try:
+                why = self.check(item, traj)
+            except Exception as e:  # one bad record never stops the learner
+                why = f"the check failed: {type(e).__name__}: {e}"
+            if why is not None:
+                return "invalid", why
+        return None
+
     def _score(
         self, task: str, items: list[Any], version: int, counts: collections.Counter[str]
     ) -> list[Sample]:
         cfg = self.config
         kept: list[Sample] = []
+        successes: list[Any] = []
         for item in items:
             traj = wire.from_item(item)
             if traj.status != Status.OK:
                 counts["data/dropped_status"] += 1
                 self._pending_dropped.append((traj.trajectory_id, "status"))
                 continue
-            v = traj.min_version
-            if v < version - cfg.max_staleness:
+            bad = self._untrainable(item, traj)
+            if bad is not None:
+                kind, why = bad
+                counts[f"data/dropped_{kind}"] += 1
+                self._pending_dropped.append((traj.trajectory_id, kind))
+                log.warning("dropping trajectory %s of task %s: %s", traj.trajectory_id, task,
+                            why)  # fmt: skip
+                continue
+            if traj.checker_score > cfg.replay.admit_score_above:
+                successes.append(item)  # enters the buffer below, whatever its age
+            if traj.min_version < version - cfg.max_staleness:
                 counts["data/dropped_stale"] += 1
                 self._pending_dropped.append((traj.trajectory_id, "stale"))
                 continue
             kept.append(_sample(item, traj, task, is_replay=False))
-            if traj.checker_score > cfg.replay.admit_score_above:
-                self.store.add_success(task, item)
-                counts["replay/admitted"] += 1
-        rewards = [s.reward for s in kept]
-        if kept and needs_replay(rewards, cfg.replay):
+        if kept and needs_replay([s.checker_score for s in kept], cfg.replay):
             counts["replay/triggered"] += 1
-            picked = self._replay(task, kept, version)
+            picked = self._replay(task, counts)
             if picked:
                 if cfg.replay.mode == "replace":
                     out = kept[len(kept) - len(picked) :]
                     self._pending_dropped += [(s.trajectory_id, "replaced") for s in out]
                     kept = kept[: len(kept) - len(picked)]
                 kept += picked
+        for item in successes:  # after the pick: never the group's own success
+            self.store.add_success(task, item)
+            counts["replay/admitted"] += 1
         if len(kept) < cfg.min_group_size:
             counts["data/dropped_groups"] += 1
             self._pending_dropped += [(s.trajectory_id, "small_group") for s in kept
@@ -243,11 +318,26 @@ class GroupAssembler:
             s.advantage = float(a)
         return kept
 
-    def _replay(self, task: str, kept: list[Sample], version: int) -> list[Sample]:
+    def _replay(self, task: str, counts: collections.Counter[str]) -> list[Sample]:
+        """`replay.k` trainable successes of `task` from its buffer (fewer if it has none):
+        a picked success that cannot be trained is evicted and another one picked."""
         r = self.config.replay
-        try:
-            mode = "newest" if r.pick == "newest" else "uniform"
-            items = self.store.sample(task, r.k, mode=mode)
-        except (BufferValueError, UnknownTask):
-            return []  # no success of this task yet
-        return [_sample(item, wire.from_item(item), task, is_replay=True) for item in items]
+        mode = "newest" if r.pick == "newest" else "uniform"
+        out: list[Sample] = []
+        for _ in range(_REPLAY_TRIES):
+            if len(out) >= r.k:
+                break
+            try:
+                items = self.store.sample(task, r.k - len(out), mode=mode)
+            except (BufferValueError, UnknownTask):
+                break  # no success of this task (left)
+            for item in items:
+                traj = wire.from_item(item)
+                bad = self._untrainable(item, traj)
+                if bad is None:
+                    out.append(_sample(item, traj, task, is_replay=True))
+                    continue
+                log.warning("evicting replayed success %s of task %s: %s",
+                            traj.trajectory_id, task, bad[1])  # fmt: skip
+                counts["replay/evicted"] += self.store.remove_replay(task, [item.key])
+        return out[: r.k]

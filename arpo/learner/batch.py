@@ -65,16 +65,23 @@ def response_positions(offsets: np.ndarray) -> np.ndarray:
     return np.concatenate(pos) if pos else np.zeros(0, np.int64)
 
 
-def check_item(item: Any, processor: Any, image_token_id: int) -> str | None:
+def check_item(
+    item: Any, processor: Any, image_token_id: int, vocab_size: int | None = None
+) -> str | None:
     """Why `item` cannot be trained on, or None: the cheap checks of `build_sequence`
-    (offsets, log-prob count, image tokens only in prompts and as many as the screenshots
-    need with this processor), reading only the PNG headers. A policy can sample an
-    <|image_pad|> token in a response (a random model does); such a trajectory has no
-    pixels for it."""
+    (offsets, log-prob count, token ids inside the model's vocabulary of `vocab_size`,
+    image tokens only in prompts and as many as the screenshots need with this processor),
+    reading only the PNG headers. A policy can sample an <|image_pad|> token in a response
+    (a random model does); such a trajectory has no pixels for it."""
     from arpo.policy.prompt import image_size, pixel_bounds, smart_resize
 
     tokens = np.asarray(item.tokens)
     offsets = np.asarray(item.offsets)
+    if vocab_size is not None and len(tokens):
+        lo, hi = int(tokens.min()), int(tokens.max())
+        if lo < 0 or hi >= vocab_size:
+            bad = lo if lo < 0 else hi
+            return f"token id {bad} is outside the model's vocabulary [0, {vocab_size})"
     if len(offsets) % 2 or int(offsets.sum()) != len(tokens):
         return f"offsets {offsets.tolist()[:8]} do not cover its {len(tokens)} tokens"
     pos = response_positions(offsets)
@@ -84,9 +91,12 @@ def check_item(item: Any, processor: Any, image_token_id: int) -> str | None:
         return "a response contains image placeholder tokens (sampled <|image_pad|>)"
     lo, hi = pixel_bounds(processor)
     want = 0
-    for b in item.blobs:
+    for i, b in enumerate(item.blobs):
         if b:
-            w, h = image_size(b)
+            try:
+                w, h = image_size(b)
+            except Exception as e:
+                return f"screenshot {i} cannot be read: {type(e).__name__}: {e}"
             rh, rw = smart_resize(h, w, min_pixels=lo, max_pixels=hi)
             want += (rh // 28) * (rw // 28)
     have = int((tokens == image_token_id).sum())

@@ -18,13 +18,24 @@ A grant is (task, group, slot) plus the task's JSON, so actors need no task file
 - Groups: a new group takes the next task of the pool (round robin) and has
   `group_size` slots; open slots of older groups (of the pool) are granted before a new
   group opens, so every group fills up to its size.
-- Admission (AReaL's staleness control): with the learner at policy version v, at most
+- Admission (AReaL's staleness control): at most
   `max(v * groups_per_step, retired) + (max_staleness + 1) * groups_per_step` groups are
-  ever opened, where `retired` counts the groups the learner has taken out of the store
-  (a group it drops, e.g. as too stale, frees its place too); the learner consumes
-  `groups_per_step` groups per version, so no episode granted now can be trained more than
-  `max_staleness` versions after its grant. When nothing may be granted, the reply is empty
-  with a `retry` delay. Admission counts the groups of all pools together.
+  ever opened, with the learner at version v and `retired` the groups it has taken out
+  of the store (trained, or dropped, e.g. as too stale; the learner takes at least
+  `groups_per_step` per version, so `retired` >= v * groups_per_step there and the rule
+  is: at most `(max_staleness + 1) * groups_per_step` groups open at once). A new group
+  therefore waits behind fewer than that many groups, of which the learner consumes
+  `groups_per_step` per version, so an episode granted at version v is trained by
+  version v + max_staleness when groups complete in the order they opened. A dropped
+  group frees its place once (one new group replaces it); the number of open groups
+  never grows. When nothing may be granted, the reply is empty with a `retry` delay. Admission
+  counts the groups of all pools together.
+- Versions: every grant carries `min_version`, the learner's version when the grant was
+  issued; an actor holding older weights fetches the newest before it starts the
+  episode, so no turn of it is sampled with weights older than the grant.
+- Sampling: with `sampling` on (the learner turns it on) every grant carries the
+  temperature and top_p the learner scores log-probs at, and the actor samples with
+  them instead of its own settings.
 - Re-issue: a grant not completed within `grant_timeout_s` (its actor died, its
   environment hung) goes to the next actor that asks, under a new grant id. If both
   attempts deliver, the first to arrive fills the slot and the other is a surplus
@@ -77,6 +88,15 @@ class GrantConfig:
     retry_s: float = option(0.5, "When nothing can be granted, actors ask again after this.")
     shuffle: bool = option(True, "Visit the tasks in a new random order every round.")
     seed: int = option(0, "Seed of the task order.")
+    sampling: bool = option(
+        False,
+        "Grants carry temperature and top_p (the learner turns this on with its trainer's "
+        "settings); off, actors sample with their own episode settings.",
+    )
+    temperature: float = option(
+        1.0, "Sampling temperature grants carry (the learner sets trainer.temperature)."
+    )
+    top_p: float = option(1.0, "Nucleus grants carry (the learner sets trainer.top_p).")
 
     def validate(self) -> None:
         if self.group_size < 1:
@@ -89,6 +109,10 @@ class GrantConfig:
             fail("grant_timeout_s", "must be > 0 seconds")
         if self.max_attempts < 1:
             fail("max_attempts", "must be >= 1")
+        if self.temperature < 0:
+            fail("temperature", "must be >= 0")
+        if not 0.0 < self.top_p <= 1.0:
+            fail("top_p", "must be in (0, 1]")
 
 
 @dataclass
@@ -187,8 +211,17 @@ class GrantBook:
         s.attempts += 1
         s.state, s.actor, s.issued = "granted", actor, now
         s.grant_id = f"{g.group_id}/{i}/{s.attempts}"
+        c = self.config
         return wire.Grant(
-            s.grant_id, g.task_id, g.group_id, i, self.version, self._tasks[g.task_id]
+            s.grant_id,
+            g.task_id,
+            g.group_id,
+            i,
+            self.version,
+            self._tasks[g.task_id],
+            min_version=self.version,
+            temperature=c.temperature if c.sampling else None,
+            top_p=c.top_p if c.sampling else None,
         )
 
     def request(

@@ -5,12 +5,17 @@ eps = 1e-6 and the sample standard deviation (Bessel-corrected, as `torch.std` i
 the reference's verl code; 0 for a group of one); `norm_std=False` drops the
 division (Dr. GRPO).
 
-Replay (the reference's rule, the default here): a group whose rewards have
-std < 0.05 and mean < 0.2 (every episode failed) gets one success of the same
-task, picked uniformly from that task's replay buffer, in place of one fresh
-episode. Successes with checker score > 0.1 enter the per-task buffer (capacity
-8, FIFO, kept by the replay store). Variants: add instead of replace, k
-successes, newest first.
+Replay (the reference's rule, the default here): a group whose **checker scores**
+have population std (`np.std`, ddof 0) < 0.05 and mean < 0.2 (every episode
+failed) gets one success of the same task, picked uniformly from that task's
+replay buffer, in place of one fresh episode. The trigger reads the checker
+scores, not the total reward: a group of failures in which one response did not
+parse (rewards [0]*7 + [-0.5], checker scores all 0) is replayed into, and so is
+a group with one partial score ([0.15] + [0]*7: population std 0.0496). The
+advantages are still computed on the total rewards. Successes with checker score
+> 0.1 enter the per-task buffer (capacity 8, FIFO, kept by the replay store)
+after the pick, so a group never gets its own success back as its replay.
+Variants: add instead of replace, k successes, newest first.
 """
 
 from __future__ import annotations
@@ -29,8 +34,12 @@ class ReplayConfig:
     """When and how past successes are put into a group."""
 
     enabled: bool = option(True, "Replay stored successes into groups that have none.")
-    std_below: float = option(0.05, "Trigger only when the group's reward std is below this.")
-    mean_below: float = option(0.2, "Trigger only when the group's reward mean is below this.")
+    std_below: float = option(
+        0.05, "Trigger only when the population std of the group's checker scores is below this."
+    )
+    mean_below: float = option(
+        0.2, "Trigger only when the mean of the group's checker scores is below this."
+    )
     admit_score_above: float = option(
         0.1, "Checker score above which an episode enters the buffer."
     )
@@ -63,12 +72,10 @@ def advantages(
     return a.astype(np.float32)
 
 
-def needs_replay(rewards: Sequence[float] | np.ndarray, cfg: ReplayConfig) -> bool:
-    """The reference trigger: every episode of the group failed (low std and low mean)."""
-    r = np.asarray(rewards, dtype=np.float64)
+def needs_replay(checker_scores: Sequence[float] | np.ndarray, cfg: ReplayConfig) -> bool:
+    """The reference trigger: every episode of the group failed, read from the checker
+    scores (not the total rewards) with the population std, as `np.std` does."""
+    r = np.asarray(checker_scores, dtype=np.float64)
     return bool(
-        cfg.enabled
-        and r.size
-        and (r.std(ddof=1) if r.size > 1 else 0.0) < cfg.std_below
-        and r.mean() < cfg.mean_below
+        cfg.enabled and r.size and r.std(ddof=0) < cfg.std_below and r.mean() < cfg.mean_below
     )

@@ -6,8 +6,9 @@
 One iteration (each stage is a named timing span, logged as `time/<span>_s`):
 
     wait        GroupAssembler.next_batch: `groups_per_step` complete groups from the store
-                (status / staleness filters, successes into replay, replay into failed
-                groups, advantages)
+                (status, sampling-settings and trainability checks, successes noted for
+                replay, staleness filter, replay into failed groups, successes into the
+                buffer, advantages)
     step        Trainer.step: proximal pass, then the optimizer steps (its own spans:
                 sequences, proximal_forward, forward_backward, optimizer)
     publish     the new weights as version v + 1: a safetensors stream served in chunks on
@@ -55,6 +56,7 @@ from arpo.errors import ConfigError
 from arpo.files import write_atomic
 from arpo.learner import distributed as D
 from arpo.learner.assemble import AssembleConfig, Batch, GroupAssembler, Sample
+from arpo.learner.batch import check_item
 from arpo.learner.checkpoint import (
     CheckpointConfig,
     latest_checkpoint,
@@ -104,7 +106,8 @@ class LearnerConfig:
     assemble: AssembleConfig = option(AssembleConfig(), "Groups, staleness filter and replay.")
     grants: GrantConfig = option(
         GrantConfig(),
-        "Task grants; group_size, groups_per_step and max_staleness are taken from assemble.",
+        "Task grants; group_size, groups_per_step and max_staleness are taken from assemble, "
+        "temperature and top_p from trainer.",
     )
     ingest: IngestConfig = option(
         IngestConfig(), "The receiving side (seen_log and journal_dir default to run_dir)."
@@ -130,12 +133,18 @@ class LearnerConfig:
         if self.store_fresh_capacity < self.assemble.group_size:
             fail("store_fresh_capacity", "must be at least assemble.group_size")
         default = GrantConfig()
-        for name in ("group_size", "groups_per_step", "max_staleness"):
-            g, a = getattr(self.grants, name), getattr(self.assemble, name)
+        for name, owner in (
+            ("group_size", "assemble"),
+            ("groups_per_step", "assemble"),
+            ("max_staleness", "assemble"),
+            ("temperature", "trainer"),
+            ("top_p", "trainer"),
+        ):
+            g, a = getattr(self.grants, name), getattr(getattr(self, owner), name)
             if g != getattr(default, name) and g != a:
                 fail(
                     f"grants.{name}",
-                    f"is {g} but assemble.{name} is {a}: set assemble.{name} only "
+                    f"is {g} but {owner}.{name} is {a}: set {owner}.{name} only "
                     "(the learner gives it to the grants)",
                 )
 
@@ -157,6 +166,9 @@ def resolved(cfg: LearnerConfig) -> LearnerConfig:
         group_size=a.group_size,
         groups_per_step=a.groups_per_step,
         max_staleness=a.max_staleness,
+        sampling=True,
+        temperature=cfg.trainer.temperature,
+        top_p=cfg.trainer.top_p,
     )
     publish = cfg.publish_dir or str(run / "weights")
     return replace(cfg, ingest=ingest, checkpoint=ckpt, grants=grants, publish_dir=publish)
@@ -278,7 +290,15 @@ class Learner:
             counts = self.ingest.replay_journal(0)
             log.info("resume without a checkpoint: the whole journal replayed: %s", counts)
         self._open_ledger(ckpt.iteration if ckpt is not None else 0)
-        self.assembler = GroupAssembler(store, cfg.assemble, seed=cfg.seed)
+        t = self.trainer
+        vocab = int(t.base_model.get_input_embeddings().num_embeddings)
+        self.assembler = GroupAssembler(
+            store,
+            cfg.assemble,
+            seed=cfg.seed,
+            sampling=(cfg.trainer.temperature, cfg.trainer.top_p),
+            check=lambda item, traj: check_item(item, t.processor, t.image_token_id, vocab),
+        )
         self.metrics = MetricsLogger(run, cfg.metrics)
         self.progress = ProgressLine(cfg.metrics.progress_s)
         self._publish()
@@ -416,10 +436,6 @@ class Learner:
         cfg = self.config
         assert self.trainer is not None and self.metrics is not None
         t_start = time.perf_counter()
-        batch = self._valid(batch)
-        if not batch.samples:
-            self._record(batch, self.iteration + 1)
-            return {}
         ckpt_due = cfg.checkpoint.due(self.iteration + 1)
         self._announce("step", _pack(batch.samples), ckpt_due)
         with self.spans("step"):
@@ -465,30 +481,6 @@ class Learner:
         self.progress.update(self.iteration, out)
         self.history.append(out)
         return out
-
-    def _valid(self, batch: Batch) -> Batch:
-        """The batch without trajectories the model cannot be trained on (counted as
-        data/dropped_invalid, logged): one bad record never stops the learner."""
-        from arpo.learner.batch import check_item
-
-        assert self.trainer is not None
-        t = self.trainer
-        keep = []
-        for s in batch.samples:
-            why = check_item(s.item, t.processor, t.image_token_id)
-            if why is None:
-                keep.append(s)
-            else:
-                log.warning("dropping trajectory %s of task %s: %s", s.trajectory_id, s.task_id,
-                            why)  # fmt: skip
-                if not s.is_replay:
-                    batch.dropped.append((s.trajectory_id, "invalid"))
-        dropped = len(batch.samples) - len(keep)
-        batch.counts["data/dropped_invalid"] = float(dropped)
-        batch.counts["data/trajectories"] = float(len(keep))
-        self.assembler.totals["data/dropped_invalid"] += dropped
-        batch.samples = keep
-        return batch
 
     # ---- the ledger of what was trained ------------------------------------------------
 

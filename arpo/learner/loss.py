@@ -39,6 +39,14 @@ Settings against the ARPO reference (the authors' training script):
 
     loss, metrics = arpo_loss(logp, logp_prox, logp_behav, adv, mask, is_replay, LossConfig())
     loss.backward()
+
+What the correction corrects (`behaviour_drift`, logged once per step from the proximal
+pass, for fresh and replayed trajectories separately): the per-sequence log-ratio
+sum_t (pi_prox - mu) (how much likelier the learner finds the whole trajectory than the
+policy that sampled it), the weight exp(pi_prox - mu) over the tokens whose behaviour
+probability is below 0.9 (the tokens that carry the decision, e.g. coordinates; the
+format tokens around them sit near probability 1 and weight 1 and hide them in a mean
+over all tokens), and the share of tokens whose weight is truncated at w_max.
 """
 
 from __future__ import annotations
@@ -215,3 +223,43 @@ def arpo_loss(
         if kl is not None:
             metrics["loss/kl"] = float(kl)
     return loss, metrics
+
+
+LOW_PROB = 0.9
+"""Behaviour probability below which a token counts as a decision token in the drift
+metrics (format tokens sit above it)."""
+
+
+def behaviour_drift(
+    prox: list[torch.Tensor], behav: list[torch.Tensor], is_replay: list[bool], w_max: float
+) -> dict[str, float]:
+    """Drift between the learner (pi_prox) and the behaviour policies (mu), per trajectory
+    kind ("fresh", "replay"): `losses/seq_logratio_<kind>_{mean,min,max}` (sum over a
+    trajectory's response tokens of pi_prox - mu), `losses/weight_lowp_<kind>_{mean,min,
+    max}` (exp(pi_prox - mu) before truncation, over tokens with exp(mu) < LOW_PROB) and
+    `losses/weight_truncated_<kind>_frac` (tokens with exp(pi_prox - mu) > w_max). NaN
+    when a kind has no tokens. `prox` and `behav` are per-trajectory 1-D tensors."""
+    out: dict[str, float] = {}
+    log_low = math.log(LOW_PROB)
+    for kind, want in (("fresh", False), ("replay", True)):
+        rows = [i for i, r in enumerate(is_replay) if r == want and len(prox[i])]
+        seq = [float((prox[i].double() - behav[i].double()).sum()) for i in rows]
+        d = (
+            torch.cat([(prox[i] - behav[i]).double() for i in rows])
+            if rows
+            else torch.zeros(0, dtype=torch.float64)
+        )
+        b = torch.cat([behav[i].double() for i in rows]) if rows else d
+        w = torch.exp(d.clamp(-_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT))
+        low = w[b < log_low]
+        nan = math.nan
+        out[f"losses/seq_logratio_{kind}_mean"] = sum(seq) / len(seq) if seq else nan
+        out[f"losses/seq_logratio_{kind}_min"] = min(seq) if seq else nan
+        out[f"losses/seq_logratio_{kind}_max"] = max(seq) if seq else nan
+        out[f"losses/weight_lowp_{kind}_mean"] = float(low.mean()) if low.numel() else nan
+        out[f"losses/weight_lowp_{kind}_min"] = float(low.min()) if low.numel() else nan
+        out[f"losses/weight_lowp_{kind}_max"] = float(low.max()) if low.numel() else nan
+        out[f"losses/weight_truncated_{kind}_frac"] = (
+            float((w > w_max).double().mean()) if w.numel() else nan
+        )
+    return out

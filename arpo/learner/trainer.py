@@ -47,7 +47,7 @@ from arpo.learner import distributed as D
 from arpo.learner.assemble import Batch, Sample
 from arpo.learner.batch import TrainSequence, build_sequence, collate, token_logprobs
 from arpo.learner.distributed import DistConfig, DistInfo
-from arpo.learner.loss import LossConfig, arpo_loss
+from arpo.learner.loss import LossConfig, arpo_loss, behaviour_drift
 
 log = logging.getLogger("arpo.learner.trainer")
 
@@ -75,7 +75,14 @@ class TrainerConfig:
     micro_batch: int = option(1, "Trajectories per forward / backward pass.")
     shuffle: bool = option(False, "Shuffle trajectories before cutting mini-batches.")
     temperature: float = option(
-        1.0, "Rollout temperature: logits are divided by it, as the actors' log-probs were."
+        1.0,
+        "Rollout temperature: logits are divided by it, as the actors' log-probs were. The "
+        "learner owns it: every task grant carries it and actors sample with it.",
+    )
+    top_p: float = option(
+        1.0,
+        "Rollout nucleus, carried by every grant like temperature. Only 1.0: the learner "
+        "scores the full softmax, so a nucleus could not be scored exactly.",
     )
     entropy: bool = option(True, "Log the policy's entropy over the response tokens.")
     gradient_checkpointing: bool = option(False, "Recompute activations in backward (memory).")
@@ -101,6 +108,13 @@ class TrainerConfig:
             fail("micro_batch", "must be >= 1")
         if self.temperature <= 0:
             fail("temperature", "must be > 0 (the rollout temperature, 1.0 in the reference)")
+        if self.top_p != 1.0:
+            fail(
+                "top_p",
+                f"is {self.top_p}, but the learner scores log-probs of the full softmax at "
+                "trainer.temperature: rollouts sampled from a nucleus (top_p < 1) cannot be "
+                "scored exactly; set trainer.top_p = 1.0 (actors then sample with top_p 1.0)",
+            )
         if self.lr_warmup_steps < 0:
             fail("lr_warmup_steps", "must be >= 0")
         self.loss.validate()
@@ -251,6 +265,12 @@ class Trainer:
         if self.ref_model is not None:
             ref = dict(zip(mine, self.proximal(ordered, self.ref_model), strict=True))
         times["time/proximal_forward_s"] = time.perf_counter() - t0
+        drift = behaviour_drift(
+            [prox[i] for i in mine],
+            [seqs[i].behaviour_logp for i in mine],
+            [samples[i].is_replay for i in mine],
+            cfg.loss.w_max,
+        )
 
         adv = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
         replay = torch.tensor([s.is_replay for s in samples], dtype=torch.bool)
@@ -335,6 +355,7 @@ class Trainer:
         out["losses/lr"] = float(self.scheduler.get_last_lr()[0])
         out["data/tokens"] = D.global_count(sum(len(seqs[i].input_ids) for i in mine), info)
         out["data/loss_tokens"] = D.global_count(sum(len(seqs[i].targets) for i in mine), info)
+        out.update(drift)  # this rank's share (rank 0's under torchrun)
         out.update(times)
         return out
 

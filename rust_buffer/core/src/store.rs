@@ -880,6 +880,32 @@ impl<B: Blob> Store<B> {
         Ok(updated.unwrap_or(0))
     }
 
+    /// Removes the replay items of `task` whose key is in `keys` (a buffered
+    /// success the learner found it cannot train); keys not in the replay
+    /// buffer are skipped. Returns the number of residencies removed.
+    pub fn remove_replay(&self, name: &str, keys: &[u64]) -> Result<usize> {
+        self.check_open()?;
+        let task = self.known_task(name)?;
+        let wanted: HashSet<u64> = keys.iter().copied().collect();
+        let removed = task.update(|st| {
+            let hit = |s: &Slot<B>| wanted.contains(&s.item.key());
+            if !st.replay.iter().any(hit) {
+                return None;
+            }
+            let mut next = st.clone();
+            let (queue, bytes) = next.queue_mut(Role::Replay);
+            let (gone, kept): (Vec<_>, Vec<_>) = queue.iter().cloned().partition(hit);
+            *bytes -= gone.iter().map(|s| s.item.nbytes()).sum::<u64>();
+            *queue = kept.into_iter().collect();
+            Some((next, gone))
+        });
+        let removed = removed.unwrap_or_default();
+        for slot in &removed {
+            self.released(&task, slot, Removal::Dropped);
+        }
+        Ok(removed.len())
+    }
+
     /// Removes every item with `version < min_version` from both roles of
     /// every task; returns the number of residencies removed.
     pub fn drop_older_than(&self, min_version: i64) -> Result<usize> {

@@ -240,6 +240,27 @@ fn drop_older_than_removes_from_both_roles() {
 }
 
 #[test]
+fn remove_replay_takes_out_only_the_given_keys() {
+    let s = store(1 << 30, 100, 100);
+    let a = item(1, 2, 2);
+    let b = item(2, 2, 2);
+    let key_a = a.key();
+    s.put("t", Arc::clone(&a)).unwrap();
+    s.add_success("t", a, 1.0).unwrap();
+    s.add_success("t", b, 1.0).unwrap();
+    assert_eq!(s.remove_replay("t", &[key_a, 999_999]).unwrap(), 1);
+    assert_eq!(s.replay_len("t").unwrap(), 1);
+    assert_eq!(s.fresh_len("t").unwrap(), 1, "the fresh residency stays");
+    assert_eq!(s.remove_replay("t", &[key_a]).unwrap(), 0);
+    assert_eq!(s.stats().unwrap().total.dropped, 1);
+    assert!(matches!(
+        s.remove_replay("nope", &[1]),
+        Err(Error::UnknownTask(_))
+    ));
+    check_invariants(&s).unwrap();
+}
+
+#[test]
 fn wait_min_size_wakes_on_add() {
     let s = Arc::new(store(1 << 30, 8, 8));
     let s2 = Arc::clone(&s);

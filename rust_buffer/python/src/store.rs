@@ -268,6 +268,17 @@ impl PyStore {
             .map_err(to_pyerr)
     }
 
+    /// Removes replay items of `task` by key; returns how many were removed.
+    fn remove_replay(&self, task: &str, keys: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let keys: Vec<u64> = keys.extract().map_err(|e| {
+            value_error(format!(
+                "keys must be a sequence of item keys (ints >= 0): {e}"
+            ))
+        })?;
+        // A microsecond call: keeps the GIL (see `put`).
+        self.inner.remove_replay(task, &keys).map_err(to_pyerr)
+    }
+
     /// Number of items in the replay buffer of `task`.
     fn replay_len(&self, task: &str) -> PyResult<usize> {
         self.inner.replay_len(task).map_err(to_pyerr)
