@@ -168,3 +168,143 @@ def test_config_errors_name_the_field():
         GroupAssembler(store(), AssembleConfig(group_size=0))
     with pytest.raises(ConfigError, match="max_staleness"):
         GroupAssembler(store(), replace(AssembleConfig(), max_staleness=-1))
+
+
+# ---- the reference's replay trigger and order (checker scores, population std) --------
+
+
+def scored(task: str, checker: float, fmt: float = 0.0, version: int = 5, **kw) -> Trajectory:
+    """A trajectory with checker score `checker` and total reward checker + 0.5 * fmt."""
+    t = traj(task, 0.0, version=version, **kw)
+    return Trajectory(task, t.turns, checker, format_reward=fmt, reward=checker + 0.5 * fmt)
+
+
+def stored_success(s: ReplayStore, task: str, version: int = 1) -> Trajectory:
+    old = scored(task, 1.0, version=version)
+    s.add_success(task, wire.to_item(old))
+    return old
+
+
+@pytest.mark.parametrize(
+    "checker, fmt",
+    [
+        ([0.0] * 8, [0.0] * 7 + [-1.0]),  # one response did not parse: rewards [0]*7 + [-0.5]
+        ([0.15] + [0.0] * 7, [0.0] * 8),  # a partial score: population std 0.0496 < 0.05
+    ],
+    ids=["parse-failure", "partial-score"],
+)
+def test_reference_trigger_reads_checker_scores_with_population_std(checker, fmt):
+    s = store()
+    old = stored_success(s, "a")
+    for c, f in zip(checker, fmt, strict=True):
+        put(s, scored("a", c, f))
+    asm = GroupAssembler(s, AssembleConfig(group_size=8, groups_per_step=1))
+    b = asm.next_batch(version=5, timeout=1)
+    assert b.counts["replay/triggered"] == 1 and b.counts["replay/hits"] == 1
+    replayed = [x for x in b.samples if x.is_replay]
+    assert [x.trajectory_id for x in replayed] == [old.trajectory_id]
+    # Advantages stay on the total rewards: the parse failure is below the other failures.
+    rewards = [x.reward for x in b.samples]
+    np.testing.assert_allclose([x.advantage for x in b.samples], advantages(rewards), rtol=1e-6)
+    # The sample std of [0.15] + [0]*7 is 0.053: a sample-std trigger would not fire.
+    assert np.std(checker, ddof=0) < 0.05
+
+
+def test_a_group_with_a_real_success_is_not_replayed_into():
+    s = store()
+    stored_success(s, "a")
+    for c in [1.0] + [0.0] * 7:
+        put(s, scored("a", c))
+    b = GroupAssembler(s, AssembleConfig(group_size=8, groups_per_step=1)).next_batch(5, 1)
+    assert b.counts.get("replay/triggered", 0) == 0 and b.counts["replay/hits"] == 0
+
+
+def test_a_stale_success_enters_the_buffer_and_is_replayed_later():
+    """A success older than max_staleness is not trained as a fresh episode, but it enters
+    its task's buffer, and a later all-failed group of the task gets it as its replay."""
+    s = store()
+    asm = GroupAssembler(s, AssembleConfig(group_size=4, groups_per_step=1, max_staleness=1))
+    stale = put(s, scored("a", 1.0, version=1))  # 4 versions behind v=5
+    for _ in range(3):
+        put(s, scored("a", 0.0))
+    b = asm.next_batch(version=5, timeout=1)
+    assert b.counts["data/dropped_stale"] == 1 and b.counts["replay/admitted"] == 1
+    assert s.replay_len("a") == 1
+    # Its own group did not get it back (the buffer was empty at the pick).
+    assert b.counts["replay/triggered"] == 1 and b.counts["replay/hits"] == 0
+    assert stale.trajectory_id not in [x.trajectory_id for x in b.samples]
+    for _ in range(4):
+        put(s, scored("a", 0.0, version=6))
+    b2 = asm.next_batch(version=6, timeout=1)
+    assert [x.trajectory_id for x in b2.samples if x.is_replay] == [stale.trajectory_id]
+    assert b2.samples[-1].version == 1  # replayed with its own behaviour version
+
+
+def test_a_groups_own_success_is_never_its_replay():
+    """A partial success (0.15 > admit 0.1) in an all-failed group: the trigger fires, the
+    buffer is empty at the pick, so nothing is replayed; the success enters the buffer after
+    the pick, for later groups."""
+    s = store()
+    asm = GroupAssembler(s, AssembleConfig(group_size=8, groups_per_step=1))
+    own = put(s, scored("a", 0.15))
+    for _ in range(7):
+        put(s, scored("a", 0.0))
+    b = asm.next_batch(version=5, timeout=1)
+    assert b.counts["replay/triggered"] == 1 and b.counts["replay/hits"] == 0
+    assert [x.trajectory_id for x in b.samples].count(own.trajectory_id) == 1
+    assert not any(x.is_replay for x in b.samples) and s.replay_len("a") == 1
+
+
+def test_turns_sampled_with_other_settings_are_refused_with_a_counted_reason(caplog):
+    """The learner scores temperature 1.0, top_p 1.0: a trajectory whose turn was sampled at
+    0.6, and one from before turns recorded their settings (NaN), are dropped before the
+    group is scored; the group's advantages are over what is left."""
+    s = store()
+    ok = [put(s, scored("a", c)) for c in (1.0, 0.0)]
+    t = scored("a", 1.0)
+    put(s, replace(t, turns=(replace(t.turns[0], temperature=0.6),)))
+    t = scored("a", 0.0)
+    put(s, replace(t, turns=(replace(t.turns[0], temperature=np.nan, top_p=np.nan),)))
+    asm = GroupAssembler(s, AssembleConfig(group_size=4, groups_per_step=1), sampling=(1.0, 1.0))
+    with caplog.at_level("WARNING"):
+        b = asm.next_batch(version=5, timeout=1)
+    assert b.counts["data/dropped_sampling"] == 2
+    assert [x.trajectory_id for x in b.samples] == [x.trajectory_id for x in ok]
+    np.testing.assert_allclose([x.advantage for x in b.samples], advantages([1.0, 0.0]))
+    assert sorted(why for _, why in b.dropped) == ["sampling", "sampling"]
+    assert "sampled at temperature 0.6" in caplog.text
+    assert "without recorded sampling settings" in caplog.text
+
+
+def test_untrainable_records_are_dropped_before_scoring_and_evicted_from_the_buffer():
+    """`check` rejects some records: a fresh one is left out before the advantages (the group
+    is renormalised over the rest), a buffered success that fails it is evicted from the
+    store and another success is replayed instead; a check that raises drops its record."""
+    s = store()
+    bad_success = stored_success(s, "a", version=1)
+    good_success = stored_success(s, "a", version=2)
+    bad_ids = {bad_success.trajectory_id}
+    fresh = [put(s, scored("a", 0.0)) for _ in range(4)]
+    bad_ids.add(fresh[1].trajectory_id)
+    boom = fresh[2].trajectory_id
+
+    def check(item, tr):
+        if tr.trajectory_id == boom:
+            raise ValueError("cannot read it")
+        return "bad record" if tr.trajectory_id in bad_ids else None
+
+    asm = GroupAssembler(s, AssembleConfig(group_size=4, groups_per_step=1), check=check)
+    for _ in range(20):  # uniform picks: the bad success is hit and evicted sooner or later
+        if s.replay_len("a") == 1:
+            break
+        asm._replay("a", asm._pending_counts)
+    assert s.replay_len("a") == 1 and asm._pending_counts["replay/evicted"] == 1
+    b = asm.next_batch(version=5, timeout=1)
+    assert b.counts["data/dropped_invalid"] == 2
+    ids = [x.trajectory_id for x in b.samples]
+    assert fresh[1].trajectory_id not in ids and boom not in ids
+    assert [x.trajectory_id for x in b.samples if x.is_replay] == [good_success.trajectory_id]
+    assert len(b.samples) == 2  # 2 fresh left, one replaced by the replayed success
+    np.testing.assert_allclose(
+        [x.advantage for x in b.samples], advantages([x.reward for x in b.samples])
+    )

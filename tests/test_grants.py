@@ -269,7 +269,9 @@ def test_groups_the_learner_dropped_free_their_places() -> None:
     cfg = GrantConfig(group_size=1, groups_per_step=2, max_staleness=1, shuffle=False)
     book = GrantBook(TASKS, cfg)
     assert len(book.request("a", 100)) == 4 and book.request("a", 1) == []
-    book.set_retired(3)  # three groups taken out of the store and dropped, version still 0
+    book.set_dropped(3)  # three groups taken out of the store and dropped, version still 0
     assert len(book.request("a", 100)) == 3
-    book.set_retired(2)  # never goes back
+    book.set_dropped(2)  # never goes back
     assert book.request("a", 1) == []
+    book.set_version(1)  # two groups trained: two more places, and no more
+    assert len(book.request("a", 100)) == 2 and book.request("a", 1) == []

@@ -171,6 +171,62 @@ def test_learner_trains_with_a_real_actor_that_applies_published_weights(
     assert list_checkpoints(Path(cfg.run_dir) / "checkpoints")
 
 
+def test_no_episode_starts_with_weights_older_than_its_grant(tmp_path, tiny_dir, sim_tasks_file):
+    """Staleness control end to end: a real actor process whose weight transfer is slowed
+    down (1 s per version) and a synchronous learner (max_staleness 0). Every grant carries
+    the learner's version as its minimum; the actor fetches those weights before it starts
+    the episode, so no trajectory is older than its grant and none is dropped as stale."""
+    cfg = config(tmp_path, tiny_dir, sim_tasks_file, iterations=4,
+                 assemble=AssembleConfig(group_size=2, groups_per_step=2, max_staleness=0))  # fmt: skip
+    learner = Learner(cfg)
+    learner.setup()
+    book = learner.grants.book
+    issued: dict[tuple[str, int], list[int]] = {}
+    request = book.request
+
+    def recording_request(*a, **kw):
+        grants = request(*a, **kw)
+        for g in grants:
+            assert g.min_version == g.version and g.temperature == 1.0 and g.top_p == 1.0
+            issued.setdefault((g.group, g.slot), []).append(g.min_version)
+        return grants
+
+    book.request = recording_request
+    seen: list[tuple[str, int, int]] = []
+    complete = learner.ingest._on_trajectory
+
+    def observe(traj):
+        seen.append((traj.group_id, traj.slot, traj.min_version))
+        return complete(traj)
+
+    learner.ingest._on_trajectory = observe
+    actor_log = tmp_path / "actor.log"
+    args = [
+        sys.executable, "-m", "arpo.actor.cli", "sim_envs=2", "policy='engine'",
+        f"engine.model={str(tiny_dir)!r}", "episode.max_steps=2", "episode.max_new_tokens=16",
+        f"spool_dir={str(tmp_path / 'spool')!r}", "progress_s=0", "weights_delay_s=1.0",
+        f"transport.data={learner.ingest.endpoint!r}",
+        f"transport.control={learner.grants.endpoint!r}",
+    ]  # fmt: skip
+    with actor_log.open("wb") as out:
+        actor = subprocess.Popen(args, stdout=out, stderr=out, env={**os.environ})
+    try:
+        learner.run()
+    finally:
+        actor.send_signal(signal.SIGTERM)
+        rc = actor.wait(timeout=120)
+    log_text = actor_log.read_text()
+    assert rc == 0, log_text[-3000:]
+    assert learner.version == 4
+    assert learner.assembler.totals["data/dropped_stale"] == 0
+    assert seen and all(v >= min(issued[(g, s)]) for g, s, v in seen), (seen, issued)
+    assert max(v for *_, v in seen) >= 3  # the actor followed the learner's versions
+    import re
+
+    waits = re.search(r"(\d+) grants waited for newer policy weights", log_text)
+    assert waits and int(waits.group(1)) >= 3, log_text[-3000:]
+
+
 def test_config_errors_name_the_field(tmp_path, tiny_dir, sim_tasks_file):
     with pytest.raises(ConfigError, match="tasks"):
         Learner(LearnerConfig(trainer=TrainerConfig(model=str(tiny_dir))))
@@ -178,6 +234,28 @@ def test_config_errors_name_the_field(tmp_path, tiny_dir, sim_tasks_file):
         from arpo.learner.grants import GrantConfig
 
         Learner(config(tmp_path, tiny_dir, sim_tasks_file, grants=GrantConfig(group_size=3)))
+    with pytest.raises(ConfigError, match=r"grants\.temperature.*trainer\.temperature"):
+        Learner(config(tmp_path, tiny_dir, sim_tasks_file, grants=GrantConfig(temperature=0.6)))
+    # A nucleus cannot be scored exactly by the learner: refused at start, naming the
+    # field and what the actors then do.
+    with pytest.raises(ConfigError, match=r"trainer\.top_p.*set trainer\.top_p = 1\.0"):
+        Learner(config(tmp_path, tiny_dir, sim_tasks_file,
+                       trainer=TrainerConfig(model=str(tiny_dir), top_p=0.9)))  # fmt: skip
+    # The learner owns the rollout sampling: `arpo train` refuses an actor that would sample
+    # otherwise, naming both fields.
+    from dataclasses import replace
+
+    from arpo.config import validate
+    from arpo.train import TrainConfig
+
+    base = TrainConfig()
+    hot = replace(base.actor, episode=replace(base.actor.episode, temperature=0.6))
+    with pytest.raises(
+        ConfigError, match=r"actor\.episode\.temperature.*learner\.trainer\.temperature"
+    ):
+        validate(replace(base, actor=hot))
+    same = replace(base.learner, trainer=replace(base.learner.trainer, temperature=0.6))
+    assert validate(replace(base, actor=hot, learner=same)).learner.trainer.temperature == 0.6
     sel = tmp_path / "sel.json"
     sel.write_text(json.dumps({"selected": ["nope"], "complete": True, "tasks": {}}))
     learner = Learner(config(tmp_path, tiny_dir, sim_tasks_file, selection=str(sel)))

@@ -229,6 +229,16 @@ def test_replayed_success_gets_its_importance_weight_and_advantage(base_trainer,
     m = t.step(batch)
     assert m["losses/weight_replay_mean"] == pytest.approx(np.exp(-0.5), rel=1e-3)
     assert m["losses/weight_fresh_mean"] == pytest.approx(1.0, abs=1e-4)
+    # The drift metrics, from the proximal pass: the replayed success's per-sequence
+    # log-ratio is -0.5 per response token; fresh trajectories are on-policy (0).
+    n_resp = len(replayed[0].item.logprobs)
+    for k in ("mean", "min", "max"):
+        assert m[f"losses/seq_logratio_replay_{k}"] == pytest.approx(-0.5 * n_resp, rel=1e-3)
+        assert m[f"losses/seq_logratio_fresh_{k}"] == pytest.approx(0.0, abs=1e-3)
+    lp = np.asarray(replayed[0].item.logprobs)
+    if (np.exp(lp) < 0.9).any():  # random responses: nearly every token is unlikely
+        assert m["losses/weight_lowp_replay_mean"] == pytest.approx(np.exp(-0.5), rel=1e-3)
+    assert m["losses/weight_truncated_replay_frac"] == 0.0
     # The reference's uncorrected replay scores it with weight 1.
     t2 = fresh_trainer(base_trainer, loss=LossConfig(correct_replay=False))
     m2 = t2.step(batch)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import struct
+from dataclasses import replace
 
 import msgpack
 import numpy as np
@@ -13,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from arpo import wire
-from arpo.errors import WireError
+from arpo.errors import RecordError, WireError
 from arpo.record import PNG_SIGNATURE, Status, Trajectory, Turn
 
 
@@ -395,6 +397,7 @@ def _control_messages() -> list[wire.Message]:
         wire.GrantRequest("actor-0", 12, 4),
         wire.GrantRequest("actor-0", 13, 1, "sim"),
         wire.GrantReply(12, (grant, wire.Grant("g-2", "t", "t/1", 0, 0, "{}")), 0.0),
+        wire.GrantReply(14, (wire.Grant("g-3", "t", "t/2", 1, 9, "{}", 9, 0.7, 1.0),), 0.0),
         wire.GrantReply(13, (), 0.5),
         wire.Heartbeat("actor-0", "actor", 5, 2, 1.7e9, {"spool": 3, "steps_per_s": 1.5}),
         wire.Heartbeat("learner", "learner", 0, 0, 0.0, {}),
@@ -441,6 +444,24 @@ _ANN = {"version": 1, "nbytes": 10, "chunks": 1, "chunk_bytes": 10, "sha256": "0
         (_control(4, {"req": 0, "grants": [["g", "t", "t/0", -1, 0, "{}"]], "retry": 0}), "slot"),
         (_control(4, {"req": 0, "grants": [], "retry": float("nan")}), "retry must be a finite"),
         (_control(4, {"req": 0, "grants": [[]] * 257, "retry": 0}), "at most 256 entries"),
+        (
+            _control(
+                4, {"req": 0, "grants": [["g", "t", "t/0", 0, 0, "{}", 0, 1.0, None]], "retry": 0}
+            ),
+            "temperature and top_p must both be set or both be nil",
+        ),
+        (
+            _control(
+                4, {"req": 0, "grants": [["g", "t", "t/0", 0, 0, "{}", 0, 1.0, 1.5]], "retry": 0}
+            ),
+            "top_p must be in (0, 1]",
+        ),
+        (
+            _control(
+                4, {"req": 0, "grants": [["g", "t", "t/0", 0, 0, "{}", -1, None, None]], "retry": 0}
+            ),
+            "min_version must be an int",
+        ),
         (_control(5, {**_HB, "role": "boss"}), "role must be 'actor' or 'learner'"),
         (_control(5, {**_HB, "stats": {"x": "1"}}), "stats['x'] must be a finite number"),
         (_control(5, {**_HB, "stats": {str(i): 0 for i in range(65)}}), "at most 64 counters"),
@@ -478,3 +499,35 @@ def test_grant_request_carries_its_pool_and_accepts_the_header_without_it() -> N
     assert wire.GrantRequest("a", 1).pool == ""
     with pytest.raises(WireError, match="pool"):
         wire.GrantRequest("a", 1, 1, None)  # type: ignore[arg-type]
+
+
+def test_grants_carry_min_version_and_sampling_and_old_grants_still_decode() -> None:
+    g = wire.Grant("g", "t", "t/0", 2, 5, "{}", min_version=5, temperature=0.7, top_p=1.0)
+    (out,) = wire.decode([bytes(f) for f in wire.encode(wire.GrantReply(1, (g,)))]).grants
+    assert (out.min_version, out.temperature, out.top_p) == (5, 0.7, 1.0)
+    # A grant of a learner from before these fields: no minimum, the actor's own sampling.
+    old = wire.decode(_control(4, {"req": 1, "grants": [["g", "t", "t/0", 2, 5, "{}"]],
+                                   "retry": 0.0}))  # fmt: skip
+    (og,) = old.grants
+    assert (og.min_version, og.temperature, og.top_p) == (0, None, None)
+
+
+def test_turns_carry_their_sampling_settings() -> None:
+    turn = replace(_turn(1, n_resp=3), temperature=0.6, top_p=0.9)
+    traj = Trajectory(task_id="t", turns=(turn,), checker_score=0.0)
+    frames = wire.encode(traj)
+    assert msgpack.unpackb(frames[1])["turns"][0][6:] == [0.6, 0.9]
+    (t,) = wire.decode([bytes(f) for f in frames]).turns
+    assert (t.temperature, t.top_p) == (0.6, 0.9)
+    assert (wire.from_item(wire.to_item(traj)).turns[0].top_p) == 0.9
+    # A record from before the fields (6-entry turns): settings not recorded (NaN).
+    header = msgpack.unpackb(frames[1])
+    header["turns"] = [x[:6] for x in header["turns"]]
+    old = wire.decode([frames[0], msgpack.packb(header), *map(bytes, frames[2:])])
+    assert math.isnan(old.turns[0].temperature) and math.isnan(old.turns[0].top_p)
+    # Out-of-range settings are malformed input.
+    header["turns"] = [[*x[:6], 0.6, 0.0] for x in header["turns"]]
+    with pytest.raises(WireError, match=r"turns\[0\]\.top_p must be in \(0, 1\]"):
+        wire.decode([frames[0], msgpack.packb(header), *map(bytes, frames[2:])])
+    with pytest.raises(RecordError, match=r"turn\.temperature must be a finite number >= 0"):
+        replace(turn, temperature=-1.0)

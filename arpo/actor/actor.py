@@ -232,6 +232,13 @@ class Actor:
                 )
             await asyncio.gather(*workers, return_exceptions=True)
             await self._flush(c.flush_deadline_s)
+            log.info(
+                "actor %s: %d grants waited for newer policy weights before their episode "
+                "(%.1f environment-seconds)",
+                self.actor_id,
+                self.stats.weight_waits,
+                self.stats.weight_wait_s,
+            )
         finally:
             log.debug("actor %s: stopping services", self.actor_id)
             for t in service_tasks:
@@ -461,6 +468,8 @@ class Actor:
                 "in_flight": self._episodes_running,
                 "spool": len(self.spool),
                 "spool_bytes": self.spool.bytes_used,
+                "weight_waits": self.stats.weight_waits,
+                "weight_wait_s": round(self.stats.weight_wait_s, 3),
             }
             await self.link.heartbeat(
                 wire.Heartbeat(
@@ -511,6 +520,8 @@ class Actor:
             if ann.version <= self.version:
                 continue
             t0 = time.perf_counter()
+            if self.config.weights_delay_s:
+                await asyncio.sleep(self.config.weights_delay_s)
             try:
                 weights = await self._weights_for_engine(ann, data)
                 await self.policy.update_weights(weights, ann.version)

@@ -66,6 +66,11 @@ class ActorConfig:
     weights_dir: str = option(
         "", "Where weights fetched over the network are written when the engine loads folders."
     )
+    weights_delay_s: float = option(
+        0.0,
+        "Extra seconds before each new policy version is applied (a slow weight transfer, "
+        "for tests of the staleness control; 0 in real runs).",
+    )
 
     def validate(self) -> None:
         if not self.envs and self.sim_envs < 1:
@@ -85,5 +90,7 @@ class ActorConfig:
             fail("spool_max_bytes", "must be >= 1")
         if self.max_unacked < 1:
             fail("max_unacked", "must be >= 1")
+        if self.weights_delay_s < 0:
+            fail("weights_delay_s", "must be >= 0 seconds")
         if self.shutdown_deadline_s < 0 or self.flush_deadline_s < 0:
             fail("shutdown_deadline_s", "deadlines must be >= 0 seconds")

@@ -183,6 +183,8 @@ class GroupAssembler:
         self._next = 0
         self.taken = 0
         """Groups taken from the store so far (trained, pending or dropped)."""
+        self.dropped_groups = 0
+        """Groups taken from the store and dropped whole (never trained) so far."""
         self._pending: list[list[Sample]] = []
         """Groups taken but not yet handed out (a call that timed out keeps them)."""
         self._pending_counts: collections.Counter[str] = collections.Counter()
@@ -305,12 +307,14 @@ class GroupAssembler:
             counts["replay/admitted"] += 1
         if len(kept) < cfg.min_group_size:
             counts["data/dropped_groups"] += 1
+            self.dropped_groups += 1
             self._pending_dropped += [(s.trajectory_id, "small_group") for s in kept
                                       if not s.is_replay]  # fmt: skip
             return []
         adv = advantages([s.reward for s in kept], norm_std=cfg.norm_std)
         if cfg.drop_flat_groups and not np.any(adv):
             counts["data/dropped_flat_groups"] += 1
+            self.dropped_groups += 1
             self._pending_dropped += [(s.trajectory_id, "flat_group") for s in kept
                                       if not s.is_replay]  # fmt: skip
             return []

@@ -18,18 +18,17 @@ A grant is (task, group, slot) plus the task's JSON, so actors need no task file
 - Groups: a new group takes the next task of the pool (round robin) and has
   `group_size` slots; open slots of older groups (of the pool) are granted before a new
   group opens, so every group fills up to its size.
-- Admission (AReaL's staleness control): at most
-  `max(v * groups_per_step, retired) + (max_staleness + 1) * groups_per_step` groups are
-  ever opened, with the learner at version v and `retired` the groups it has taken out
-  of the store (trained, or dropped, e.g. as too stale; the learner takes at least
-  `groups_per_step` per version, so `retired` >= v * groups_per_step there and the rule
-  is: at most `(max_staleness + 1) * groups_per_step` groups open at once). A new group
-  therefore waits behind fewer than that many groups, of which the learner consumes
-  `groups_per_step` per version, so an episode granted at version v is trained by
+- Admission (AReaL's staleness control): with the learner at policy version v, at most
+  `v * groups_per_step + dropped + (max_staleness + 1) * groups_per_step` groups are
+  ever opened, where `dropped` counts the groups the learner took out of the store and
+  dropped whole (e.g. every episode too stale) instead of training them. The learner
+  trains `groups_per_step` groups per version, in the order they complete, so a group
+  opened at version v (and the grants of its slots, issued at v or later) is trained by
   version v + max_staleness when groups complete in the order they opened. A dropped
-  group frees its place once (one new group replaces it); the number of open groups
-  never grows. When nothing may be granted, the reply is empty with a `retry` delay. Admission
-  counts the groups of all pools together.
+  group is replaced by one new group; a group the learner has taken but not trained yet
+  (it waits for the rest of its batch) frees no place, so the window never widens.
+  When nothing may be granted, the reply is empty with a `retry` delay. Admission counts
+  the groups of all pools together.
 - Versions: every grant carries `min_version`, the learner's version when the grant was
   issued; an actor holding older weights fetches the newest before it starts the
   episode, so no turn of it is sampled with weights older than the grant.
@@ -173,25 +172,25 @@ class GrantBook:
         groups granted before the restart (their late trajectories stay unknown groups)."""
         self.version = 0
         self.opened = 0
-        self.retired = 0
-        """Groups the learner has taken out of the store (`set_retired`)."""
+        self.dropped = 0
+        """Groups the learner took out of the store and dropped whole (`set_dropped`)."""
         self.counts: collections.Counter[str] = collections.Counter()
 
     def set_version(self, version: int) -> None:
         with self._lock:
             self.version = max(self.version, version)
 
-    def set_retired(self, groups: int) -> None:
-        """The learner has taken `groups` groups out of the store so far (trained or dropped,
-        e.g. as too stale): each frees a place for a new group, so groups the learner had to
-        drop can never starve it of new ones."""
+    def set_dropped(self, groups: int) -> None:
+        """The learner has dropped `groups` whole groups so far (taken out of the store and
+        not trained, e.g. as too stale): each frees a place for one new group, so groups the
+        learner had to drop can never starve it of new ones."""
         with self._lock:
-            self.retired = max(self.retired, groups)
+            self.dropped = max(self.dropped, groups)
 
     def _admissible(self) -> bool:
         c = self.config
         window = (c.max_staleness + 1) * c.groups_per_step
-        return self.opened < max(self.version * c.groups_per_step, self.retired) + window
+        return self.opened < self.version * c.groups_per_step + self.dropped + window
 
     @property
     def pools(self) -> dict[str, int]:

@@ -272,8 +272,7 @@ class Learner:
         book.set_version(self.version)
         # Groups of earlier versions count as opened, so admission allows the usual
         # (max_staleness + 1) * groups_per_step groups in flight after a resume too.
-        book.opened = book.retired = self.version * cfg.grants.groups_per_step
-        self._retired_base = book.opened
+        book.opened = self.version * cfg.grants.groups_per_step
         self.grants = GrantServer(book, cfg.transport)
         self.ingest = Ingest(
             store,
@@ -414,7 +413,7 @@ class Learner:
                 t0 = time.perf_counter()
                 with self.spans("wait"):
                     batch = self.assembler.next_batch(self.version, timeout=1.0)
-                self.grants.book.set_retired(self._retired_base + self.assembler.taken)
+                self.grants.book.set_dropped(self.assembler.dropped_groups)
                 if batch is None:
                     waited += time.perf_counter() - t0
                     if waited >= cfg.wait_log_s:
