@@ -38,6 +38,9 @@ Semantics (the contract other components rely on):
   `timeout=0` never blocks; `BufferTimeout` on expiry. Waiting on a task never seen
   registers it (it then shows in `tasks()`); `fresh_len` of a task never seen is 0.
   `n > fresh_capacity` is a `BufferValueError` (the group could never form).
+  `fresh_head(task)` is `(version, seq)` of the task's oldest fresh item (None when it has
+  none): `seq` grows with every insert across all tasks, so heads of different tasks
+  compare by arrival (the learner takes the group whose head is oldest first).
 * Replay buffer: `add_success` appends (FIFO beyond `replay_capacity`). `sample` considers the
   items with `version >= min_version` (all if `None`) and raises `BufferValueError` if fewer
   than `min_size` are eligible. `mode="uniform"` returns k items drawn uniformly with
@@ -46,8 +49,10 @@ Semantics (the contract other components rely on):
   the min(k, eligible) newest items, newest first, without replacement. `wait_min_size`
   blocks until the buffer holds n items (same timeout rules as `take_group`).
   `update_priorities(task, keys, priorities)` skips keys that are not in the buffer (evicted
-  meanwhile) and returns the number of entries updated. `sample`, `replay_len`,
-  `update_priorities` and `task_stats` raise `UnknownTask` for a task never seen.
+  meanwhile) and returns the number of entries updated; `remove_replay(task, keys)` takes
+  those items out of the replay buffer (counted as dropped) and returns how many went. `sample`, `replay_len`,
+  `update_priorities`, `remove_replay` and `task_stats` raise `UnknownTask` for a task
+  never seen.
 * Budget: `bytes_used` is the exact sum of `nbytes` over resident items, once per residency
   (an item both fresh and in replay counts twice). Above `max_bytes` the oldest residencies
   across all tasks and both roles are evicted first; an item larger than `max_bytes` is

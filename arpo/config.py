@@ -187,6 +187,11 @@ def from_dict(cls: type[T], data: Mapping[str, Any], *, prefix: str = "") -> T:
             )
         t = hints[key]
         if dataclasses.is_dataclass(t):
+            # Fields given for a nested config change its declared default (e.g. `arpo
+            # train`'s embedded learner), not the nested class's own defaults.
+            f = fields[key]
+            if f.default_factory is not _MISSING and isinstance(value, Mapping):
+                value = _merged(to_dict(f.default_factory()), value)
             kwargs[key] = from_dict(t, value, prefix=f"{path}.")
         else:
             kwargs[key] = _coerce(value, t, path)
@@ -200,6 +205,17 @@ def from_dict(cls: type[T], data: Mapping[str, Any], *, prefix: str = "") -> T:
         raise ConfigError(f"{prefix.rstrip('.') or cls.__name__}: {e}") from None
     _validate(cfg, prefix)
     return cfg
+
+
+def _merged(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    """`base` with `over` laid on top, table by table."""
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, Mapping) and isinstance(out.get(k), dict):
+            out[k] = _merged(out[k], v)
+        else:
+            out[k] = v
+    return out
 
 
 def _validate(cfg: Any, prefix: str) -> None:

@@ -308,3 +308,15 @@ def test_untrainable_records_are_dropped_before_scoring_and_evicted_from_the_buf
     np.testing.assert_allclose(
         [x.advantage for x in b.samples], advantages([x.reward for x in b.samples])
     )
+
+
+def test_groups_are_taken_oldest_first_not_round_robin():
+    """The group sampled with the oldest policy is trained first, whatever the task order:
+    a group that waited for its last episode is not overtaken by newer ones until stale."""
+    s = store()
+    for task, version in (("a", 6), ("z", 6), ("m", 4), ("b", 5)):
+        for r in (1.0, 0.0):
+            put(s, traj(task, r, version=version))
+    asm = GroupAssembler(s, AssembleConfig(group_size=2, groups_per_step=1, max_staleness=9))
+    order = [asm.next_batch(version=6, timeout=1).samples[0].task_id for _ in range(4)]
+    assert order == ["m", "b", "a", "z"]  # by version, then by arrival

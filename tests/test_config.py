@@ -148,3 +148,22 @@ def test_to_toml_round_trips_nested_configs(tmp_path) -> None:
         p = tmp_path / "c.toml"
         p.write_text(to_toml(cfg))
         assert load_config(type(cfg), p) == cfg
+
+
+def test_nested_overrides_change_the_declared_default_not_the_class_default(tmp_path) -> None:
+    """`arpo train learner.trainer.lr=3e-5` keeps the rest of train's embedded learner
+    (groups of 4, lr 1e-4 replaced, the model set by train), from a file as from an
+    override: a nested table is laid over the field's declared default."""
+    from arpo.train import TrainConfig
+
+    base = TrainConfig()
+    c = load_config(TrainConfig, None, ["learner.trainer.lr=3e-5"])
+    assert c.learner.trainer.lr == 3e-5 and base.learner.trainer.lr != 3e-5
+    assert c.learner.assemble.group_size == base.learner.assemble.group_size == 4
+    assert c.learner.trainer.model == base.learner.trainer.model
+    f = tmp_path / "run.toml"
+    f.write_text("[actor.episode]\nformat_weight = 0.0\n")
+    c = load_config(TrainConfig, f)
+    assert c.actor.episode.format_weight == 0.0
+    assert c.actor.episode.max_steps == base.actor.episode.max_steps == 4
+    assert c.actor.sim_envs == base.actor.sim_envs

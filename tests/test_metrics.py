@@ -8,6 +8,7 @@ import math
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -255,3 +256,34 @@ def test_throughput_is_counts_over_the_time_between_takes() -> None:
     assert rates.take() == {"charts/trajectories_per_s": 8.0, "charts/tokens_per_s": 2000.0}
     clock.t += 1.0
     assert rates.take() == {}
+
+
+def test_drift_metrics_are_standard_names_and_measure_the_shift() -> None:
+    """`behaviour_drift`: every name matches a documented pattern; a replayed trajectory
+    whose behaviour log-probs sit 0.5 above the learner's has a per-sequence log-ratio of
+    -0.5 per token and weight exp(-0.5) on its low-probability tokens; a fresh on-policy
+    one has 0 and 1."""
+    import re
+
+    import torch
+
+    from arpo.learner.loss import behaviour_drift
+
+    def pattern(name: str) -> re.Pattern[str]:
+        parts = re.split(r"<[^>]+>", name)  # `<kind>` and the like match one name part
+        return re.compile("^" + "[a-z_|]+".join(re.escape(p) for p in parts) + "$")
+
+    patterns = [pattern(k) for k in STANDARD_METRICS]
+    prox = [torch.tensor([-0.01, -2.0, -3.0]), torch.tensor([-0.02, -1.5, -4.0, -0.05])]
+    behav = [prox[0].clone(), prox[1] + 0.5]
+    m = behaviour_drift(prox, behav, [False, True], w_max=2.0)
+    assert all(any(p.match(k) for p in patterns) for k in m), m
+    assert m["losses/seq_logratio_replay_mean"] == pytest.approx(-2.0)
+    assert m["losses/seq_logratio_fresh_max"] == pytest.approx(0.0)
+    # behaviour probabilities below 0.9: tokens 2 and 3 of the replayed row (-1.0, -3.5)
+    assert m["losses/weight_lowp_replay_mean"] == pytest.approx(np.exp(-0.5), rel=1e-6)
+    assert m["losses/weight_lowp_fresh_min"] == pytest.approx(1.0)
+    assert m["losses/weight_truncated_replay_frac"] == 0.0
+    far = behaviour_drift([torch.tensor([-0.1, -5.0])], [torch.tensor([-0.1, -6.0])], [True], 2.0)
+    assert far["losses/weight_truncated_replay_frac"] == 0.5  # exp(1) > 2
+    assert np.isnan(far["losses/seq_logratio_fresh_mean"])

@@ -37,11 +37,15 @@ asynchronous system):
 5. The successes noted in step 2 enter the buffer (the store's replay role: capacity
    per task, FIFO), after the pick, so a group never gets its own success back in
    place of a real episode.
-6. Group advantages from the total rewards (after replay). A group left with fewer
+6. Group advantages from the total rewards (after replay; `advantage_side` can keep
+   only the positive or only the negative ones, an ablation). A group left with fewer
    than `min_group_size` trajectories is dropped (`data/dropped_groups`).
 
-`next_batch` gathers `groups_per_step` groups, visiting the tasks that have a full
-group in round-robin order, waiting (in slices of `poll_s`) until enough have formed.
+`next_batch` gathers `groups_per_step` groups, oldest first (of the tasks with a full
+group, the one whose next group starts with the lowest policy version, then the earliest
+arrival: groups are trained in the order they were sampled, so one that waited for its
+last episode is not overtaken until it is stale), waiting (in slices of `poll_s`) until
+enough have formed.
 """
 
 from __future__ import annotations
@@ -52,7 +56,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -78,6 +82,12 @@ class AssembleConfig:
         2, "Drop a group left with fewer trajectories than this after filtering."
     )
     norm_std: bool = option(True, "Divide advantages by the group's std (false: Dr. GRPO).")
+    advantage_side: Literal["both", "positive", "negative"] = option(
+        "both",
+        "Which advantages train: 'both' (GRPO), 'positive' (negative ones set to 0: only "
+        "episodes better than their group are pushed up) or 'negative' (only worse ones "
+        "pushed down). An ablation of what drives learning; 'both' is the method.",
+    )
     drop_flat_groups: bool = option(
         False,
         "Leave out groups whose advantages are all 0 (they add no gradient; the reference "
@@ -97,6 +107,8 @@ class AssembleConfig:
             fail("min_group_size", "must be >= 1")
         if self.poll_s <= 0:
             fail("poll_s", "must be > 0 seconds")
+        if self.advantage_side not in ("both", "positive", "negative"):
+            fail("advantage_side", "must be 'both', 'positive' or 'negative'")
         self.replay.validate()
         if self.replay.mode == "replace" and self.replay.k >= self.group_size:
             fail("replay.k", f"must be below group_size ({self.group_size}) with mode 'replace'")
@@ -167,7 +179,6 @@ class GroupAssembler:
         self,
         store: Any,
         config: AssembleConfig | None = None,
-        seed: int = 0,
         *,
         sampling: tuple[float, float] | None = None,
         check: Check | None = None,
@@ -179,8 +190,6 @@ class GroupAssembler:
         self.config = validate(config or AssembleConfig())
         self.sampling = sampling
         self.check = check
-        self._rng = np.random.default_rng(seed)
-        self._next = 0
         self.taken = 0
         """Groups taken from the store so far (trained, pending or dropped)."""
         self.dropped_groups = 0
@@ -193,13 +202,15 @@ class GroupAssembler:
         """Counters over the whole run (same names as Batch.counts)."""
 
     def _ready_tasks(self) -> list[str]:
+        """Tasks with a full group, oldest first (see the module docstring)."""
         g = self.config.group_size
-        tasks = [t for t in self.store.tasks() if self.store.fresh_len(t) >= g]
-        if not tasks:
-            return []
-        k = self._next % len(tasks)
-        self._next += 1
-        return tasks[k:] + tasks[:k]
+        heads = []
+        for t in self.store.tasks():
+            if self.store.fresh_len(t) >= g:
+                head = self.store.fresh_head(t)
+                if head is not None:
+                    heads.append((head, t))
+        return [t for _, t in sorted(heads)]
 
     def next_batch(self, version: int, timeout: float | None = None) -> Batch | None:
         """`groups_per_step` scored groups; None when `timeout` passes first (groups taken
@@ -312,6 +323,10 @@ class GroupAssembler:
                                       if not s.is_replay]  # fmt: skip
             return []
         adv = advantages([s.reward for s in kept], norm_std=cfg.norm_std)
+        if cfg.advantage_side == "positive":
+            adv = np.maximum(adv, 0.0)
+        elif cfg.advantage_side == "negative":
+            adv = np.minimum(adv, 0.0)
         if cfg.drop_flat_groups and not np.any(adv):
             counts["data/dropped_flat_groups"] += 1
             self.dropped_groups += 1

@@ -101,7 +101,7 @@ class LearnerConfig:
     store_fresh_capacity: int = option(
         1024, "Fresh trajectories kept per task before the oldest are evicted."
     )
-    seed: int = option(0, "Seed of the store's sampling and the assembler.")
+    seed: int = option(0, "Seed of the store's sampling (replay picks).")
     trainer: TrainerConfig = option(TrainerConfig(), "The model and the optimisation step.")
     assemble: AssembleConfig = option(AssembleConfig(), "Groups, staleness filter and replay.")
     grants: GrantConfig = option(
@@ -294,7 +294,6 @@ class Learner:
         self.assembler = GroupAssembler(
             store,
             cfg.assemble,
-            seed=cfg.seed,
             sampling=(cfg.trainer.temperature, cfg.trainer.top_p),
             check=lambda item, traj: check_item(item, t.processor, t.image_token_id, vocab),
         )
@@ -325,7 +324,8 @@ class Learner:
             resume = D.broadcast_object(resume, info)
         tcfg = cfg.trainer
         if resume and not info.distributed:
-            tcfg = replace(tcfg, model=str(ckpt.model_dir))
+            # The reference model stays the starting policy, not the checkpoint.
+            tcfg = replace(tcfg, model=str(ckpt.model_dir), ref_model=tcfg.ref_model or tcfg.model)
         self.trainer = Trainer(tcfg, info)
         if not resume:
             return
@@ -457,6 +457,9 @@ class Learner:
                 else math.nan
             ),
             "charts/episodes": float(len(fresh)),
+            "charts/parse_failure_rate": (
+                float(np.mean([float(s.item.rewards[2]) < 0 for s in fresh])) if fresh else math.nan
+            ),
             "charts/policy_version": float(self.version),
             "charts/trained_per_s": len(batch.samples) / step_s if step_s else math.nan,
             "charts/tokens_per_s": m["data/tokens"] / step_s if step_s else math.nan,

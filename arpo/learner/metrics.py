@@ -62,6 +62,8 @@ CHARTS: dict[str, str] = {
     "charts/reward_mean": "Mean total reward of the fresh episodes trained on this iteration.",
     "charts/success_rate": "Share of those episodes that succeeded (checker score at threshold).",
     "charts/episodes": "Fresh episodes trained on this iteration.",
+    "charts/parse_failure_rate": "Share of those episodes that ended on a response that did not "
+    "parse (format reward -1).",
     "charts/steps_per_s": "Environment steps (agent actions) received per second.",
     "charts/trajectories_per_s": "Trajectories received (stored by ingest) per second.",
     "charts/trained_per_s": "Trajectories trained on per second of the iteration.",
@@ -74,7 +76,8 @@ CHARTS: dict[str, str] = {
 LOSSES: dict[str, str] = {
     "losses/loss": "The optimised loss (policy loss + KL term when enabled), mean over steps.",
     "losses/loss_pg": "The clipped, importance-weighted policy-gradient loss.",
-    "losses/loss_kl": "KL estimate (k3) to the reference model, when one is given.",
+    "losses/loss_kl": "KL estimate (k3) to the reference model (the starting policy unless "
+    "trainer.ref_model), with loss.kl_coef > 0 or trainer.track_kl.",
     "losses/entropy": "Mean entropy of the policy over the trained tokens.",
     "losses/grad_norm": "Gradient norm before clipping, mean over the optimizer steps.",
     "losses/grad_norm_max": "Largest gradient norm of the iteration's optimizer steps.",
@@ -86,16 +89,25 @@ LOSSES: dict[str, str] = {
     "losses/ratio_min": "Smallest ratio.",
     "losses/ratio_max": "Largest ratio.",
     "losses/weight_fresh_mean": "Mean importance weight exp(pi_prox - mu) of fresh tokens.",
-    "losses/weight_replay_mean": "Mean importance weight of replayed tokens.",
+    "losses/weight_replay_mean": "Mean importance weight of replayed tokens (mostly format "
+    "tokens near probability 1: see the two rows below for the decision tokens).",
     "losses/weight_truncated_frac": "Share of tokens whose weight was truncated at w_max.",
     "losses/weight_ess": "Normalised effective sample size of the weights, in [0, 1].",
+    "losses/seq_logratio_<kind>_<mean|min|max>": "Per-trajectory log-ratio sum_t (pi_prox - mu) "
+    "over its response tokens, for kind fresh or replay (from the proximal pass; 0 on-policy).",
+    "losses/weight_lowp_<kind>_<mean|min|max>": "Weight exp(pi_prox - mu), before truncation, "
+    "over the tokens whose behaviour probability is below 0.9 (the decision tokens).",
+    "losses/weight_truncated_<kind>_frac": "Share of the kind's tokens whose weight exceeds "
+    "w_max (truncated).",
 }
 REPLAY: dict[str, str] = {
     "replay/hits": "Groups that had a stored success put into them this iteration.",
     "replay/buffer_size": "Successes held in the replay buffer, all tasks.",
     "replay/version_gap_mean": "Mean versions between a replayed success and the learner.",
     "replay/triggered": "Groups that met the replay trigger (no success), replayed into or not.",
-    "replay/admitted": "Successes that entered the replay buffer this iteration.",
+    "replay/admitted": "Successes that entered the replay buffer this iteration (whatever "
+    "their age: a success too stale to train fresh is still replayed later).",
+    "replay/evicted": "Buffered successes evicted because the learner cannot train them.",
 }
 DATA: dict[str, str] = {
     "data/groups": "Groups trained on this iteration.",
@@ -104,7 +116,10 @@ DATA: dict[str, str] = {
     "data/dropped_stale": "Trajectories dropped because they were too stale.",
     "data/dropped_status": "Trajectories kept out of training by their status (env_error, ...).",
     "data/dropped_invalid": "Trajectories the model cannot be trained on (e.g. a sampled "
-    "<|image_pad|> in a response), dropped and logged.",
+    "<|image_pad|> in a response, a token id outside the vocabulary, an unreadable "
+    "screenshot), dropped and logged before the group is scored.",
+    "data/dropped_sampling": "Trajectories with a turn sampled at another temperature / top_p "
+    "than the learner scores (or with none recorded), dropped and logged before scoring.",
     "data/dropped_groups": "Groups left with fewer than assemble.min_group_size trajectories.",
     "data/trajectories": "Trajectories trained on this iteration (fresh and replayed).",
     "data/ingest_<counter>": "Ingest counters since start: stored, duplicates, surplus, "

@@ -85,6 +85,16 @@ class TrainerConfig:
         "scores the full softmax, so a nucleus could not be scored exactly.",
     )
     entropy: bool = option(True, "Log the policy's entropy over the response tokens.")
+    ref_model: str = option(
+        "",
+        "The reference model of the KL term and of `track_kl` ('' = `model`, the starting "
+        "policy; the learner keeps it across a resume).",
+    )
+    track_kl: bool = option(
+        False,
+        "Log the KL estimate to the reference model (losses/loss_kl) even when loss.kl_coef "
+        "is 0 (costs one more forward pass per trajectory).",
+    )
     gradient_checkpointing: bool = option(False, "Recompute activations in backward (memory).")
     seed: int = option(0, "Seed of the shuffling and of torch.")
     loss: LossConfig = option(LossConfig(), "The policy loss.")
@@ -168,9 +178,9 @@ class Trainer:
         """The unwrapped model: its config, `get_rope_index`, and (single process) weights."""
         self.model = D.wrap_model(model, dist.config, dist) if dist.distributed else model
         self.ref_model = None
-        if config.loss.kl_coef > 0:
+        if config.loss.kl_coef > 0 or config.track_kl:
             self.ref_model = Qwen2_5_VLForConditionalGeneration.from_pretrained(
-                config.model, dtype=dtype
+                config.ref_model or config.model, dtype=dtype
             ).to(self.device)
             self.ref_model.eval().requires_grad_(False)
         self.image_token_id = int(model.config.image_token_id)

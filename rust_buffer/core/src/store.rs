@@ -737,6 +737,22 @@ impl<B: Blob> Store<B> {
         Ok(self.task(name).map_or(0, |t| t.state.load().fresh.len()))
     }
 
+    /// Version and insertion sequence number of the oldest fresh item of
+    /// `task` (the head of its FIFO, the first item `take_group` hands out);
+    /// `None` when it has no fresh item or was never seen. Sequence numbers
+    /// grow with every insert across all tasks, so they order heads of
+    /// different tasks by arrival.
+    pub fn fresh_head(&self, name: &str) -> Result<Option<(i64, u64)>> {
+        self.check_open()?;
+        Ok(self.task(name).and_then(|t| {
+            t.state
+                .load()
+                .fresh
+                .front()
+                .map(|s| (s.item.version(), s.seq))
+        }))
+    }
+
     /// Number of items in the replay buffer of `task`.
     pub fn replay_len(&self, name: &str) -> Result<usize> {
         self.check_open()?;

@@ -240,6 +240,27 @@ fn drop_older_than_removes_from_both_roles() {
 }
 
 #[test]
+fn fresh_head_is_the_oldest_fresh_item_in_arrival_order() {
+    let s = store(1 << 30, 100, 100);
+    assert_eq!(s.fresh_head("a").unwrap(), None);
+    s.put("a", item(3, 2, 2)).unwrap();
+    s.put("b", item(1, 2, 2)).unwrap();
+    s.put("a", item(4, 2, 2)).unwrap();
+    let (va, qa) = s.fresh_head("a").unwrap().unwrap();
+    let (vb, qb) = s.fresh_head("b").unwrap().unwrap();
+    assert_eq!((va, vb), (3, 1));
+    assert!(qa < qb, "a's head arrived first");
+    s.take_group("a", 1, Some(Duration::ZERO)).unwrap();
+    assert_eq!(s.fresh_head("a").unwrap().unwrap().0, 4);
+    s.add_success("c", item(0, 2, 2), 1.0).unwrap();
+    assert_eq!(
+        s.fresh_head("c").unwrap(),
+        None,
+        "replay items are not fresh"
+    );
+}
+
+#[test]
 fn remove_replay_takes_out_only_the_given_keys() {
     let s = store(1 << 30, 100, 100);
     let a = item(1, 2, 2);

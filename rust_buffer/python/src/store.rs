@@ -192,6 +192,11 @@ impl PyStore {
         self.inner.fresh_len(task).map_err(to_pyerr)
     }
 
+    /// (version, sequence number) of the oldest fresh item of `task`, or None.
+    fn fresh_head(&self, task: &str) -> PyResult<Option<(i64, u64)>> {
+        self.inner.fresh_head(task).map_err(to_pyerr)
+    }
+
     /// Appends `item` to the replay buffer of `task`.
     #[pyo3(signature = (task, item, priority = 1.0))]
     fn add_success(&self, task: &str, item: &Bound<'_, PyAny>, priority: f64) -> PyResult<()> {
