@@ -23,8 +23,11 @@ What it does, in order (every stage logs what it starts and where its log goes):
    the learner gets SIGTERM (it finishes the iteration and checkpoints), then the
    actors, then the desktops;
 5. results: `<run_dir>/learner/metrics.jsonl` (+ TensorBoard files), a plot of success
-   rate and reward against iteration (`<run_dir>/curve.png`), `arpo eval` of the final
-   checkpoint on the task pool (`<run_dir>/eval/eval.md`), and the checkpoint's path.
+   rate and reward against iteration with the starting policy's evaluation as a line
+   (`<run_dir>/curve.png`), `arpo eval` of the final checkpoint on the simulated tasks of
+   the pool (`<run_dir>/eval/eval.md`) beside the same evaluation of the starting policy,
+   run before training (`<run_dir>/eval_warm/eval.md`, `eval_warm_start`), with standard
+   errors, and the checkpoint's path.
 """
 
 from __future__ import annotations
@@ -120,8 +123,16 @@ class TrainConfig:
     restart: bool = option(True, "Start a dead actor again, and a dead learner with --resume.")
     max_restarts: int = option(5, "Restarts per process at most.")
     progress_s: float = option(10.0, "Interval of the progress line (0: none).")
-    eval_runs_per_task: int = option(2, "Episodes per task in the final evaluation (0: none).")
-    eval_temperature: float = option(0.6, "Sampling temperature of the final evaluation.")
+    eval_runs_per_task: int = option(
+        8,
+        "Episodes per task in the final evaluation, and in the starting policy's (0: none).",
+    )
+    eval_temperature: float = option(0.6, "Sampling temperature of the evaluations.")
+    eval_warm_start: bool = option(
+        True,
+        "Also evaluate the starting policy before training, with the same protocol, and "
+        "report trained minus start with its standard error.",
+    )
     learner: LearnerConfig = option(
         _default_learner(),
         "The learner (run_dir, tasks, trainer.model and the endpoints are set by train).",
@@ -214,6 +225,8 @@ class TrainRun:
         self.desktop_state: Path | None = None
         self.restarts: dict[str, int] = {}
         self.summary: dict[str, Any] = {}
+        self.warm_eval: dict[str, Any] | None = None
+        """The starting policy's evaluation (with `eval_warm_start`)."""
 
     # ---- preparation -------------------------------------------------------------------
 
@@ -318,6 +331,9 @@ class TrainRun:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         model = self.policy()
         tasks = self.task_pool()
+        if cfg.eval_warm_start and cfg.eval_runs_per_task and cfg.sim_envs_per_actor:
+            log.info("evaluating the starting policy (the same protocol as the final one)")
+            self.warm_eval = self._evaluate(tasks, {"model": model}, self.run_dir / "eval_warm")
         data = f"tcp://127.0.0.1:{_free_port()}"
         control = f"tcp://127.0.0.1:{_free_port()}"
         self.learner = self._learner_proc(model, tasks, data, control)
@@ -383,6 +399,44 @@ class TrainRun:
                     print(f"[{elapsed:5.0f} s] waiting for the first iteration ...",
                           file=sys.stderr)  # fmt: skip
 
+    def _evaluate(self, tasks: str, policy: dict[str, str], out: Path) -> dict[str, Any]:
+        """`arpo eval` of `policy` ({"checkpoint": ...} or {"model": ...}) on the simulated
+        tasks of the pool, `eval_runs_per_task` episodes per task at `eval_temperature`;
+        the success rate over episodes and its standard error."""
+        from arpo.learner.evaluate import EvalConfig, run_eval
+
+        cfg = self.config
+        sim_tasks = str(Path(tasks) / "sim") if (Path(tasks) / "sim").is_dir() else tasks
+        ev = run_eval(
+            EvalConfig(
+                **policy,
+                tasks=sim_tasks,
+                runs_per_task=cfg.eval_runs_per_task,
+                temperature=cfg.eval_temperature,
+                out=str(out),
+                local_actor_args=[
+                    f"sim_envs={max(1, cfg.sim_envs_per_actor)}",
+                    f"episode.max_steps={cfg.actor.episode.max_steps}",
+                    f"episode.max_new_tokens={cfg.actor.episode.max_new_tokens}",
+                ],
+                progress_s=0,
+                transport=replace(
+                    cfg.learner.transport,
+                    data=f"tcp://127.0.0.1:{_free_port()}",
+                    control=f"tcp://127.0.0.1:{_free_port()}",
+                ),
+            )
+        )
+        overall = ev.get("overall", {})
+        p = float(overall.get("success_rate_episodes") or 0.0)
+        n = int(overall.get("episodes") or 0)
+        return {
+            "success_rate": p,
+            "episodes": n,
+            "se": (p * (1 - p) / n) ** 0.5 if n else float("nan"),
+            "report": str(out / "eval.md"),
+        }
+
     def _restart(self, p: _Proc, why: str) -> None:
         if not self.config.restart or p.restarts >= self.config.max_restarts:
             raise ArpoError(f"{why}; see {p.log}")
@@ -418,38 +472,31 @@ class TrainRun:
             "checkpoint": str(ckpt) if ckpt else None,
             "restarts": dict(self.restarts),
         }
-        if rows:
-            out["plot"] = str(plot_curves(rows, self.run_dir / "curve.png"))
+        if self.warm_eval is not None:
+            out["eval_warm_start"] = self.warm_eval
         if ckpt is not None and cfg.eval_runs_per_task and cfg.sim_envs_per_actor:
-            from arpo.learner.evaluate import EvalConfig, run_eval
-
-            sim_tasks = str(Path(tasks) / "sim") if (Path(tasks) / "sim").is_dir() else tasks
-            ev = run_eval(
-                EvalConfig(
-                    checkpoint=str(ckpt),
-                    tasks=sim_tasks,
-                    runs_per_task=cfg.eval_runs_per_task,
-                    temperature=cfg.eval_temperature,
-                    out=str(self.run_dir / "eval"),
-                    local_actor_args=[
-                        f"sim_envs={max(1, cfg.sim_envs_per_actor)}",
-                        f"episode.max_steps={cfg.actor.episode.max_steps}",
-                        f"episode.max_new_tokens={cfg.actor.episode.max_new_tokens}",
-                    ],
-                    progress_s=0,
-                    transport=replace(
-                        cfg.learner.transport,
-                        data=f"tcp://127.0.0.1:{_free_port()}",
-                        control=f"tcp://127.0.0.1:{_free_port()}",
-                    ),
-                )
-            )
+            ev = self._evaluate(tasks, {"checkpoint": str(ckpt)}, self.run_dir / "eval")
             out["eval"] = str(self.run_dir / "eval" / "eval.md")
-            out["eval_success_rate"] = ev.get("overall", {}).get("success_rate_episodes")
+            out["eval_success_rate"] = ev["success_rate"]
+            out["eval_trained"] = ev
+            if self.warm_eval is not None:
+                out["eval_gain"] = _gain(self.warm_eval, ev)
+        if rows:
+            warm = self.warm_eval["success_rate"] if self.warm_eval else None
+            out["plot"] = str(plot_curves(rows, self.run_dir / "curve.png", warm_start=warm,
+                                          eval_temperature=cfg.eval_temperature))  # fmt: skip
         out["accounting"] = account(self.run_dir, ckpt)
         (self.run_dir / "summary.json").write_text(json.dumps(out, indent=2))
         self.summary = out
         return out
+
+
+def _gain(warm: dict[str, Any], trained: dict[str, Any]) -> dict[str, float]:
+    """Trained minus warm-start success rate and its standard error (independent
+    evaluations of the same tasks with the same protocol)."""
+    diff = trained["success_rate"] - warm["success_rate"]
+    se = (warm["se"] ** 2 + trained["se"] ** 2) ** 0.5
+    return {"points": 100 * diff, "se_points": 100 * se}
 
 
 def account(run_dir: Path, checkpoint: Path | None) -> dict[str, Any]:
@@ -526,8 +573,15 @@ def _local_suite() -> Path:
     return Path(t.__file__).parent / "local"
 
 
-def plot_curves(rows: list[dict[str, Any]], path: Path) -> Path:
-    """Success rate and reward of the trained episodes against iteration, as a PNG."""
+def plot_curves(
+    rows: list[dict[str, Any]],
+    path: Path,
+    warm_start: float | None = None,
+    eval_temperature: float = 0.6,
+) -> Path:
+    """Success rate and reward of the trained episodes against iteration, as a PNG; with
+    `warm_start`, the starting policy's evaluated success rate as a line (evaluated at
+    `eval_temperature`, the training episodes sample at the rollout temperature)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -542,7 +596,11 @@ def plot_curves(rows: list[dict[str, Any]], path: Path) -> Path:
         ys = [r.get(key) for r in rows]
         pts = [(s, y) for s, y in zip(steps, ys, strict=True) if y is not None]
         if pts:
-            a.plot([p[0] for p in pts], [p[1] for p in pts], marker=".")
+            a.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", label="training")
+        if warm_start is not None and key == "charts/success_rate":
+            a.axhline(warm_start, color="grey", linestyle="--",
+                      label=f"start, evaluated (T={eval_temperature:g})")  # fmt: skip
+            a.legend(fontsize=8)
         a.set_xlabel("iteration")
         a.set_ylabel(label)
         a.grid(alpha=0.3)
@@ -553,9 +611,25 @@ def plot_curves(rows: list[dict[str, Any]], path: Path) -> Path:
     return path
 
 
+def comparison(out: dict[str, Any]) -> str:
+    """The starting and the trained policy's evaluations side by side (Markdown)."""
+    w, t = out.get("eval_warm_start"), out.get("eval_trained")
+    rows = ["| policy | success rate | standard error | episodes |", "|---|---:|---:|---:|"]
+    for name, ev in (("start (warm start)", w), ("trained", t)):
+        if ev:
+            rows.append(f"| {name} | {100 * ev['success_rate']:.1f} % | "
+                        f"{100 * ev['se']:.1f} | {ev['episodes']} |")  # fmt: skip
+    g = out.get("eval_gain")
+    if g:
+        rows.append(f"| trained - start | {g['points']:+.1f} points | {g['se_points']:.1f} | |")
+    return "\n".join(rows)
+
+
 def main(cfg: TrainConfig) -> int:
     out = TrainRun(cfg).run()
     print(json.dumps(out, indent=2))
     if out.get("eval"):
         print(Path(out["eval"]).read_text())
+    if out.get("eval_trained"):
+        print(comparison(out))
     return 0
