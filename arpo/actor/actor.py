@@ -301,10 +301,14 @@ class Actor:
         while not self._stopping.is_set():
             self._req += 1
             req = self._req
-            reply = await self.link.request(
-                wire.GrantRequest(self.actor_id, req, 1, pool),
-                lambda m, req=req: isinstance(m, wire.GrantReply) and m.req == req,
+            reply = await self._unless_stopping(
+                self.link.request(
+                    wire.GrantRequest(self.actor_id, req, 1, pool),
+                    lambda m, req=req: isinstance(m, wire.GrantReply) and m.req == req,
+                )
             )
+            if self._stopping.is_set():
+                break
             if isinstance(reply, wire.GrantReply) and reply.grants:
                 self.stats.grants += 1
                 return reply.grants[0]
@@ -312,6 +316,27 @@ class Actor:
             wait = reply.retry if isinstance(reply, wire.GrantReply) else delay
             delay = min(5.0, delay * 2) if reply is None else 0.2
             await wait_event(self._stopping, max(0.05, wait))
+        return None
+
+    async def _unless_stopping(self, coro: Awaitable[Any]) -> Any:
+        """`coro`'s result, or None as soon as the actor stops (it is cancelled then).
+        Control requests are serialised on one socket and wait `request_timeout_s` each:
+        without this, workers asking a learner that is gone would keep a stopping actor
+        alive for one timeout per worker."""
+        task = asyncio.ensure_future(coro)
+        stop = asyncio.ensure_future(self._stopping.wait())
+        try:
+            await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        finally:
+            stop.cancel()
+        if task.done():
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
         return None
 
     async def _worker(self, env: Environment) -> None:
