@@ -8,9 +8,13 @@ A step (the reference's 1 PPO epoch, 2 optimizer steps per iteration):
 
 1. Sequences from the store items (`arpo.learner.batch`): the sampled token ids as
    they are, pixels from the PNGs, the loss mask over response tokens.
-2. Proximal pass: one forward pass without gradient over the whole batch gives
-   pi_prox, the log-probs under the weights before this step (and the reference
-   model's log-probs when `loss.kl_coef > 0`).
+2. Proximal pass: one forward pass without gradient gives pi_prox, the log-probs
+   under the weights before this step, for every trajectory outside the first
+   mini-batch; the first mini-batch trains on exactly those weights, so its own forward
+   pass with gradient gives its pi_prox (detached) and it needs no pass of its own
+   (`fuse_proximal`: with the reference's 2 optimizer steps that halves the proximal
+   pass, with 1 it removes it). The reference model's log-probs, when
+   `loss.kl_coef > 0` or `track_kl`, take one more pass.
 3. The batch is cut into `optimizer_steps` mini-batches (in order, or shuffled with
    `shuffle`); each is run in micro-batches of `micro_batch` trajectories with
    gradient accumulation, then the gradient norm is clipped to `grad_clip` and AdamW
@@ -85,6 +89,12 @@ class TrainerConfig:
         "scores the full softmax, so a nucleus could not be scored exactly.",
     )
     entropy: bool = option(True, "Log the policy's entropy over the response tokens.")
+    fuse_proximal: bool = option(
+        True,
+        "Take the first mini-batch's proximal log-probs from its own forward pass (the "
+        "weights have not moved yet; same values, one forward pass fewer); false runs the "
+        "proximal pass over the whole batch.",
+    )
     ref_model: str = option(
         "",
         "The reference model of the KL term and of `track_kl` ('' = `model`, the starting "
@@ -269,18 +279,16 @@ class Trainer:
 
         self.model.train()  # no dropout in Qwen2.5-VL; train() matters for checkpointing
         t0 = time.perf_counter()
-        ordered = [seqs[i] for i in mine]
-        prox = dict(zip(mine, self.proximal(ordered, dummy=dummy), strict=True))
+        # The first mini-batch trains on the weights before the step: its forward pass with
+        # gradient gives its proximal log-probs (detached), so only the others need a pass.
+        first = set(plans[0]) if cfg.fuse_proximal and plans else set()
+        rest = [i for i in mine if i not in first]
+        prox = dict(zip(rest, self.proximal([seqs[i] for i in rest], dummy=dummy), strict=True))
         ref = None
         if self.ref_model is not None:
+            ordered = [seqs[i] for i in mine]
             ref = dict(zip(mine, self.proximal(ordered, self.ref_model), strict=True))
         times["time/proximal_forward_s"] = time.perf_counter() - t0
-        drift = behaviour_drift(
-            [prox[i] for i in mine],
-            [seqs[i].behaviour_logp for i in mine],
-            [samples[i].is_replay for i in mine],
-            cfg.loss.w_max,
-        )
 
         adv = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
         replay = torch.tensor([s.is_replay for s in samples], dtype=torch.bool)
@@ -289,7 +297,7 @@ class Trainer:
         loss_sum = ent_sum = ent_n = 0.0
         grad_norms: list[float] = []
         t_fb = t_opt = 0.0
-        for plan in plans:
+        for pi, plan in enumerate(plans):
             t0 = time.perf_counter()
             self.optimizer.zero_grad(set_to_none=True)
             count = (lambda i: float(len(seqs[i].targets) > 0)) if seq_mean else (
@@ -303,6 +311,9 @@ class Trainer:
                 part = [seqs.get(i, dummy) for i in part_idx]
                 logp, ent, mb = self._logprobs(self.model, part, grad=True, entropy=cfg.entropy)
                 n = mb.mask.shape[1]
+                if pi == 0 and real and first:
+                    for row, i in enumerate(part_idx):
+                        prox[i] = logp[row, : len(seqs[i].targets)].detach().float().cpu()
                 lp_prox = _pad([prox.get(i, dummy.behaviour_logp) for i in part_idx], n)
                 lp_ref = _pad([ref[i] for i in part_idx], n) if ref is not None else None
                 loss, m = arpo_loss(
@@ -342,6 +353,12 @@ class Trainer:
             t_opt += time.perf_counter() - t1
         times["time/forward_backward_s"] = t_fb
         times["time/optimizer_s"] = t_opt
+        drift = behaviour_drift(
+            [prox[i] for i in mine],
+            [seqs[i].behaviour_logp for i in mine],
+            [samples[i].is_replay for i in mine],
+            cfg.loss.w_max,
+        )
 
         # Per-rank values; the mean over ranks (NaN ranks left out) is the batch's value
         # for the loss (each rank's sum is already scaled by its share) and close to it
