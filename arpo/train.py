@@ -414,6 +414,10 @@ class TrainRun:
                 runs_per_task=cfg.eval_runs_per_task,
                 temperature=cfg.eval_temperature,
                 out=str(out),
+                # Simulated episodes take seconds: a grant not delivered in 2 minutes is
+                # lost (once seen: one of 128 grants of an evaluation never ran) and goes
+                # to the actor again instead of stalling the run for the default 30 min.
+                grant_timeout_s=120.0,
                 local_actor_args=[
                     f"sim_envs={max(1, cfg.sim_envs_per_actor)}",
                     f"episode.max_steps={cfg.actor.episode.max_steps}",

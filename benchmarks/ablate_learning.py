@@ -81,6 +81,7 @@ def _eval(policy: str, tasks: str, out: Path, runs: int, envs: int) -> float:
                 runs_per_task=runs,
                 temperature=0.6,
                 out=str(out),
+                grant_timeout_s=120.0,  # a lost grant goes to the actor again (see arpo.train)
                 progress_s=0,
                 local_actor_args=[
                     f"sim_envs={envs}",
@@ -111,6 +112,7 @@ def run_variant(args: argparse.Namespace, name: str, seed: int, model: str, task
         "eval_runs_per_task=0",
         f"sim_envs_per_actor={args.envs}",
         f"learner.iterations={args.iterations}",
+        f"sim_tasks_per_family={args.tasks}",
         "learner.trainer.track_kl=true",
         "actor.flush_deadline_s=5.0",
         *VARIANTS[name],
@@ -150,8 +152,9 @@ def report(results: dict[str, Any]) -> str:
     warm = results["warm_start"]
     lines = [
         f"Warm start evaluation: {100 * warm:.1f} % ({results['eval_runs']} episodes per "
-        f"task x 16 tasks, temperature 0.6; standard error of one evaluation about "
-        f"{100 * math.sqrt(warm * (1 - warm) / (16 * results['eval_runs'])):.1f} points).",
+        f"task x {results.get('tasks', 16)} tasks, temperature 0.6; standard error of one evaluation about "
+        f"{100 * math.sqrt(warm * (1 - warm) / (results.get('tasks', 16) * results['eval_runs'])):.1f} "
+        "points).",
         "",
         "| variant | change | final eval per seed (%) | mean - warm (pts) | train success "
         "first -> last third (%) | parse failures first -> last (%) | entropy first -> last "
@@ -190,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variants", default=",".join(VARIANTS), help="Variants to run.")
     p.add_argument("--iterations", type=int, default=16, help="Learner iterations per run.")
     p.add_argument("--envs", type=int, default=4, help="Simulated desktops of the actor.")
+    p.add_argument("--tasks", type=int, default=16, help="click_button tasks in the pool.")
+    p.add_argument("--sft-epochs", type=int, default=17, help="Warm start: arpo sft epochs.")
     p.add_argument("--eval-runs", type=int, default=4, help="Evaluation episodes per task.")
     p.add_argument("--report-only", action="store_true", help="The table from results.json.")
     p.add_argument("--save-as", default="", help="Also write benchmarks/results/<name>.{md,json}.")
@@ -208,12 +213,19 @@ def main(argv: list[str] | None = None) -> int:
         bad = sorted(set(args.variants.split(",")) - set(VARIANTS))
         if bad:
             p.error(f"--variants: unknown {bad}; choose from {', '.join(VARIANTS)}")
-        base = TrainRun(TrainConfig(run_dir=str(out / "base")))
+        base = TrainRun(
+            TrainConfig(
+                run_dir=str(out / "base"),
+                sim_tasks_per_family=args.tasks,
+                sft_epochs=args.sft_epochs,
+            )
+        )
         base.run_dir.mkdir(parents=True, exist_ok=True)
         model = base.policy()
         tasks = str(Path(base.task_pool()) / "sim")
         results["eval_runs"] = args.eval_runs
         results["iterations"] = args.iterations
+        results["tasks"] = args.tasks
         results["warm_start"] = _eval(
             model, tasks, out / "warm_start_eval", args.eval_runs, args.envs
         )
