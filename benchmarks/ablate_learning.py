@@ -157,7 +157,7 @@ def report(results: dict[str, Any]) -> str:
         "points).",
         "",
         "| variant | change | final eval per seed (%) | mean - warm (pts) | train success "
-        "first -> last third (%) | parse failures first -> last (%) | entropy first -> last "
+        "first -> last third, mean of seeds (%) | parse failures first -> last (%) | entropy first -> last "
         "| KL to warm start, last third | grad norm | clip low / high / dual (%) | stale drops |",
         "|---|---|---|---:|---|---|---|---:|---:|---|---:|",
     ]
@@ -166,22 +166,27 @@ def report(results: dict[str, Any]) -> str:
             continue
         seeds = sorted(per_seed, key=int)
         evals = [per_seed[s]["eval"] for s in seeds]
-        c = {k: [x for s in seeds for x in per_seed[s]["curves"][k]] for k in TRACKED}
+        curves = [per_seed[s]["curves"] for s in seeds]
 
-        def ft(k: str, scale: float = 100.0, fmt: str = ".1f", c: dict = c) -> str:
-            a, b = _third(c[k], "first"), _third(c[k], "last")
+        def third(k: str, which: str, curves: list = curves) -> float:
+            """The mean over seeds of each seed's first or last third."""
+            vals = [_third(c[k], which) for c in curves]
+            vals = [v for v in vals if not math.isnan(v)]
+            return statistics.mean(vals) if vals else math.nan
+
+        def ft(k: str, scale: float = 100.0, fmt: str = ".1f") -> str:
+            a, b = third(k, "first"), third(k, "last")
             return f"{scale * a:{fmt}} -> {scale * b:{fmt}}"
 
-        stale = sum(x or 0 for x in c["stale"])
+        stale = sum(x or 0 for c in curves for x in c["stale"])
         lines.append(
             f"| {name} | {' '.join(per_seed[seeds[0]]['overrides']) or '-'} | "
             + ", ".join(f"{100 * e:.1f}" for e in evals)
             + f" | {100 * (statistics.mean(evals) - warm):+.1f} | {ft('success')} | "
             f"{ft('parse_fail')} | {ft('entropy', 1.0, '.3f')} | "
-            f"{_third(c['kl'], 'last'):.4f} | {_third(c['grad_norm'], 'last'):.2f} | "
-            f"{100 * _third(c['clip_low'], 'last'):.1f} / "
-            f"{100 * _third(c['clip_high'], 'last'):.1f} / "
-            f"{100 * _third(c['clip_dual'], 'last'):.1f} | {stale:.0f} |"
+            f"{third('kl', 'last'):.4f} | {third('grad_norm', 'last'):.2f} | "
+            f"{100 * third('clip_low', 'last'):.1f} / {100 * third('clip_high', 'last'):.1f} / "
+            f"{100 * third('clip_dual', 'last'):.1f} | {stale:.0f} |"
         )
     return "\n".join(lines)
 
