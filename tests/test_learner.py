@@ -58,6 +58,17 @@ def config(tmp_path, tiny_dir, tasks, **kw) -> LearnerConfig:
     return LearnerConfig(**base)
 
 
+def actor_args(learner: Learner, tiny_dir: Path, tmp_path: Path, *extra: str) -> list[str]:
+    """An `arpo-actor` command: 2 simulated desktops, the tiny model, the learner's links."""
+    return [
+        sys.executable, "-m", "arpo.actor.cli", "sim_envs=2", "policy='engine'",
+        f"engine.model={str(tiny_dir)!r}", "episode.max_steps=2", "episode.max_new_tokens=16",
+        f"spool_dir={str(tmp_path / 'spool')!r}", "progress_s=0", *extra,
+        f"transport.data={learner.ingest.endpoint!r}",
+        f"transport.control={learner.grants.endpoint!r}",
+    ]  # fmt: skip
+
+
 def put_groups(learner: Learner, n_groups: int, seed: int) -> None:
     """Complete groups straight into the learner's store (mixed rewards: no replay)."""
     rng = np.random.default_rng(seed)
@@ -137,13 +148,7 @@ def test_learner_trains_with_a_real_actor_that_applies_published_weights(
 
     learner.ingest._on_trajectory = observe
     actor_log = tmp_path / "actor.log"
-    args = [
-        sys.executable, "-m", "arpo.actor.cli", "sim_envs=2", "policy='engine'",
-        f"engine.model={str(tiny_dir)!r}", "episode.max_steps=2", "episode.max_new_tokens=16",
-        f"spool_dir={str(tmp_path / 'spool')!r}", "progress_s=0",
-        f"transport.data={learner.ingest.endpoint!r}",
-        f"transport.control={learner.grants.endpoint!r}",
-    ]  # fmt: skip
+    args = actor_args(learner, tiny_dir, tmp_path)
     with actor_log.open("wb") as out:
         actor = subprocess.Popen(args, stdout=out, stderr=out, env={**os.environ})
     try:
@@ -201,13 +206,7 @@ def test_no_episode_starts_with_weights_older_than_its_grant(tmp_path, tiny_dir,
 
     learner.ingest._on_trajectory = observe
     actor_log = tmp_path / "actor.log"
-    args = [
-        sys.executable, "-m", "arpo.actor.cli", "sim_envs=2", "policy='engine'",
-        f"engine.model={str(tiny_dir)!r}", "episode.max_steps=2", "episode.max_new_tokens=16",
-        f"spool_dir={str(tmp_path / 'spool')!r}", "progress_s=0", "weights_delay_s=1.0",
-        f"transport.data={learner.ingest.endpoint!r}",
-        f"transport.control={learner.grants.endpoint!r}",
-    ]  # fmt: skip
+    args = actor_args(learner, tiny_dir, tmp_path, "weights_delay_s=1.0")
     with actor_log.open("wb") as out:
         actor = subprocess.Popen(args, stdout=out, stderr=out, env={**os.environ})
     try:
