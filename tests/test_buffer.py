@@ -568,3 +568,29 @@ def test_restore_of_missing_file_is_a_snapshot_error(tmp_path) -> None:
 def test_importing_the_store_does_not_import_torch() -> None:
     code = "import sys, arpo.buffer; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_store_edges_give_clean_errors(tmp_path) -> None:
+    """A k too large to allocate is a BufferValueError naming k (it was a Rust panic, a
+    BaseException); a snapshot onto something that is not a regular file is refused and
+    leaves it as it was."""
+    import os
+    import stat
+
+    from arpo.buffer import BufferValueError, ReplayStore, SnapshotError
+
+    s = ReplayStore(max_bytes=1 << 20, fresh_capacity=4, replay_capacity=4, seed=0)
+    s.add_success("t", Item([1, 2], [-0.5, -0.5], [0, 2], [1.0], 0))
+    with pytest.raises(BufferValueError, match="k = 4611686018427387904"):
+        s.sample("t", 2**62)
+    assert len(s.sample("t", 2)) == 2
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(SnapshotError, match="not a regular file"):
+        s.snapshot(fifo)
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+    with pytest.raises(SnapshotError, match="not a regular file"):
+        s.snapshot(tmp_path)  # a folder
+    s.snapshot(tmp_path / "ok.snap")
+    s.snapshot(tmp_path / "ok.snap")  # a regular file is replaced
+    assert ReplayStore.restore(tmp_path / "ok.snap").replay_len("t") == 1

@@ -62,4 +62,6 @@ mod store;
 pub use error::{Error, Result};
 pub use item::{Blob, Item};
 pub use snapshot::{RestoreOptions, FORMAT_VERSION};
-pub use store::{check_invariants, Config, Role, SampleMode, Store, StoreStats, TaskStats};
+pub use store::{
+    check_invariants, Config, Role, SampleMode, Store, StoreStats, TaskStats, MAX_SAMPLE,
+};

@@ -151,6 +151,20 @@ impl<B: Blob> Store<B> {
     }
 
     fn write_snapshot(&self, path: &Path) -> io::Result<()> {
+        // The rename below replaces whatever `path` names: refuse anything but a regular
+        // file (a FIFO or a device node would be replaced by a regular file).
+        match std::fs::symlink_metadata(path) {
+            Ok(meta) if !meta.file_type().is_file() => {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    "the target exists and is not a regular file (give a new path or a \
+                     regular file to replace)",
+                ));
+            }
+            Ok(_) => {}
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e),
+        }
         let views = self.views();
         let next_seq = self.next_seq();
         let dir = match path.parent() {

@@ -483,6 +483,9 @@ enum Removal {
     Dropped,
 }
 
+/// Most items one `sample` call returns (it allocates the list up front).
+pub const MAX_SAMPLE: usize = 1 << 24;
+
 /// The replay store keyed by task. See the crate docs for an example and the
 /// module docs of `store` for the concurrency invariants.
 pub struct Store<B: Blob = Vec<u8>> {
@@ -776,6 +779,12 @@ impl<B: Blob> Store<B> {
         self.check_open()?;
         if min_size == 0 {
             return Err(Error::Value("min_size must be >= 1".into()));
+        }
+        if k > MAX_SAMPLE {
+            return Err(Error::Value(format!(
+                "k = {k} is above the limit of {MAX_SAMPLE} items per sample call \
+                 (sample in several calls)"
+            )));
         }
         let task = self.known_task(name)?;
         let st = task.state.load();

@@ -356,3 +356,25 @@ fn config_is_validated() {
     assert!("bogus".parse::<SampleMode>().is_err());
     assert_eq!("newest".parse::<SampleMode>().unwrap(), SampleMode::Newest);
 }
+
+#[test]
+fn sample_refuses_a_k_it_cannot_allocate() {
+    let s = store(1 << 30, 8, 8);
+    s.add_success("t", item(0, 2, 2), 1.0).unwrap();
+    for mode in [
+        SampleMode::Uniform,
+        SampleMode::Priority,
+        SampleMode::Newest,
+    ] {
+        assert!(matches!(
+            s.sample("t", 1 << 62, mode, 1, None),
+            Err(Error::Value(m)) if m.contains("k = ") && m.contains("limit")
+        ));
+    }
+    assert_eq!(
+        s.sample("t", 3, SampleMode::Uniform, 1, None)
+            .unwrap()
+            .len(),
+        3
+    );
+}
