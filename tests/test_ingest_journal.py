@@ -260,9 +260,20 @@ def test_journal_records_round_trip_and_bad_bytes_are_skipped(
     assert counts["replayed"] == 4 and counts["malformed"] == 1 and counts["segments"] == 2
     assert store.stats()["total"]["items"] == 4
 
-    # A flipped byte inside the third record: records 1-2 read, the rest of the file skipped.
-    data = bytearray(seg0.read_bytes())
+    # A flipped byte in the third record's payload: its framing still locates the fourth,
+    # so only the third is lost (and counted).
+    clean = seg0.read_bytes()
+    data = bytearray(clean)
     data[recs[2].offset + 5000] ^= 0xFF
+    seg0.write_bytes(bytes(data))
+    counts = collections.Counter()
+    got = [wire.decode(r.frames) for r in read_segment(seg0, counts)]
+    assert got == [trajs[0], trajs[1], trajs[3]]
+    assert counts["corrupt_skipped_records"] == 1 and counts["skipped_bytes"] == 0
+    # A flipped byte in its frame-length table: the next record cannot be located, so the
+    # rest of the file is skipped.
+    data = bytearray(clean)
+    data[recs[2].offset + 16 + 1] ^= 0xFF
     seg0.write_bytes(bytes(data))
     counts = collections.Counter()
     assert len(list(read_segment(seg0, counts))) == 2

@@ -128,6 +128,23 @@ def test_resume_gives_the_same_next_step_and_skips_a_corrupt_checkpoint(
     rows = read_metrics(Path(cfg.run_dir) / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3, 3]
 
+    # Every complete checkpoint corrupt: --resume fails, naming them and how to start
+    # fresh on purpose, and leaves the run as it was (no silent restart at iteration 0).
+    for ck in list_checkpoints(Path(cfg.run_dir) / "checkpoints"):
+        w = next((ck / "model").glob("*.safetensors"))
+        data = bytearray(w.read_bytes())
+        data[len(data) // 3] ^= 0xFF
+        w.write_bytes(bytes(data))
+    ledger = (Path(cfg.run_dir) / "trained.log").read_bytes()
+    d = Learner(config(tmp_path, tiny_dir, sim_tasks_file, iterations=2, resume=True))
+    with pytest.raises(
+        ConfigError,
+        match=r"none of the 3 complete checkpoint\(s\).*"
+        r"ckpt-00000002, ckpt-00000003.*without --resume",
+    ):
+        d.setup()
+    assert (Path(cfg.run_dir) / "trained.log").read_bytes() == ledger
+
 
 def test_learner_trains_with_a_real_actor_that_applies_published_weights(
     tmp_path, tiny_dir, sim_tasks_file

@@ -336,14 +336,30 @@ class JournalRecord:
     frames: list[bytes]
 
 
+def _record_starts(f: Any, at: int, size: int) -> bool:
+    """Whether a record prefix with the journal's magic starts at `at` (or the file ends
+    there); leaves the file positioned at `at`."""
+    if at == size:
+        return True
+    f.seek(at)
+    prefix = f.read(_RECORD_PREFIX.size)
+    f.seek(at)
+    return len(prefix) == _RECORD_PREFIX.size and _RECORD_PREFIX.unpack(prefix)[0] == (
+        JOURNAL_MAGIC
+    )
+
+
 def read_segment(
     path: str | Path, counts: collections.Counter[str] | None = None
 ) -> Iterator[JournalRecord]:
     """The intact records of one segment file, in order.
 
     Reading stops at the first record that is cut short (`counts["torn"]`: a crash during
-    the write) or fails its checks (`counts["corrupt"]`: bad magic, lengths or CRC), since
-    the records after it cannot be located; it never raises for the file's contents.
+    the write) or fails its checks (`counts["corrupt"]`: bad magic or lengths), since the
+    records after it cannot be located. A record whose framing is intact but whose CRC
+    fails (a flipped bit in its payload) is skipped alone when the next record starts where
+    its framing says (or the file ends there): `counts["corrupt_skipped_records"]`. It
+    never raises for the file's contents.
     Nothing is allocated beyond the file's own size, whatever a record declares.
     """
     counts = counts if counts is not None else collections.Counter()
@@ -381,6 +397,18 @@ def read_segment(
                         for fr in frames:
                             crc = zlib.crc32(fr, crc)
                         (stored,) = _CRC.unpack(f.read(_CRC.size))
+                        if stored != crc and _record_starts(f, end, size):
+                            # The framing is intact and locates the next record: only
+                            # this one is lost (a flipped bit in its payload).
+                            counts["corrupt"] += 1
+                            counts["corrupt_skipped_records"] += 1
+                            log.warning(
+                                "journal %s: CRC mismatch in the record at offset %d; that "
+                                "record is skipped, the next one is read",
+                                path,
+                                offset,
+                            )
+                            continue
                         if stored != crc:
                             counts["corrupt"] += 1
                             bad = "CRC mismatch"

@@ -60,6 +60,7 @@ from arpo.learner.batch import check_item
 from arpo.learner.checkpoint import (
     CheckpointConfig,
     latest_checkpoint,
+    list_checkpoints,
     load_checkpoint,
     restore_rng,
     save_checkpoint,
@@ -236,9 +237,20 @@ class Learner:
             tasks = self._tasks()
             if cfg.resume:
                 path = latest_checkpoint(cfg.checkpoint.dir, verify=cfg.checkpoint.verify)
+                complete = list_checkpoints(cfg.checkpoint.dir)
+                if path is None and complete:
+                    # Starting fresh would train from the base model, empty the store and
+                    # cut trained.log: never do that silently.
+                    raise ConfigError(
+                        f"resume: none of the {len(complete)} complete checkpoint(s) in "
+                        f"{cfg.checkpoint.dir} verifies ({', '.join(p.name for p in complete)}; "
+                        "the log says why). Restore one, or start fresh on purpose: move "
+                        "them away (and the run's journal and trained.log) or give another "
+                        "run_dir, and run without --resume"
+                    )
                 if path is None:
-                    log.warning("resume: no valid checkpoint in %s; starting fresh",
-                                cfg.checkpoint.dir)  # fmt: skip
+                    log.warning("resume: no checkpoint in %s yet; starting fresh (the journal "
+                                "is replayed)", cfg.checkpoint.dir)  # fmt: skip
                 else:
                     ckpt = load_checkpoint(path, verify=cfg.checkpoint.verify)
                     log.info("resuming from %s (iteration %d)", path, ckpt.iteration)
