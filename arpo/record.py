@@ -223,6 +223,20 @@ def _finite(value: Any, name: str) -> float:
     return value
 
 
+def ident_problem(value: str) -> str | None:
+    """Why `value` cannot be an id, or None. Ids (trajectory, task, group, grant, actor)
+    are printable characters without whitespace: ledgers (`seen.log`, `trained.log`,
+    spool ledgers) write them one per line, tab-separated, so a newline, carriage return,
+    tab, line separator or surrounding space in an id would forge or split lines."""
+    for c in value:
+        if c.isspace() or not c.isprintable():
+            return (
+                f"contains {c!r}: ids must be printable characters without whitespace "
+                "or control characters"
+            )
+    return None
+
+
 def _ident(value: Any, name: str, *, allow_empty: bool = False) -> str:
     if not isinstance(value, str):
         raise RecordError(f"{name} must be a str, got {type(value).__name__}")
@@ -234,6 +248,9 @@ def _ident(value: Any, name: str, *, allow_empty: bool = False) -> str:
         value.encode("utf-8")
     except UnicodeEncodeError:
         raise RecordError(f"{name} is not valid unicode (lone surrogate)") from None
+    why = ident_problem(value)
+    if why is not None:
+        raise RecordError(f"{name} {why}")
     return value
 
 

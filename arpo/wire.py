@@ -69,7 +69,7 @@ import msgpack
 import numpy as np
 
 from arpo.errors import RecordError, WireError
-from arpo.record import PNG_SIGNATURE, Status, Trajectory, Turn, sampling_values
+from arpo.record import PNG_SIGNATURE, Status, Trajectory, Turn, ident_problem, sampling_values
 
 WIRE_VERSION = 1
 MAGIC = b"ARPO"
@@ -131,8 +131,7 @@ class Ack:
     def __post_init__(self) -> None:
         object.__setattr__(self, "ids", tuple(self.ids))
         for i in self.ids:
-            if not isinstance(i, str) or not i:
-                raise WireError(f"ack ids must be non-empty strings, got {i!r}")
+            _check_id(i, "ack id")
 
 
 def _check_id(v: Any, name: str, *, allow_empty: bool = False) -> str:
@@ -144,6 +143,9 @@ def _check_id(v: Any, name: str, *, allow_empty: bool = False) -> str:
         v.encode("utf-8")
     except UnicodeEncodeError:
         raise WireError(f"{name} is not valid unicode (lone surrogate)") from None
+    why = ident_problem(v)
+    if why is not None:
+        raise WireError(f"{name} {why}")
     return v
 
 

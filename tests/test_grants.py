@@ -275,3 +275,8 @@ def test_groups_the_learner_dropped_free_their_places() -> None:
     assert book.request("a", 1) == []
     book.set_version(1)  # two groups trained: two more places, and no more
     assert len(book.request("a", 100)) == 2 and book.request("a", 1) == []
+
+
+def test_task_ids_that_could_forge_ledger_lines_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"task id 'a\\tb' contains"):
+        GrantBook([{"id": "a\tb", "instruction": "x"}])

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from arpo import wire
 from arpo.errors import RecordError, WireError
-from arpo.record import PNG_SIGNATURE, Status, Trajectory, Turn
+from arpo.record import PNG_SIGNATURE, Status, Trajectory, Turn, ident_problem
 
 
 def roundtrip(t: Trajectory) -> Trajectory:
@@ -125,7 +125,12 @@ def test_ack_roundtrip() -> None:
 # ------------------------------------------------------------------ property tests
 
 _text = st.text(max_size=60, alphabet=st.characters(exclude_categories=("Cs",)))
-_name = st.text(min_size=1, max_size=40, alphabet=st.characters(exclude_categories=("Cs",)))
+# Ids: printable, no whitespace (`arpo.record.ident_problem`).
+_id_chars = st.characters(exclude_categories=("Cs", "Cc", "Cf", "Co", "Cn", "Zs", "Zl", "Zp"))
+_name = st.text(min_size=1, max_size=40, alphabet=_id_chars).filter(
+    lambda s: ident_problem(s) is None
+)
+_opt_name = st.one_of(st.just(""), _name)
 
 
 @st.composite
@@ -159,9 +164,9 @@ def trajectories(draw: st.DrawFn) -> Trajectory:
         reward=draw(num),
         status=draw(st.sampled_from(list(Status))),
         trajectory_id=draw(_name),
-        group_id=draw(_text),
+        group_id=draw(_opt_name),
         slot=draw(st.integers(0, 2**31)),
-        actor_id=draw(_text),
+        actor_id=draw(_opt_name),
         timings=draw(st.dictionaries(_name, num, max_size=4)),
     )
 
@@ -263,7 +268,12 @@ def _cases() -> list[tuple[str, object, str]]:
         (
             "ack-bad-ids",
             [struct.pack("<4sBBH", b"ARPO", 1, 2, 0), msgpack.packb({"ids": [1]})],
-            "non-empty strings",
+            "ack id must be a string",
+        ),
+        (
+            "ack-id-with-newline",
+            [struct.pack("<4sBBH", b"ARPO", 1, 2, 0), msgpack.packb({"ids": ["a\nforged"]})],
+            "ack id contains '\\n'",
         ),
         ("deep-nesting", [f[0], b"\x91" * 100_000 + b"\x90", *f[2:]], "not valid msgpack"),
     ]
@@ -531,3 +541,24 @@ def test_turns_carry_their_sampling_settings() -> None:
         wire.decode([frames[0], msgpack.packb(header), *map(bytes, frames[2:])])
     with pytest.raises(RecordError, match=r"turn\.temperature must be a finite number >= 0"):
         replace(turn, temperature=-1.0)
+
+
+@pytest.mark.parametrize("bad", ["a\nb", "a\rb", "a\tb", " a", "a ", "a\u2028b", "a\x00b"])
+def test_ids_that_could_forge_ledger_lines_are_refused(bad: str) -> None:
+    """Ids are written one per line (seen.log, trained.log, spool ledgers): newlines,
+    carriage returns, tabs, any whitespace or control character are refused by the record,
+    the trajectory decoder, acks and control messages, naming the field."""
+    t = make_trajectory(np.random.default_rng(1), turns=2)
+    with pytest.raises(RecordError, match=r"trajectory\.trajectory_id contains"):
+        replace(t, trajectory_id=bad)
+    header = msgpack.unpackb(wire.encode(t)[1])
+    header["tid"] = bad
+    frames = [bytes(f) for f in wire.encode(t)]
+    with pytest.raises(WireError, match="trajectory_id contains"):
+        wire.decode([frames[0], msgpack.packb(header), *frames[2:]])
+    with pytest.raises(WireError, match="ack id contains"):
+        wire.Ack((bad,))
+    with pytest.raises(WireError, match="grant id contains"):
+        wire.Grant(bad, "t", "t/0", 0, 0, "{}")
+    with pytest.raises(WireError, match="grant request actor contains"):
+        wire.GrantRequest(bad, 1)

@@ -63,7 +63,7 @@ from arpo import wire
 from arpo.config import fail, option
 from arpo.env.task import task_pool
 from arpo.errors import TaskError, WireError
-from arpo.record import Status, Trajectory
+from arpo.record import Status, Trajectory, ident_problem
 from arpo.transport import RouterServer, TransportConfig, WeightsServer
 
 log = logging.getLogger("arpo.learner.grants")
@@ -149,6 +149,9 @@ class GrantBook:
             tid = t.get("id")
             if not isinstance(tid, str) or not tid:
                 raise ValueError(f"every task needs a string 'id', got {tid!r}")
+            why = ident_problem(tid)
+            if why is not None:
+                raise ValueError(f"task id {tid!r:.80} {why}")
             try:
                 self._pool_of[tid] = task_pool(t)
             except TaskError as e:
