@@ -333,24 +333,32 @@ def test_arpo_learner_under_torchrun_trains_with_a_real_actor(tmp_path, tiny_dir
 def test_a_trajectory_the_model_cannot_take_is_dropped_not_fatal(
     tmp_path, tiny_dir, sim_tasks_file
 ):
-    """A response that sampled <|image_pad|> (a random policy does) has no pixels for it:
-    the learner drops that trajectory, counts it, and trains on the rest."""
+    """Records the model cannot take are dropped before scoring, counted, and never stop
+    the learner: a response that sampled <|image_pad|> (a random policy does: no pixels
+    for it), token ids outside the vocabulary (2e9, -7: an engine with a larger vocabulary,
+    or an attacker), a PNG whose data is corrupt (a flipped byte: its chunk CRC fails) and
+    a truncated PNG. The learner trains on the rest."""
     cfg = config(tmp_path, tiny_dir, sim_tasks_file, iterations=1,
-                 assemble=AssembleConfig(group_size=3, groups_per_step=1, max_staleness=9))  # fmt: skip
+                 assemble=AssembleConfig(group_size=7, groups_per_step=1, max_staleness=9))  # fmt: skip
     learner = Learner(cfg)
     learner.setup()
     rng = np.random.default_rng(5)
     proc = learner.trainer.processor
     pad = learner.trainer.image_token_id
-    for r, bad in ((1.0, False), (0.0, True), (0.0, False)):
+    for r, bad in ((1.0, ""), (0.0, "pad"), (0.0, ""), (0.0, "huge"), (0.0, "negative"),
+                   (0.0, "flipped"), (0.0, "truncated")):  # fmt: skip
         resp = random_response(rng, proc.tokenizer, 8)
-        if bad:
-            resp[2] = pad
-        traj = synthetic_trajectory(proc, "do it", screenshots=[screenshot_png(rng, 320, 200)],
-                                    responses=[resp], reward=r, task_id="fixed")  # fmt: skip
+        resp[2] = {"pad": pad, "huge": 2_000_000_000, "negative": -7}.get(bad, resp[2])
+        png = screenshot_png(rng, 320, 200)
+        if bad == "flipped":
+            png = png[:300] + bytes([png[300] ^ 0xFF]) + png[301:]
+        elif bad == "truncated":
+            png = png[: len(png) // 2]
+        traj = synthetic_trajectory(proc, "do it", screenshots=[png], responses=[resp],
+                                    reward=r, task_id="fixed")  # fmt: skip
         learner.store.put("fixed", wire.to_item(traj))
     learner.run()
     assert learner.iteration == 1
     row = read_metrics(Path(cfg.run_dir) / "metrics.jsonl")[-1]
-    assert row["data/dropped_invalid"] == 1 and row["data/trajectories"] == 2
+    assert row["data/dropped_invalid"] == 5 and row["data/trajectories"] == 2
     assert row["data/loss_tokens"] == 16  # the two good trajectories' 8 + 8 response tokens

@@ -70,8 +70,8 @@ def check_item(
 ) -> str | None:
     """Why `item` cannot be trained on, or None: the cheap checks of `build_sequence`
     (offsets, log-prob count, token ids inside the model's vocabulary of `vocab_size`,
-    image tokens only in prompts and as many as the screenshots need with this processor),
-    reading only the PNG headers. A policy can sample an <|image_pad|> token in a response
+    image tokens only in prompts and as many as the screenshots need with this processor,
+    PNGs whose chunks are complete and pass their CRCs), without decoding pixels. A policy can sample an <|image_pad|> token in a response
     (a random model does); such a trajectory has no pixels for it."""
     from arpo.policy.prompt import image_size, pixel_bounds, smart_resize
 
@@ -95,6 +95,7 @@ def check_item(
         if b:
             try:
                 w, h = image_size(b)
+                _verify_png(b)
             except Exception as e:
                 return f"screenshot {i} cannot be read: {type(e).__name__}: {e}"
             rh, rw = smart_resize(h, w, min_pixels=lo, max_pixels=hi)
@@ -103,6 +104,15 @@ def check_item(
     if have != want:
         return f"{have} image tokens but its screenshots need {want} with this processor"
     return None
+
+
+def _verify_png(blob: Any) -> None:
+    """Raise if the PNG's chunks are truncated or fail their CRCs (PIL's `verify`: reads
+    the file without decoding pixels, a fraction of the cost of making them)."""
+    from PIL import Image
+
+    with Image.open(io.BytesIO(bytes(blob))) as im:
+        im.verify()
 
 
 def _images(blobs: tuple[bytes, ...]) -> list[Any]:
