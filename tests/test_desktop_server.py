@@ -123,6 +123,13 @@ def test_bad_input_is_answered_with_json_and_the_server_keeps_serving(clean: Des
         (clean.post("/run_python", {}), 400, "code"),
         (clean.post("/run_bash_script", {"script": "ls", "working_dir": "/nope"}), 400, "working"),
         (clean.post("/reset", {"restart_display": "yes"}), 400, "restart_display"),
+        (clean.post("/execute", {"command": "ls", "timeout": float("nan")}), 400, "finite"),
+        (clean.post("/execute", {"command": "ls", "timeout": float("inf")}), 400, "finite"),
+        (
+            clean.post("/setup/open_file", {"path": "/x", "timeout_seconds": float("nan")}),
+            400,
+            "finite",
+        ),  # fmt: skip
     ]
     for answer, status, words in cases:
         assert answer.status == status, (answer.status, answer.body)
@@ -130,6 +137,20 @@ def test_bad_input_is_answered_with_json_and_the_server_keeps_serving(clean: Des
         assert body["status"] == "error"
         assert words.lower() in body["message"].lower(), body
     assert clean.get("/platform").text == "Linux"
+    assert clean.act("print(1)")["output"] == "1\n"
+
+
+def test_command_output_is_capped_and_marked(clean: Desk) -> None:
+    """40 MB of output: the answer keeps the first MAX_OUTPUT_BYTES and says it was cut
+    (an unbounded `yes` answered 1 GB and took the server to 3 GB)."""
+    from arpo_envs.desktop.executor import MAX_OUTPUT_BYTES
+
+    a = clean.post("/execute", {"command": "yes | head -c 40000000", "shell": True,
+                                "timeout": 60})  # fmt: skip
+    assert a.status == 200, a.body[:300]
+    out = a.json()["output"]
+    assert out.startswith("y\ny\n") and out.endswith(f"more than {MAX_OUTPUT_BYTES} bytes]")
+    assert MAX_OUTPUT_BYTES <= len(out) < MAX_OUTPUT_BYTES + 100
     assert clean.act("print(1)")["output"] == "1\n"
 
 

@@ -287,11 +287,27 @@ def _async_raise(thread: threading.Thread, exc: type[BaseException]) -> None:
 # ---- subprocesses -----------------------------------------------------------------------------
 
 
+MAX_OUTPUT_BYTES = 16 << 20
+"""Most bytes of a command's stdout (and of its stderr) kept for the answer; the rest is
+read and discarded (the command never blocks on a full pipe) and the kept text ends with
+TRUNCATED_NOTE."""
+TRUNCATED_NOTE = "\n[output truncated: more than {n} bytes]"
+
+
 async def _drain(stream: asyncio.StreamReader | None, sink: list[bytes]) -> None:
+    """Read `stream` to its end, keeping at most MAX_OUTPUT_BYTES (then a note)."""
     if stream is None:
         return
+    kept = 0
     while chunk := await stream.read(65536):
-        sink.append(chunk)
+        if kept < MAX_OUTPUT_BYTES:
+            part = chunk[: MAX_OUTPUT_BYTES - kept]
+            sink.append(part)
+            kept += len(part)
+            if kept >= MAX_OUTPUT_BYTES and len(part) < len(chunk):
+                sink.append(TRUNCATED_NOTE.format(n=MAX_OUTPUT_BYTES).encode())
+        elif sink and not sink[-1].startswith(b"\n[output truncated"):
+            sink.append(TRUNCATED_NOTE.format(n=MAX_OUTPUT_BYTES).encode())
 
 
 async def run_subprocess(

@@ -36,6 +36,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -315,11 +316,13 @@ class DesktopServer:
         return command, shell
 
     def _timeout(self, body: dict[str, Any], name: str, default: float) -> float:
+        """The request's timeout, at most `default` (NaN and infinity are refused: NaN
+        compared below the cap and disabled it)."""
         value = body.get(name, default)
         check_type(name, value, (int, float))
-        if value <= 0:
-            raise RequestError(f"field {name!r} must be > 0, got {value}")
-        return float(min(value, default)) if name == "timeout" else float(value)
+        if isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+            raise RequestError(f"field {name!r} must be a finite number > 0, got {value}")
+        return float(min(value, default))
 
     async def _run(self, command: str | list[str], shell: bool, timeout: float) -> CommandResult:
         command = normalize(command, shell, self.desk.home)
