@@ -129,7 +129,7 @@ def test_bad_input_is_answered_with_json_and_the_server_keeps_serving(clean: Des
             clean.post("/setup/open_file", {"path": "/x", "timeout_seconds": float("nan")}),
             400,
             "finite",
-        ),  # fmt: skip
+        ),
     ]
     for answer, status, words in cases:
         assert answer.status == status, (answer.status, answer.body)
