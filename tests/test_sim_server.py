@@ -127,12 +127,21 @@ def test_bad_input_gets_4xx_json_and_the_server_keeps_serving() -> None:
                 ("GET", "/no/such/endpoint", b"", 404),
                 ("POST", "/screenshot", b"", 405),
                 ("POST", "/sim/state", b"\xff\xfe", 400),
+                ("POST", "/execute", b"[" * 100_000 + b"]" * 100_000, 400),  # nesting
+                ("POST", "/execute", b'{"command": ' + b"9" * 5000 + b"}", 400),  # huge int
+                ("POST", "/execute", b'{"command": "\\ud800"}', 400),  # lone surrogate
+                ("POST", "/execute", b'{"command": ["ls", "a\\u0000b"]}', 400),  # NUL
             ]
             for method, path, data, status in cases:
                 async with s.request(method, f"{url}{path}", data=data) as r:
                     assert r.status == status, (path, data, await r.text())
                     body = await r.json()
                     assert body["status"] == "error" and body["message"], body
+            # Programs that fail inside the interpreter answer as `python -c` would: exit
+            # code 1 and the error on stderr, never a 500.
+            for code in ("pyautogui.click(1e999, 1)", "pyautogui.moveTo(" + "-" * 50_000 + "1, 2)"):
+                res = await act(s, url, code)
+                assert res["returncode"] == 1 and "Error" in res["error"], res
             # still serving, state intact
             res = await act(s, url, "pyautogui.moveTo(3, 4)")
             assert res["returncode"] == 0
@@ -186,6 +195,14 @@ def test_auth() -> None:
                 assert r.status == 401  # no probing of endpoints without the token
             async with s.get(f"{url}/platform", headers={"Authorization": "Bearer s3cret"}) as r:
                 assert r.status == 200
+            # An Authorization header that is not UTF-8: 401 JSON, not a 500 traceback.
+            host, port = url.removeprefix("http://").rsplit(":", 1)
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(b"GET /platform HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer \xff\xfe"
+                         b"\r\nConnection: close\r\n\r\n")  # fmt: skip
+            answer = await reader.read()
+            writer.close()
+            assert answer.startswith(b"HTTP/1.1 401") and b'"status": "error"' in answer, answer
 
     run(body())
 

@@ -90,7 +90,8 @@ def auth_middleware(token: str | None):
     @web.middleware
     async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
         if token is not None:
-            given = request.headers.get("Authorization", "").encode()
+            # Bytes as received: a header that is not UTF-8 arrives with surrogate escapes.
+            given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
             # constant-time comparison: the token must not leak through response timing
             if not hmac.compare_digest(given, expected):
                 return error_response("missing or wrong 'Authorization: Bearer <token>'", 401)
@@ -145,6 +146,11 @@ async def read_json(
             body = json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise RequestError(f"malformed JSON body: {e}") from None
+        except RecursionError:
+            raise RequestError("malformed JSON body: nested too deeply") from None
+        except ValueError as e:  # e.g. an integer of more digits than Python converts
+            raise RequestError(f"malformed JSON body: {e}") from None
+        _check_strings(body)
     if not isinstance(body, dict):
         raise RequestError(f"the JSON body must be an object, got {type(body).__name__}")
     for name, kinds in (required or {}).items():
@@ -152,6 +158,28 @@ async def read_json(
             raise RequestError(f"missing field {name!r}")
         check_type(name, body[name], kinds)
     return body
+
+
+def _check_strings(body: Any) -> None:
+    """400 for a string (value or key) that no command or file name can carry: a lone
+    surrogate (not encodable) or a NUL character."""
+    stack = [body]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+        elif isinstance(v, str):
+            if "\x00" in v:
+                raise RequestError(f"a string in the body contains a NUL character: {v[:60]!r}")
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                raise RequestError(
+                    f"a string in the body contains a lone surrogate: {v[:60]!r}"
+                ) from None
 
 
 def check_type(name: str, value: Any, kinds: type | tuple[type, ...]) -> None:

@@ -51,6 +51,12 @@ from arpo_envs.sim.tasks import FAMILIES, MIN_SCREEN, TaskSpec, load_scene
 log = logging.getLogger("arpo_envs.sim")
 
 
+def _failed(e: BaseException) -> RunResult:
+    """What `python -c` answers for a program that fails this way (click(1e999, 1), 50k
+    unary minus, a lone surrogate): exit code 1 and the error on stderr; never a 500."""
+    return RunResult("", f"Traceback (most recent call last):\n{type(e).__name__}: {e}\n", 1)
+
+
 @dataclass(frozen=True, slots=True)
 class SimConfig:
     """One simulated desktop server."""
@@ -173,7 +179,10 @@ class SimDesktopServer:
     async def _run(self, code: str) -> RunResult:
         async with self._lock:
             with self._span("interpret"):
-                result = execute(code, self.desk)
+                try:
+                    result = execute(code, self.desk)
+                except (OverflowError, RecursionError, ValueError, UnicodeError, MemoryError) as e:
+                    result = _failed(e)
         wait = min(result.sleep_s, self.config.sleep_cap_s)
         if wait > 0:
             await asyncio.sleep(wait)
@@ -191,6 +200,8 @@ class SimDesktopServer:
             code = command_to_code(command, shell)
         except ProgramError as e:
             result = RunResult("", f"{e}\n", 1)
+        except (OverflowError, RecursionError, ValueError, UnicodeError, MemoryError) as e:
+            result = _failed(e)  # e.g. 50k unary minus: too deep to parse
         else:
             result = await self._run(code)
         return web.json_response(
