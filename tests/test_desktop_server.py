@@ -117,6 +117,7 @@ def test_bad_input_is_answered_with_json_and_the_server_keeps_serving(clean: Des
         (clean.request("POST", "/file", form={}), 400, "file_path"),
         (clean.post("/setup/open_file", {"path": "/home/user/missing.xlsx"}), 404, "not found"),
         (clean.post("/setup/open_file", {}), 400, "path"),
+        (clean.post("/setup/open_file", {"path": ""}), 400, "empty"),
         (clean.request("POST", "/setup/upload", form={"file_path": "/tmp/x"}), 400, "multipart"),
         (clean.post("/setup/activate_window", {"strict": True}), 400, "window_name"),
         (clean.post("/setup/launch", {"command": ["no-such-program-xyz"]}), 400, "no such"),

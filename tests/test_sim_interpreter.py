@@ -214,3 +214,22 @@ def test_any_call_with_any_literals_answers_like_a_process(code: str, family: st
 def test_arbitrary_text_never_escapes_the_interpreter(code: str) -> None:
     result = execute(code, Desktop(640, 480))
     assert result.returncode in (0, 1)
+
+
+def test_a_program_s_key_presses_are_bounded(desk: Desktop) -> None:
+    """press(<10k keys>, presses=1000) froze every desktop of the process for 5 s: a
+    program gets at most MAX_KEY_EVENTS key presses, over all its calls, then a ValueError
+    as Python would raise it (exit code 1); within the budget typing works as before."""
+    import time
+
+    from arpo_envs.sim.interpreter import MAX_KEY_EVENTS
+
+    keys = repr(["a"] * 10_000)
+    t0 = time.perf_counter()
+    r = execute(f"import pyautogui; pyautogui.press({keys}, presses=1000)", desk)
+    assert r.returncode == 1 and "ValueError" in r.error and str(MAX_KEY_EVENTS) in r.error
+    assert time.perf_counter() - t0 < 1.0
+    many = "import pyautogui\n" + f"pyautogui.write({'x' * 1000!r})\n" * 30
+    r = execute(many, desk)
+    assert r.returncode == 1 and "key presses in one program" in r.error
+    assert execute("import pyautogui; pyautogui.write('hello')", desk).returncode == 0

@@ -526,6 +526,8 @@ class DesktopServer:
     async def open_file(self, request: web.Request) -> web.Response:
         body = await read_json(request, {"path": str})
         raw = body["path"]
+        if not raw.strip():
+            raise RequestError("field 'path' is empty: give a file, a folder or a program")
         window_name = body.get("window_name")
         if window_name is not None:
             check_type("window_name", window_name, str)

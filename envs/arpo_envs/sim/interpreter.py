@@ -48,6 +48,10 @@ TWEENS = frozenset(
 BUTTONS = {"left": "left", "primary": "left", 1: "left", "middle": "middle", 2: "middle"}
 BUTTONS |= {"right": "right", "secondary": "right", 3: "right"}
 MAX_REPEAT = 1000  # clicks/presses per call; more is a runaway program, not an action
+MAX_KEY_EVENTS = 20_000
+"""Key presses one program may make (write + press, all calls together): the desktops of
+a process share one thread, so a program's work is bounded (10k keys x 1000 presses
+froze every desktop of the process for 5 s)."""
 PYTHON_NAMES = ("python", "python3")
 
 
@@ -435,8 +439,19 @@ def _click_step(desk: Desktop, a: dict[str, Any], button: str, clicks: int) -> N
         desk.click(x, y, button=button, count=i + 1)
 
 
-def _run_step(desk: Desktop, s: Step, out: list[str]) -> float:
+def _spend(budget: list[int], n: int) -> None:
+    """Take `n` key events from the program's budget (a one-item list)."""
+    budget[0] -= n
+    if budget[0] < 0:
+        raise SimRuntimeError(
+            "ValueError",
+            f"more than {MAX_KEY_EVENTS} key presses in one program: the simulated desktop's limit",
+        )
+
+
+def _run_step(desk: Desktop, s: Step, out: list[str], budget: list[int] | None = None) -> float:
     """Apply one step; returns the seconds it asked to sleep."""
+    budget = [MAX_KEY_EVENTS] if budget is None else budget
     f, a = s.func.rsplit(".", 1)[-1], s.args
     if s.func == "print":
         values = [_query(desk, v) if isinstance(v, Query) else v for v in a["values"]]
@@ -482,11 +497,15 @@ def _run_step(desk: Desktop, s: Step, out: list[str]) -> float:
     elif f == "mouseUp":
         desk.mouse_up(_button(a), *_point(desk, a))
     elif f in ("write", "typewrite"):
-        for key in _message(a["message"]):
+        message = _message(a["message"])
+        _spend(budget, len(message))
+        for key in message:
             desk.press(key)
     elif f == "press":
-        for _ in range(_count("presses", a["presses"])):
-            for key in _keys(a["keys"]):
+        presses, keys = _count("presses", a["presses"]), _keys(a["keys"])
+        _spend(budget, presses * len(keys))
+        for _ in range(presses):
+            for key in keys:
                 desk.press(key)
     elif f in ("keyDown", "keyUp"):
         key = a["key"]
@@ -527,11 +546,12 @@ def run_program(steps: list[Step], desk: Desktop) -> RunResult:
     """Apply `steps` in order; a failing step stops the program like an uncaught exception."""
     out: list[str] = []
     slept = 0.0
+    budget = [MAX_KEY_EVENTS]
     for s in steps:
         try:
             if s.error is not None:
                 raise SimRuntimeError(*s.error)
-            slept += _run_step(desk, s, out)
+            slept += _run_step(desk, s, out, budget)
         except SimRuntimeError as e:
             return RunResult("".join(out), _traceback(s.line, e.kind, str(e)), 1, slept)
     return RunResult("".join(out), "", 0, slept)
