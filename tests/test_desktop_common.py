@@ -126,8 +126,8 @@ def start_desk(root: Path, *args: str, token: str | None = None, timeout: float 
     cmd += list(args)
     env = dict(os.environ)
     env.pop("ARPO_ENV_TOKEN", None)
-    if token:
-        cmd += ["--token", token]
+    if token:  # the environment, as `arpo-envs up` passes it (argv is visible to `ps`)
+        env["ARPO_ENV_TOKEN"] = token
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, env=env, start_new_session=True
     )

@@ -302,6 +302,12 @@ def test_token_is_required_when_set_and_exposed_binds_need_one(tmp_path) -> None
         assert a.status == 401 and a.json()["status"] == "error"
         assert d.get("/platform", token="wrong").status == 401
         assert d.get("/platform").text == "Linux"
+        # Nothing that runs on the desktop reads the server's token: not a shell command,
+        # not in-process pyautogui code.
+        shell = d.post("/execute", {"command": "env", "shell": True}).json()["output"]
+        assert "DISPLAY=" in shell and "s3cret" not in shell
+        inproc = d.act("import os; print(os.environ.get('ARPO_ENV_TOKEN'))")["output"]
+        assert inproc == "None\n"
     r = subprocess.run(
         [sys.executable, "-m", "arpo_envs.desktop.server", "--host", "0.0.0.0", "--port", "0"],
         capture_output=True,

@@ -32,6 +32,8 @@ _DROP = (
     "XDG_RUNTIME_DIR",
     "XAUTHORITY",
     "SESSION_MANAGER",
+    # the server's secret: nothing that runs on the desktop may read it
+    "ARPO_ENV_TOKEN",
 )
 
 

@@ -656,7 +656,8 @@ def main(argv: list[str] | None = None) -> int:
             height=args.height,
             host=args.host,
             port=args.port,
-            token=args.token or os.environ.get("ARPO_ENV_TOKEN") or None,
+            # Taken out of this process's environment: in-process actions read os.environ.
+            token=args.token or os.environ.pop("ARPO_ENV_TOKEN", None) or None,
             display=args.display,
             root=args.root,
             files_template=args.files_template,
