@@ -114,6 +114,7 @@ def test_bad_input_is_answered_with_json_and_the_server_keeps_serving(clean: Des
         (clean.get("/execute"), 405, "not allowed"),
         (clean.file("/home/user/does-not-exist.txt"), 404, "not found"),
         (clean.file("/home/user"), 400, "not a regular file"),
+        (clean.file("README.md"), 404, "not found"),  # the home's, not the server's cwd's
         (clean.request("POST", "/file", form={}), 400, "file_path"),
         (clean.post("/setup/open_file", {"path": "/home/user/missing.xlsx"}), 404, "not found"),
         (clean.post("/setup/open_file", {}), 400, "path"),

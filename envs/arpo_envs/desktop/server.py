@@ -206,14 +206,16 @@ class Desktop:
     # ---- paths ----------------------------------------------------------------------------
 
     def path(self, raw: str) -> Path:
-        """A path of a request as this process sees it (`~`, `$VAR`, and the home alias when
-        it is not mounted)."""
+        """A path of a request as this process sees it (`~`, `$VAR`, the home alias when it
+        is not mounted, and a relative path in the desktop's home)."""
         p = _VAR.sub(lambda m: self.env.get(m.group(1) or m.group(2), m.group(0)), raw)
         if p == "~" or p.startswith("~/"):
             p = self.home + p[1:]
         alias = self.config.home_alias
         if alias and not self.alias_mounted and (p == alias or p.startswith(alias + "/")):
             p = str(self.home_dir) + p[len(alias) :]
+        if not os.path.isabs(p):  # relative to the desktop's home, not the server's cwd
+            return self.home_dir / p
         return Path(p)
 
     def popen(self, argv: list[str] | str, shell: bool, cwd: str | None = None) -> subprocess.Popen:
