@@ -190,8 +190,6 @@ class GroupAssembler:
         self.config = validate(config or AssembleConfig())
         self.sampling = sampling
         self.check = check
-        self.taken = 0
-        """Groups taken from the store so far (trained, pending or dropped)."""
         self.dropped_groups = 0
         """Groups taken from the store and dropped whole (never trained) so far."""
         self._pending: list[list[Sample]] = []
@@ -227,7 +225,6 @@ class GroupAssembler:
                 except BufferTimeout:
                     continue
                 took = True
-                self.taken += 1
                 group = self._score(task, items, version, self._pending_counts)
                 if group:
                     self._pending.append(group)
