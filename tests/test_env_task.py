@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from arpo.env.coverage import coverage
+from arpo.env.coverage import main as coverage_main
 from arpo.env.runner import unsupported
 from arpo.env.task import Task, load_index, load_task, load_task_set, load_tasks
 from arpo.errors import TaskError
@@ -80,6 +82,29 @@ def test_unsupported_lists_what_the_runner_lacks():
     # Infeasible tasks need no getter or metric, only the steps.
     infeasible = [t for t in tasks if t.is_infeasible]
     assert all(not any(g.startswith(("metric", "getter")) for g in gaps[t.id]) for t in infeasible)
+
+
+OWN_COVERAGE = {
+    "chrome": (3, 46),
+    "gimp": (11, 26),
+    "libreoffice_calc": (23, 47),
+    "libreoffice_impress": (0, 47),
+    "libreoffice_writer": (1, 23),
+    "multi_apps": (20, 101),
+    "os": (21, 24),
+    "thunderbird": (4, 15),
+    "vlc": (2, 17),
+    "vs_code": (7, 23),
+}
+
+
+@needs_osworld
+def test_coverage_command_counts_supported_tasks_per_domain(capsys):
+    per_domain, gaps = coverage(load_tasks(OSWORLD))
+    assert per_domain == OWN_COVERAGE
+    assert len(gaps) == 369 - 92
+    assert coverage_main([str(OSWORLD)]) == 0
+    assert "| **all** | **92** | **369** |" in capsys.readouterr().out
 
 
 def _task(**over):
