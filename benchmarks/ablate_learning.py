@@ -49,6 +49,16 @@ VARIANTS: dict[str, list[str]] = {
     "negative": ["learner.assemble.advantage_side=negative"],
     "kl0.1": ["learner.trainer.loss.kl_coef=0.1"],
     "t0.6": ["learner.trainer.temperature=0.6"],
+    "t0.6-positive": [
+        "learner.trainer.temperature=0.6",
+        "learner.assemble.advantage_side=positive",
+    ],
+    "t0.6-fmt0": ["learner.trainer.temperature=0.6", "actor.episode.format_weight=0.0"],
+    "positive-fmt0": [
+        "learner.assemble.advantage_side=positive",
+        "actor.episode.format_weight=0.0",
+    ],
+    "positive-lr3e-4": ["learner.assemble.advantage_side=positive", "learner.trainer.lr=3e-4"],
 }
 """Variant name -> `arpo train` overrides on top of the base run."""
 

@@ -153,7 +153,9 @@ def test_learner_trains_with_a_real_actor_that_applies_published_weights(
     process; the learner runs 3 iterations, publishing each version; later trajectories were
     sampled with published versions; metrics and checkpoints are on disk; SIGTERM to the
     actor ends it cleanly."""
-    cfg = config(tmp_path, tiny_dir, sim_tasks_file, iterations=3)
+    cfg = config(
+        tmp_path, tiny_dir, sim_tasks_file, iterations=3, checkpoint=CheckpointConfig(every=0)
+    )
     learner = Learner(cfg)
     learner.setup()
     versions: list[tuple[int, int]] = []
@@ -184,6 +186,12 @@ def test_learner_trains_with_a_real_actor_that_applies_published_weights(
         assert r["data/groups"] == 2 and r["charts/episodes"] >= 2
         assert r["time/step_s"] > 0 and r["time/publish_s"] >= 0
         assert r["charts/reward_mean"] is not None
+    # Batches 2 and 3 were taken and their pixels made while the step before trained
+    # (no checkpoint in between), and their steps used those sequences.
+    assert [r["data/prefetched"] for r in rows] == [0.0, 1.0, 1.0]
+    assert all(r["time/prefetch_sequences_s"] > 0 for r in rows)
+    assert all(r["time/sequences_s"] < r["time/prefetch_sequences_s"] for r in rows[1:])
+    assert rows[-1]["data/trained_twice"] == 0
     # Every trajectory was sampled by a version the learner had published, and the actor
     # moved on to published versions after the first update.
     assert all(0 <= v <= at for v, at in versions)

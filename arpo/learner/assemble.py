@@ -140,6 +140,9 @@ class Batch:
     """data/* and replay/* counters of this batch."""
     dropped: list[tuple[str, str]] = field(default_factory=list)
     """(trajectory id, reason) of the fresh trajectories taken from the store and left out."""
+    sequences: list[Any] | None = None
+    """The samples' `TrainSequence`s, in order, when they were made ahead of the step
+    (the learner's prefetch); None: the trainer makes them."""
 
 
 Check = Callable[[Any, Trajectory], "str | None"]

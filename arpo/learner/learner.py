@@ -8,7 +8,11 @@ One iteration (each stage is a named timing span, logged as `time/<span>_s`):
     wait        GroupAssembler.next_batch: `groups_per_step` complete groups from the store
                 (status, sampling-settings and trainability checks, successes noted for
                 replay, staleness filter, replay into failed groups, successes into the
-                buffer, advantages)
+                buffer, advantages). With `prefetch` (the default) this and the batch's
+                pixels are done in a second thread while the previous step trains, for
+                the version the batch will train at; the span is then the wait for that
+                thread. No prefetch across a checkpoint: its store snapshot must hold
+                every trajectory not yet trained.
     step        Trainer.step: proximal pass, then the optimizer steps (its own spans:
                 sequences, proximal_forward, forward_backward, optimizer)
     publish     the new weights as version v + 1: a safetensors stream served in chunks on
@@ -45,6 +49,7 @@ import os
 import signal
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -98,6 +103,11 @@ class LearnerConfig:
     )
     publish_keep: int = option(2, "Published weight files kept.")
     wait_log_s: float = option(30.0, "Log a line while waiting this long for groups.")
+    prefetch: bool = option(
+        True,
+        "Take the next batch out of the store and make its pixels while the current step "
+        "trains (not before a checkpoint or the last step; see Learner._may_prefetch).",
+    )
     store_max_bytes: int = option(8 << 30, "Byte budget of the replay store.")
     store_fresh_capacity: int = option(
         1024, "Fresh trajectories kept per task before the oldest are evicted."
@@ -402,7 +412,8 @@ class Learner:
     # ---- the loop ----------------------------------------------------------------------
 
     def stop(self) -> None:
-        """Finish the current iteration, checkpoint, and leave `run()`."""
+        """Finish the current iteration (and the batch already taken for the next one, if
+        the prefetch took it), checkpoint, and leave `run()`."""
         self._stop.set()
 
     def run(self) -> dict[str, float]:
@@ -418,13 +429,18 @@ class Learner:
         cfg = self.config
         last: dict[str, float] = {}
         waited = 0.0
+        pool = ThreadPoolExecutor(1, thread_name_prefix="arpo-prefetch") if cfg.prefetch else None
+        ahead: Future[Batch | None] | None = None
         try:
-            while not self._stop.is_set():
-                if cfg.iterations and self.iteration >= cfg.iterations:
-                    break
+            while ahead is not None or not (
+                self._stop.is_set() or (cfg.iterations and self.iteration >= cfg.iterations)
+            ):
                 t0 = time.perf_counter()
                 with self.spans("wait"):
-                    batch = self.assembler.next_batch(self.version, timeout=1.0)
+                    if ahead is not None:
+                        batch, ahead = ahead.result(), None
+                    else:
+                        batch = self._next_batch(self.version)
                 self.grants.book.set_dropped(self.assembler.dropped_groups)
                 if batch is None:
                     waited += time.perf_counter() - t0
@@ -433,15 +449,61 @@ class Learner:
                         waited = 0.0
                     continue
                 waited = 0.0
+                if pool is not None and self._may_prefetch():
+                    # Scored for the version it will train at (this step's + 1).
+                    ahead = pool.submit(self._next_batch, self.version + 1, True)
                 last = self._iterate(batch) or last
             if self.iteration > 0:
                 self._announce("checkpoint")
                 self.save_checkpoint()
         finally:
+            if ahead is not None:
+                ahead.cancel()
+            if pool is not None:
+                pool.shutdown(wait=True)
             self._announce("stop")
             self.close()
             D.shutdown(self.info)
         return last
+
+    def _may_prefetch(self) -> bool:
+        """Whether the next batch may be taken out of the store while this step trains:
+        not when this step is the last or ends with a checkpoint, whose store snapshot must
+        hold every trajectory not yet trained. (A stop asked for during the step trains the
+        batch already taken before the final checkpoint.)"""
+        cfg = self.config
+        after = self.iteration + 1
+        return not (
+            self._stop.is_set()
+            or (cfg.iterations and after >= cfg.iterations)
+            or cfg.checkpoint.due(after)
+        )
+
+    def _next_batch(self, version: int, ahead: bool = False) -> Batch | None:
+        """The assembler's next batch for `version` (None after a second without one);
+        with `prefetch`, its training sequences (token tensors, pixels from the PNGs) are
+        made here too. `ahead`: run in the prefetch thread while a step trains, waiting
+        until the batch is complete or the learner stops, so that it is ready when the
+        next step starts."""
+        batch = self.assembler.next_batch(version, timeout=1.0)
+        waited = 0.0
+        while ahead and batch is None and not self._stop.is_set():
+            waited += 1.0
+            if waited >= self.config.wait_log_s:
+                log.info("waiting for groups: %s", self._ingest_summary())
+                waited = 0.0
+            batch = self.assembler.next_batch(version, timeout=1.0)
+        if batch is not None and self.config.prefetch:
+            assert self.trainer is not None
+            t0 = time.perf_counter()
+            try:
+                batch.sequences = self.trainer.sequences(batch.samples)
+            except Exception as e:  # the step makes them again and reports it as before
+                log.warning("prefetch of a batch's sequences failed (%s); the step retries", e)
+                batch.sequences = None
+            batch.counts["time/prefetch_sequences_s"] = time.perf_counter() - t0
+            batch.counts["data/prefetched"] = float(ahead)
+        return batch
 
     def _iterate(self, batch: Batch) -> dict[str, float]:
         cfg = self.config

@@ -273,7 +273,11 @@ class Trainer:
             plans += [D.shard_batch(mini, info) for mini in _chunks(order, cfg.optimizer_steps)]
         mine = sorted({i for plan in plans for i in plan})
         t0 = time.perf_counter()
-        seqs = dict(zip(mine, self.sequences([samples[i] for i in mine]), strict=True))
+        made = batch.sequences if isinstance(batch, Batch) else None
+        if made is not None and len(made) == len(samples):
+            seqs = {i: made[i] for i in mine}  # made ahead, while the previous step trained
+        else:
+            seqs = dict(zip(mine, self.sequences([samples[i] for i in mine]), strict=True))
         dummy = seqs[mine[0]] if mine else self.sequences(samples[:1])[0]
         times["time/sequences_s"] = time.perf_counter() - t0
 
