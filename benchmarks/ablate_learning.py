@@ -59,6 +59,8 @@ VARIANTS: dict[str, list[str]] = {
         "actor.episode.format_weight=0.0",
     ],
     "positive-lr3e-4": ["learner.assemble.advantage_side=positive", "learner.trainer.lr=3e-4"],
+    "drgrpo": ["learner.assemble.norm_std=false"],
+    "drgrpo-lr3e-4": ["learner.assemble.norm_std=false", "learner.trainer.lr=3e-4"],
 }
 """Variant name -> `arpo train` overrides on top of the base run."""
 

@@ -192,6 +192,8 @@ def test_learner_trains_with_a_real_actor_that_applies_published_weights(
     assert all(r["time/prefetch_sequences_s"] > 0 for r in rows)
     assert all(r["time/sequences_s"] < r["time/prefetch_sequences_s"] for r in rows[1:])
     assert rows[-1]["data/trained_twice"] == 0
+    # The actor's time split arrives with its heartbeats: 2 environments, busy in episodes.
+    assert rows[-1]["data/actor_envs"] == 2 and rows[-1]["data/actor_episode_s"] > 0
     # Every trajectory was sampled by a version the learner had published, and the actor
     # moved on to published versions after the first update.
     assert all(0 <= v <= at for v, at in versions)

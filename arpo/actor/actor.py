@@ -89,6 +89,10 @@ class ActorStats:
     """Grants that waited for newer weights before their episode started."""
     weight_wait_s: float = 0.0
     """Seconds environments spent waiting for those weights."""
+    grant_wait_s: float = 0.0
+    """Seconds environments spent asking for a grant (answered, refused or retried)."""
+    episode_s: float = 0.0
+    """Seconds environments spent running episodes (setup, steps, evaluation)."""
 
 
 class Actor:
@@ -234,10 +238,13 @@ class Actor:
             await self._flush(c.flush_deadline_s)
             log.info(
                 "actor %s: %d grants waited for newer policy weights before their episode "
-                "(%.1f environment-seconds)",
+                "(%.1f environment-seconds); environment-seconds in episodes %.1f, asking "
+                "for grants %.1f",
                 self.actor_id,
                 self.stats.weight_waits,
                 self.stats.weight_wait_s,
+                self.stats.episode_s,
+                self.stats.grant_wait_s,
             )
         finally:
             log.debug("actor %s: stopping services", self.actor_id)
@@ -358,7 +365,9 @@ class Actor:
                 await wait_event(self._stopping, 0.5)
                 continue
             warned = False
+            t_ask = time.monotonic()
             grant = await self._grant(pool)
+            self.stats.grant_wait_s += time.monotonic() - t_ask
             if grant is None:
                 break
             self._episodes_running += 1
@@ -366,14 +375,18 @@ class Actor:
                 if not await self._ensure_version(grant):
                     self.stats.abandoned += 1  # stopping: the learner re-issues the grant
                     continue
-                traj = await run_episode(
-                    env,
-                    grant,
-                    self.policy,
-                    c.episode,
-                    actor_id=self.actor_id,
-                    on_step=self._stepped,
-                )
+                t_run = time.monotonic()
+                try:
+                    traj = await run_episode(
+                        env,
+                        grant,
+                        self.policy,
+                        c.episode,
+                        actor_id=self.actor_id,
+                        on_step=self._stepped,
+                    )
+                finally:
+                    self.stats.episode_s += time.monotonic() - t_run
                 if traj is not None:
                     await asyncio.to_thread(self.spool.put, traj)
                     self._finished(traj)
@@ -495,6 +508,9 @@ class Actor:
                 "spool_bytes": self.spool.bytes_used,
                 "weight_waits": self.stats.weight_waits,
                 "weight_wait_s": round(self.stats.weight_wait_s, 3),
+                "grant_wait_s": round(self.stats.grant_wait_s, 3),
+                "episode_s": round(self.stats.episode_s, 3),
+                "envs": len(self.envs),
             }
             await self.link.heartbeat(
                 wire.Heartbeat(

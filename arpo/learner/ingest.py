@@ -525,6 +525,8 @@ class Ingest:
         )
         self.actors: dict[str, float] = {}
         """Actor id -> time.monotonic() of its last heartbeat."""
+        self.actor_stats: dict[str, dict[str, float]] = {}
+        """Actor id -> the numeric counters of its last heartbeat (time split, episodes)."""
         self._hb_seq = 0
         self._last_log = 0.0
         self.server = RouterServer(
@@ -648,11 +650,21 @@ class Ingest:
             return []
         return [wire.encode(wire.Ack((msg.trajectory_id,)))] if self._ingest(msg, frames) else []
 
+    def actor_totals(self, keys: tuple[str, ...]) -> dict[str, float]:
+        """Sums over actors of these counters of their last heartbeats (0 when none has)."""
+        with self._lock:
+            return {k: sum(a.get(k, 0.0) for a in self.actor_stats.values()) for k in keys}
+
     def _heartbeat(self, hb: wire.Heartbeat) -> wire.Frames:
         with self._lock:
             self.counts["heartbeats"] += 1
             if hb.role == "actor":
                 self.actors[hb.sender] = time.monotonic()
+                self.actor_stats[hb.sender] = {
+                    k: float(v)
+                    for k, v in hb.stats.items()
+                    if isinstance(v, int | float) and not isinstance(v, bool)
+                }
             self._hb_seq += 1
             stats = {k: v for k, v in self.counts.items() if isinstance(v, int)}
         reply = wire.Heartbeat(

@@ -600,6 +600,8 @@ class Learner:
         out["data/ingest_rejected"] = float(sum(st["rejected"].values()))
         out["data/actors"] = float(st["actors"])
         out["data/grants_in_flight"] = float(self.grants.book.stats()["in_flight"])
+        keys = ("envs", "episode_s", "grant_wait_s", "weight_wait_s")
+        out.update({f"data/actor_{k}": v for k, v in self.ingest.actor_totals(keys).items()})
         return out
 
     def _rates(self) -> dict[str, float]:

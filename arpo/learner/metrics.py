@@ -127,11 +127,20 @@ DATA: dict[str, str] = {
     "data/ingest_rejected": "Messages ingest rejected (malformed, oversized, unauthenticated).",
     "data/actors": "Actors that have sent a heartbeat.",
     "data/grants_in_flight": "Task grants issued and not yet delivered.",
+    "data/prefetched": "1 when this batch was taken and its pixels made while the previous "
+    "step trained (`LearnerConfig.prefetch`), else 0.",
+    "data/actor_envs": "Environments of the actors, from their last heartbeats.",
+    "data/actor_episode_s": "Environment-seconds the actors spent running episodes since they "
+    "started (sum over actors, last heartbeats).",
+    "data/actor_grant_wait_s": "Environment-seconds the actors spent asking for grants.",
+    "data/actor_weight_wait_s": "Environment-seconds the actors spent waiting for the policy "
+    "version a grant asked for.",
 }
 TIME: dict[str, str] = {
     "time/<span>_s": "Wall seconds spent in a named span this iteration (`Spans`): wait "
     "(for groups), step (the whole training step), sequences, proximal_forward, "
-    "forward_backward, optimizer (inside the step), publish, checkpoint.",
+    "forward_backward, optimizer (inside the step), publish, checkpoint; prefetch_sequences: "
+    "making the batch's sequences ahead (in the prefetch thread, overlapping the step before).",
 }
 TASKS: dict[str, str] = {
     "tasks/<task_id>/success_rate": "A task's success rate over its last `window` episodes "
