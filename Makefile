@@ -129,6 +129,7 @@ bench: setup
 	$(PY) benchmarks/bench_transport.py
 	$(PY) benchmarks/bench_rollout.py
 	$(PY) benchmarks/bench_learner.py
+	$(PY) benchmarks/bench_training.py
 
 clean:
 	rm -rf $(VENV) $(OSWORLD_VENV) target
