@@ -59,7 +59,7 @@ def test_unknown_step_raises_task_error_naming_it_before_anything_runs(tmp_path)
         with pytest.raises(TaskError, match=r"sleep.*bad parameters"):
             await runner.setup(bad_params)
 
-    asyncio.run(with_runner(body, tmp_path))
+    asyncio.run(with_runner(body, tmp_path, evaluator="own"))
 
 
 def test_placeholders_are_substituted_in_execute_and_command(tmp_path):

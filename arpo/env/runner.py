@@ -14,6 +14,12 @@ polling and `stdout` / `stderr` capture into the episode's work dir), sleep, act
 close_window, and the simulated desktop's `sim_scene` (`POST /sim/scene`). Any other step type
 raises `TaskError` before anything runs.
 
+Which code sets up and scores a task is `RunnerConfig.evaluator`: "own" (this module's steps,
+`arpo.env.getters` and `arpo.env.metrics`), "osworld" (OSWorld's published setup controller,
+getters and metrics, run by a worker in the evaluator environment, `arpo.env.osworld`), or
+"auto" (the default: this module's where it has everything the task needs, OSWorld's
+otherwise). `unsupported(task, evaluator)` lists what neither can do.
+
 Scoring follows `DesktopEnv.evaluate`: postconfig steps first; an `infeasible` task scores 1
 exactly when the last action is FAIL, and any other task scores 0 when it is; then each metric
 is applied to its getters' values and the scores combine with `conj` ("and": 0 as soon as one
@@ -27,11 +33,15 @@ trained on as failures of the agent.
 from __future__ import annotations
 
 import asyncio
+import copy
 import inspect
+import json
 import logging
+import math
 import shutil
 import tempfile
 import time
+import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -41,6 +51,8 @@ from arpo.env.cache import FileCache
 from arpo.env.client import EnvClient, ExecResult
 from arpo.env.getters import GETTERS, GetterContext
 from arpo.env.metrics import METRICS, TABLE_CELL_PROPS, TABLE_RULES
+from arpo.env.osworld.client import EvaluatorConfig, OSWorldError, OSWorldEvaluator, find_python
+from arpo.env.osworld.names import osworld_unsupported
 from arpo.env.task import Step, Task
 from arpo.errors import EnvError, EnvHTTPError, EnvTimeout, FileCacheMiss, TaskError
 
@@ -59,6 +71,7 @@ STEP_TYPES = (
     "close_window",
     "sim_scene",
 )
+EVALUATORS = ("own", "auto", "osworld")
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +79,8 @@ class RunnerConfig:
     """How the runner sets up, drives and checks tasks."""
 
     cache_dir: str | Path | None = None
-    """Local file cache for `download` steps and `cloud_file` getters (see arpo.env.cache)."""
+    """Local file cache for `download` steps and `cloud_file` getters (see arpo.env.cache). With
+    OSWorld's evaluator and no cache, OSWorld's own code downloads the files (networked hosts)."""
     work_root: str | Path | None = None
     """Where per-episode work dirs are made (system temp dir when None)."""
     screen_width: int | None = None
@@ -87,8 +101,32 @@ class RunnerConfig:
     """Failed `execute` step requests tolerated before the step fails (OSWorld: 5)."""
     reset_before_setup: bool = False
     """Call the local desktop's `POST /reset` before the setup steps (not on OSWorld VMs)."""
+    evaluator: str = "auto"
+    """Who sets up and scores tasks: "own" (this project's steps, getters and metrics only),
+    "osworld" (OSWorld's published code through its worker, always: benchmark scores exactly) or
+    "auto" (own where it has everything a task needs, OSWorld's otherwise, if installed)."""
+    osworld_python: str | Path | None = None
+    """Python of OSWorld's evaluator environment; None: $ARPO_OSWORLD_PYTHON, else the
+    repository's `.venv-osworld` (`make osworld-evaluator`)."""
+    osworld_timeout_s: float = 600.0
+    """Bound on one OSWorld setup or evaluation; a worker that overruns it is killed."""
 
     def __post_init__(self) -> None:
+        if self.evaluator not in EVALUATORS:
+            raise ValueError(
+                f"RunnerConfig.evaluator must be one of {', '.join(EVALUATORS)}, "
+                f"got {self.evaluator!r}"
+            )
+        if self.evaluator == "osworld" and find_python(self.osworld_python) is None:
+            raise ValueError(
+                "RunnerConfig.evaluator='osworld' needs OSWorld's evaluator environment: run "
+                "`make osworld-evaluator`, or set osworld_python (or $ARPO_OSWORLD_PYTHON) to "
+                f"its python (not found: {self.osworld_python or '.venv-osworld/bin/python'})"
+            )
+        if not (math.isfinite(self.osworld_timeout_s) and self.osworld_timeout_s > 0):
+            raise ValueError(
+                f"RunnerConfig.osworld_timeout_s must be finite and > 0, got {self.osworld_timeout_s}"
+            )
         if self.sleep_scale < 0:
             raise ValueError(f"RunnerConfig.sleep_scale must be >= 0, got {self.sleep_scale}")
         if (self.screen_width is None) != (self.screen_height is None):
@@ -116,8 +154,24 @@ class EvalResult:
     """Wall time of the evaluation."""
 
 
-def unsupported(task: Task) -> list[str]:
-    """What this runner cannot do for `task`: unknown step types, getters and metrics."""
+def unsupported(task: Task, evaluator: str = "auto") -> list[str]:
+    """What the runner cannot do for `task` with `evaluator` (see RunnerConfig.evaluator): step
+    types, getters, metrics (and credentials, for OSWorld's). Empty when the task can run. With
+    "auto", a task is reported only when neither side can run it; OSWorld's gaps are then
+    prefixed "osworld: ". Whether OSWorld's environment is installed is not checked here."""
+    if evaluator not in EVALUATORS:
+        raise ValueError(f"evaluator must be one of {', '.join(EVALUATORS)}, got {evaluator!r}")
+    if evaluator == "osworld":
+        return osworld_unsupported(task)
+    own = own_unsupported(task)
+    if evaluator == "own" or not own:
+        return own
+    theirs = osworld_unsupported(task)
+    return own + [f"osworld: {g}" for g in theirs] if theirs else []
+
+
+def own_unsupported(task: Task) -> list[str]:
+    """What this project's own steps, getters and metrics cannot do for `task`."""
     missing = []
     for phase, steps in (("config", task.config), ("postconfig", task.evaluator.postconfig)):
         missing += [f"{phase} step {s.type}" for s in steps if s.type not in STEP_TYPES]
@@ -145,9 +199,22 @@ def unsupported(task: Task) -> list[str]:
 class TaskRunner:
     """Sets up, drives and checks OSWorld tasks on one environment."""
 
-    def __init__(self, client: EnvClient, config: RunnerConfig | None = None) -> None:
+    def __init__(
+        self,
+        client: EnvClient,
+        config: RunnerConfig | None = None,
+        osworld: OSWorldEvaluator | None = None,
+    ) -> None:
+        """`osworld`: a pool of OSWorld evaluator workers to share between runners; by default
+        each runner starts its own single worker when a task first needs it."""
         self.client = client
         self.config = config or RunnerConfig()
+        self._own_osworld = osworld is None
+        self.osworld = osworld or OSWorldEvaluator(
+            EvaluatorConfig(
+                python=self.config.osworld_python, request_timeout_s=self.config.osworld_timeout_s
+            )
+        )
         self.cache = FileCache(self.config.cache_dir)
         self.task: Task | None = None
         self.history: list[str] = []
@@ -171,11 +238,30 @@ class TaskRunner:
             self._work_dir = Path(tempfile.mkdtemp(prefix="arpo-task-", dir=root))
         return self._work_dir
 
-    def close(self) -> None:
-        """Delete the current episode's work dir."""
+    def _clear_work_dir(self) -> None:
         if self._work_dir is not None:
             shutil.rmtree(self._work_dir, ignore_errors=True)
             self._work_dir = None
+
+    def close(self) -> None:
+        """Delete the current episode's work dir; kill this runner's own OSWorld worker."""
+        self._clear_work_dir()
+        if self._own_osworld:
+            self.osworld.kill()
+
+    async def aclose(self) -> None:
+        """`close`, then wait for this runner's own OSWorld worker to exit."""
+        self._clear_work_dir()
+        if self._own_osworld:
+            await self.osworld.aclose()
+
+    def backend(self, task: Task) -> str:
+        """ "own" or "osworld": whose code sets up and scores `task` (RunnerConfig.evaluator)."""
+        if self.config.evaluator == "own":
+            return "own"
+        if self.config.evaluator == "osworld" or own_unsupported(task):
+            return "osworld"
+        return "own"
 
     async def setup(self, task: Task) -> None:
         """Start an episode of `task`: check its steps, optionally reset, run its `config` steps.
@@ -183,6 +269,8 @@ class TaskRunner:
         Raises TaskError for an unknown step type (before any step runs) and EnvError when the
         environment fails.
         """
+        if self.backend(task) == "osworld":
+            return await self._setup_osworld(task)
         for phase, steps in (
             ("config", task.config),
             ("evaluator.postconfig", task.evaluator.postconfig),
@@ -193,13 +281,16 @@ class TaskRunner:
                         f"task {task.id}: {phase}[{i}] has unknown step type {step.type!r} "
                         f"(parameters {dict(step.parameters)!r:.200}); supported: {', '.join(STEP_TYPES)}"
                     )
-        self.close()
-        self.task = task
-        self._task_dir = Path(task.path).parent if task.path else None
-        self.history = []
+        self._start_episode(task)
         if self.config.reset_before_setup:
             await self.client.reset()
         await self.run_steps(task.config, task_id=task.id, phase="config")
+
+    def _start_episode(self, task: Task) -> None:
+        self._clear_work_dir()
+        self.task = task
+        self._task_dir = Path(task.path).parent if task.path else None
+        self.history = []
 
     async def act(self, action: str) -> ExecResult | None:
         """Run one action: pyautogui code, or WAIT / DONE / FAIL. Returns /execute's reply for code."""
@@ -403,6 +494,10 @@ class TaskRunner:
         ev = task.evaluator
         n = len(ev.funcs)
         self._task_dir = Path(task.path).parent if task.path else None
+        if self.backend(task) == "osworld":
+            status, score, error = await self._evaluate_osworld(task, history)
+            scores = [score if status == "ok" and n == 1 else None] * n
+            return done(score if status == "ok" else 0.0, status, scores, error)
         try:
             await self.run_steps(ev.postconfig, task_id=task.id, phase="evaluator.postconfig")
         except EnvError as e:
@@ -445,6 +540,131 @@ class TaskRunner:
         got = [s for s in scores if s is not None]
         total = sum(got) / len(got) if ev.conj == "and" else max(got)
         return done(total, "ok", scores)
+
+    # ---- OSWorld's evaluator ------------------------------------------------------------------
+
+    def _osworld_gaps(self, task: Task) -> list[str]:
+        gaps = osworld_unsupported(task)
+        if not self.osworld.available:
+            gaps.append(self.osworld.missing_reason())
+        if task.raw is None:
+            gaps.append("the task has no JSON to hand to OSWorld's code (built without from_dict)")
+        if "/" in task.id or task.id in (".", ".."):
+            gaps.append(f"task id {task.id!r} is not a directory name (OSWorld's cache key)")
+        return gaps
+
+    async def _setup_osworld(self, task: Task) -> None:
+        gaps = self._osworld_gaps(task)
+        if gaps:
+            own = own_unsupported(task) if self.config.evaluator == "auto" else []
+            raise TaskError(
+                f"task {task.id}: cannot be set up here: "
+                + "; ".join([*own, *(f"OSWorld's evaluator: {g}" for g in gaps)])
+            )
+        self._start_episode(task)
+        if self.config.reset_before_setup:
+            await self.client.reset()
+        raw = await self._osworld_task(task, task.config)
+        try:
+            await self.osworld.setup(
+                await self._osworld_env(raw),
+                raw,
+                self._osworld_cache_base(),
+                timeout_s=self.config.osworld_timeout_s,
+            )
+        except OSWorldError as e:
+            if e.kind == "request":
+                raise TaskError(f"task {task.id}: OSWorld's setup refused it: {e}") from e
+            raise EnvError(f"task {task.id}: OSWorld's setup failed ({e.kind}): {e}") from e
+
+    async def _evaluate_osworld(
+        self, task: Task, history: list[str]
+    ) -> tuple[str, float, str | None]:
+        """(status, score, error) of OSWorld's `DesktopEnv.evaluate` through the worker."""
+        gaps = self._osworld_gaps(task)
+        if gaps:
+            return "eval_error", 0.0, "OSWorld's evaluator: " + "; ".join(gaps)
+        try:
+            raw = await self._osworld_task(task, task.evaluator.postconfig, getters=True)
+            score = await self.osworld.evaluate(
+                await self._osworld_env(raw),
+                raw,
+                self._osworld_cache_base(),
+                history,
+                timeout_s=self.config.osworld_timeout_s,
+            )
+        except EnvError as e:
+            return "env_error", 0.0, f"{type(e).__name__}: {e}"
+        except OSWorldError as e:
+            status = "env_error" if e.kind == "env" else "eval_error"
+            return status, 0.0, f"OSWorld's evaluator ({e.kind}): {e}"
+        if not 0.0 <= score <= 1.0:
+            return "eval_error", 0.0, f"OSWorld's evaluator gave {score}, outside [0, 1]"
+        return "ok", score, None
+
+    def _osworld_cache_base(self) -> Path:
+        """OSWorld's cache_dir_base for this episode; its cache dir is `<base>/<task id>`."""
+        return self.work_dir / "osworld"
+
+    async def _osworld_env(self, raw: Mapping[str, Any]) -> dict[str, Any]:
+        if self._screen is None and "{SCREEN_" in json.dumps(raw):
+            await self.screen_size()
+        w, h = self._screen or (1920, 1080)  # OSWorld's default screen
+        return {
+            "url": self.client.config.base_url,
+            "token": self.client.config.token,
+            "screen": [w, h],
+            "client_password": self.config.client_password,
+        }
+
+    async def _osworld_task(
+        self, task: Task, steps: Sequence[Step], *, getters: bool = False
+    ) -> dict[str, Any]:
+        """The task's JSON for OSWorld's code, with the files it would download from the
+        network put into its cache dir from the local file cache, and `upload_file` paths made
+        absolute the way this runner resolves them."""
+        assert task.raw is not None
+        raw = copy.deepcopy(dict(task.raw))
+        cache = self._osworld_cache_base() / task.id
+        cache.mkdir(parents=True, exist_ok=True)
+        wanted: list[tuple[str, str, str]] = []  # (url, OSWorld's cache file name, file name)
+        for step in steps:
+            if step.type == "download":
+                for f in step.parameters.get("files", []):
+                    url, path = str(f.get("url", "")), str(f.get("path", ""))
+                    name = Path(path).name
+                    wanted.append((url, f"{uuid.uuid5(uuid.NAMESPACE_URL, url)}_{name}", name))
+        if getters:
+            ev = task.evaluator
+            for spec in (*ev.result, *ev.expected):
+                if spec is None or spec.type != "cloud_file":
+                    continue
+                multi = spec.params.get("multi", False)
+                urls = spec.params["path"] if multi else [spec.params["path"]]
+                dests = spec.params["dest"] if multi else [spec.params["dest"]]
+                names = [Path(str(d)).name for d in dests]
+                wanted += [(str(u), n, n) for u, n in zip(urls, names, strict=False)]
+        for url, cache_name, name in wanted:
+            target = cache / cache_name
+            if not url or not name or target.exists():
+                continue
+            if self.cache.root is None:
+                continue  # no local cache: OSWorld's code downloads it, as on a networked host
+            src = self.cache.lookup(url, name)
+            await asyncio.to_thread(shutil.copyfile, src, target)
+        for phase in (
+            raw.get("config") or [],
+            (raw.get("evaluator") or {}).get("postconfig") or [],
+        ):
+            for step in phase:
+                if isinstance(step, dict) and step.get("type") == "upload_file":
+                    for f in (step.get("parameters") or {}).get("files", []):
+                        local = Path(str(f.get("local_path", "")))
+                        if not local.is_file() and not local.is_absolute() and self._task_dir:
+                            local = self._task_dir / local
+                        if local.is_file():
+                            f["local_path"] = str(local.resolve())
+        return raw
 
     async def _get(self, ctx: GetterContext, spec: Any) -> Any:
         if spec is None:

@@ -195,6 +195,8 @@ class Task:
     """Top-level keys not listed above (e.g. `hint`), kept as parsed."""
     path: str | None = None
     """File the task was read from."""
+    raw: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
+    """The task's JSON as parsed (read-only), for evaluators that take it as is (OSWorld's)."""
 
     @property
     def is_infeasible(self) -> bool:
@@ -235,6 +237,7 @@ class Task:
             possibility_of_env_change=raw.get("possibility_of_env_change"),
             extra={k: v for k, v in raw.items() if k not in _KNOWN_TASK_KEYS},
             path=path,
+            raw=raw,
         )
 
 

@@ -77,7 +77,39 @@ def write_xlsx(
             f'Target="worksheets/sheet{i + 1}.xml"/>'
             for i in range(len(names))
         )
+        + (
+            f'<Relationship Id="rIdS" Type="{_R}/sharedStrings" Target="sharedStrings.xml"/>'
+            if shared
+            else ""
+        )
         + "</Relationships>"
+    )
+    # The package parts every reader expects (openpyxl refuses a file without them).
+    ct_main = "application/vnd.openxmlformats-officedocument.spreadsheetml"
+    content_types = (
+        '<?xml version="1.0" encoding="UTF-8"?><Types '
+        'xmlns="http://schemas.openxmlformats.org/package/2006/content-types">'
+        '<Default Extension="rels" '
+        'ContentType="application/vnd.openxmlformats-package.relationships+xml"/>'
+        '<Default Extension="xml" ContentType="application/xml"/>'
+        f'<Override PartName="/xl/workbook.xml" ContentType="{ct_main}.sheet.main+xml"/>'
+        + "".join(
+            f'<Override PartName="/xl/worksheets/sheet{i + 1}.xml" '
+            f'ContentType="{ct_main}.worksheet+xml"/>'
+            for i in range(len(names))
+        )
+        + (
+            f'<Override PartName="/xl/sharedStrings.xml" ContentType="{ct_main}.sharedStrings+xml"/>'
+            if shared
+            else ""
+        )
+        + "</Types>"
+    )
+    package_rels = (
+        '<?xml version="1.0" encoding="UTF-8"?><Relationships '
+        'xmlns="http://schemas.openxmlformats.org/package/2006/relationships">'
+        f'<Relationship Id="rId1" Type="{_R}/officeDocument" Target="xl/workbook.xml"/>'
+        "</Relationships>"
     )
     sst = (
         f'<?xml version="1.0" encoding="UTF-8"?><sst xmlns="{_NS}" count="{len(shared)}" '
@@ -87,6 +119,8 @@ def write_xlsx(
     )
     path = Path(path)
     with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as z:
+        z.writestr("[Content_Types].xml", content_types)
+        z.writestr("_rels/.rels", package_rels)
         z.writestr("xl/workbook.xml", workbook)
         z.writestr("xl/_rels/workbook.xml.rels", rels)
         for i, xml in enumerate(sheet_xml):

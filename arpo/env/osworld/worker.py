@@ -216,11 +216,12 @@ def _score(value: Any) -> float:
 def _kind(exc: BaseException, requests: Any) -> str:
     if isinstance(exc, RequestError):
         return "request"
-    env_errors = (requests.exceptions.ConnectionError, requests.exceptions.Timeout)
-    if isinstance(exc, ConnectionError | env_errors):
-        return "env"
-    cause = exc.__cause__
-    return "env" if isinstance(cause, ConnectionError | env_errors) else "eval"
+    env_errors = (
+        ConnectionError,
+        requests.exceptions.ConnectionError,
+        requests.exceptions.Timeout,
+    )
+    return "env" if isinstance(exc, env_errors) or isinstance(exc.__cause__, env_errors) else "eval"
 
 
 def serve() -> int:
