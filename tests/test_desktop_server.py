@@ -78,6 +78,8 @@ def test_pyautogui_moves_the_real_pointer_and_returns_what_it_printed(clean: Des
         "print('before'); raise ValueError('bad value')",
         "exit(3)",
         "pyautogui.no_such_function()",
+        "print('lost in the buffer'); pyautogui.os._exit(3)",
+        "print('flushed', flush=True); pyautogui.os._exit(4)",
     ],
 )
 def test_in_process_answer_equals_a_subprocess_answer(clean: Desk, code: str) -> None:
@@ -92,6 +94,48 @@ def test_in_process_answer_equals_a_subprocess_answer(clean: Desk, code: str) ->
     # tracebacks name the same frames; pyautogui's own file paths are the same module
     assert fast["error"].splitlines()[-1:] == slow["error"].splitlines()[-1:]
     assert fast["error"].count("\n") == slow["error"].count("\n")
+
+
+def test_programs_cannot_reach_the_server(clean: Desk) -> None:
+    """What a pyautogui program does stays in its own process: `os._exit` (it killed the
+    server), a patched `json.loads` (it broke every JSON endpoint) and a C loop holding the
+    GIL (it stalled every endpoint and the timeout never fired) when such programs ran in
+    the server's process."""
+    import threading
+
+    pid = clean.get("/desktop/info").json()["pid"]
+    assert clean.act("pyautogui.os._exit(3)")["returncode"] == 3
+    r = clean.act("import json; json.loads = lambda *a, **k: {}; print(json.loads('[1]'))")
+    assert r["output"] == "{}\n"
+    assert clean.act("import json; print(json.loads('[1, 2]'))")["output"] == "[1, 2]\n"
+    assert clean.post("/execute", {"command": "echo ok", "shell": True}).json()["output"] == "ok\n"
+    assert clean.post("/reset").json()["status"] == "success"
+    # a C loop that never releases the GIL: other endpoints answer, the timeout fires
+    box: dict = {}
+
+    def hog() -> None:
+        t0 = time.perf_counter()
+        code = "import pyautogui; sum(range(4 * 10**8))"
+        box["answer"] = clean.post("/execute", {"command": ["python", "-c", code], "timeout": 2})
+        box["took"] = time.perf_counter() - t0
+
+    th = threading.Thread(target=hog)
+    th.start()
+    time.sleep(0.5)
+    t0 = time.perf_counter()
+    assert clean.get("/platform").text == "Linux"
+    assert clean.get("/screenshot").status == 200
+    others = time.perf_counter() - t0
+    th.join(30)
+    assert box["answer"].status == 500 and "timed out" in box["answer"].json()["message"]
+    assert box["took"] < 5, box["took"]
+    assert others < 1.5, f"other endpoints waited {others:.1f} s"
+    # a program that kills the warm executor: the next action gets a new one
+    old = clean.get("/desktop/info").json()["executor_pid"]
+    assert clean.act("pyautogui.os.kill(pyautogui.os.getppid(), 9)")["returncode"] == 0
+    assert clean.act("print('back')")["output"] == "back\n"
+    assert clean.get("/desktop/info").json()["executor_pid"] not in (None, old)
+    assert clean.get("/desktop/info").json()["pid"] == pid and clean.proc.poll() is None
 
 
 def test_in_process_actions_are_fast(clean: Desk) -> None:

@@ -17,7 +17,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from arpo_envs.desktop.procs import set_parent_death_signal, wait_gone
+from arpo_envs.desktop.procs import disown, own, set_parent_death_signal, wait_gone
 
 
 class DisplayError(RuntimeError):
@@ -111,6 +111,7 @@ class XDisplay:
             )
         finally:
             os.close(write_fd)
+        own(self.xvfb.pid)
         try:
             number = _read_display_number(read_fd, self.xvfb, timeout_s)
         finally:
@@ -126,6 +127,7 @@ class XDisplay:
             start_new_session=True,
             preexec_fn=set_parent_death_signal,
         )
+        own(self.wm.pid)
         self._wait_wm(timeout_s)
 
     def _wait_wm(self, timeout_s: float) -> None:
@@ -158,6 +160,8 @@ class XDisplay:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(timeout=5)
         wait_gone([p.pid for p in procs], 5)
+        for p in procs:
+            disown(p.pid)
         if self.number is not None:
             remove_stale_lock(self.number)
         self.xvfb = self.wm = None

@@ -1,48 +1,40 @@
-"""Running what /execute is sent: pyautogui code in this process, anything else as a subprocess.
+"""Running what /execute is sent: pyautogui code in a warm executor process, anything else
+as a subprocess.
 
 OSWorld's host controller sends every action as `["python", "-c", "import pyautogui; ...
-<code>"]` and reads what it printed. A new interpreter per action costs about 170 ms;
-running the code in the server process costs milliseconds. The answer must be the
-same as a subprocess would give, so in-process code runs:
+<code>"]` and reads what it printed. A new interpreter per action costs about 170 ms
+(importing pyautogui and Xlib); a fork of a process that has them imported costs a few
+ms (`forkserver`). The program then runs in a process of its own, as a subprocess
+would: it cannot reach the server (no shared memory, interpreter or GIL), its exit code,
+output and traceback are the ones `python -c` gives, and a timeout kills its process
+group. `WarmExecutor` is the server's side of it.
 
-- as `__main__`, with fresh globals, compiled as `<string>` (tracebacks read the same);
-- with its stdout and stderr captured per thread (`print` output comes back as `output`,
-  an uncaught exception as a traceback in `error` with return code 1, `sys.exit(n)` as n);
-- with pyautogui's settings put back first (`PAUSE` is the server's, near 0; `FAILSAFE`
-  True as in a fresh interpreter), so one action's settings never leak into the next.
-
-Only code that needs nothing of a process's own state runs in process: it must parse,
-import pyautogui, import nothing outside `INPROCESS_MODULES` and call none of
-`open`, `exec`, `eval`, `compile`, `__import__`, `input`, `globals`, `locals`, `vars`,
-`setattr`, `delattr`, `getattr` (a relative path or a changed attribute would mean
-something else here than in a fresh interpreter). Everything else runs as a real
+Only code that would run the same in a fork as in a fresh interpreter takes that path:
+it must parse, import pyautogui, import nothing outside `INPROCESS_MODULES` and call
+none of `open`, `exec`, `eval`, `compile`, `__import__`, `input`, `globals`, `locals`,
+`vars`, `setattr`, `delattr`, `getattr` (the warm process has more modules loaded than
+a fresh interpreter, which such code could notice). Everything else runs as a real
 subprocess in its own session, killed with its group on timeout.
 
-A hanging in-process action (`time.sleep(1e6)`, a busy loop) is stopped at the
-timeout: `time.sleep` of the code waits on an event the timeout sets, and the thread
-gets an asynchronous `TimeoutError`. Until that thread has finished, the next actions
-run as subprocesses.
+The captured output of either path is capped at MAX_OUTPUT_BYTES per stream.
 """
 
 from __future__ import annotations
 
 import ast
 import asyncio
-import builtins
 import contextlib
-import ctypes
-import io
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import sys
-import threading
-import time
-import traceback
-import types
 from dataclasses import dataclass
 from typing import Any
+
+from arpo_envs.desktop.forkserver import EXITED, HEADER, REPLY, STARTED
+from arpo_envs.desktop.procs import disown, own, process_table, set_parent_death_signal
 
 INPROCESS_MODULES = frozenset(
     {"pyautogui", "time", "platform", "math", "random", "string", "re", "json"}
@@ -117,174 +109,318 @@ def inprocess_code(command: str | list[str], shell: bool) -> str | None:
     return code if imports_pyautogui else None
 
 
-# ---- per-thread stdout/stderr -------------------------------------------------------------------
+# ---- the warm executor -----------------------------------------------------------------------
 
 
-class _ThreadRouter(io.TextIOBase):
-    """Stands in for sys.stdout/sys.stderr: writes of a capturing thread go to its buffer."""
+class WarmExecutor:
+    """Runs `python -c` pyautogui code of one desktop in forks of a warm process (`forkserver`).
 
-    def __init__(self, original, local: threading.local, attr: str):
-        self._original = original
-        self._local = local
-        self._attr = attr
+    One program at a time. A program that outlives its timeout is killed with its process
+    group; the warm process is replaced when it dies or stops answering. Nothing a program
+    does reaches the server: it shares no memory, no interpreter and no GIL with it.
 
-    def _target(self):
-        return getattr(self._local, self._attr, None) or self._original
+    The warm process's reports (ready, a child gone) are read by a callback of the event
+    loop as they come, so none is lost and its death (end of the socket) is seen at once.
+    """
 
-    def write(self, s: str) -> int:
-        return self._target().write(s)
+    START_TIMEOUT_S = 60.0
+    """Longest wait for a (re)started warm process to import pyautogui and say it is ready."""
 
-    def flush(self) -> None:
-        self._target().flush()
-
-    def isatty(self) -> bool:
-        return False
-
-    def fileno(self) -> int:
-        return self._original.fileno()
+    def __init__(self, env: dict[str, str], cwd: str, pause_s: float, log_path: str):
+        self.env = env
+        self.cwd = cwd
+        self.pause_s = pause_s
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+        self._sock: socket.socket | None = None
+        self._watched: asyncio.AbstractEventLoop | None = None
+        """The loop whose reader callback reads the socket (None: nobody reads it yet)."""
+        self._buf = bytearray()
+        """Bytes received from the warm process, not yet a whole report."""
+        self._ready = False
+        self._gone = False
+        """The socket ended: the warm process is dead (or was stopped)."""
+        self._exits: dict[int, int] = {}
+        """Exit codes the warm process reported, by child pid (cleared before each program)."""
+        self._news = asyncio.Event()
+        self._lock = asyncio.Lock()
 
     @property
-    def encoding(self) -> str:
-        return getattr(self._original, "encoding", "utf-8")
+    def lock(self) -> asyncio.Lock:
+        """Held while a program runs (a reset holds it too)."""
+        return self._lock
 
+    @property
+    def pid(self) -> int | None:
+        """The warm process's pid while it runs."""
+        return self.proc.pid if self.proc is not None and self.proc.poll() is None else None
 
-_local = threading.local()
-_install_lock = threading.Lock()
+    def pids(self) -> list[int]:
+        """The warm process and its idle child waiting for the next program (a reset keeps
+        both; with the lock held no program runs, so that child is its only one)."""
+        if self.pid is None:
+            return []
+        return [self.pid, *(p for p, st in process_table().items() if st[0] == self.pid)]
 
+    # ---- the process ----------------------------------------------------------------------
 
-def _install_routers() -> None:
-    with _install_lock:
-        if not isinstance(sys.stdout, _ThreadRouter):
-            sys.stdout = _ThreadRouter(sys.stdout, _local, "out")
-        if not isinstance(sys.stderr, _ThreadRouter):
-            sys.stderr = _ThreadRouter(sys.stderr, _local, "err")
+    def start(self) -> None:
+        """Start the warm process (returns at once; the first run waits until it is ready)."""
+        self.stop()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        with open(self.log_path, "ab") as log:
+            try:
+                self.proc = subprocess.Popen(
+                    [sys.executable, "-m", "arpo_envs.desktop.forkserver", str(theirs.fileno())],
+                    pass_fds=(theirs.fileno(),),
+                    env=self.env,
+                    cwd=self.cwd,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=log,
+                    start_new_session=True,
+                    preexec_fn=set_parent_death_signal,
+                )
+            finally:
+                theirs.close()
+        own(self.proc.pid)
+        ours.setblocking(False)
+        self._sock = ours
+        self._buf = bytearray()
+        self._ready = self._gone = False
+        self._exits.clear()
 
+    def stop(self) -> None:
+        """Kill the warm process (and nothing it started: programs are killed by reset)."""
+        if self._sock is not None:
+            if self._watched is not None:
+                self._watched.remove_reader(self._sock.fileno())
+                self._watched = None
+            self._sock.close()
+            self._sock = None
+        self._gone = True
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(5)
+            disown(self.proc.pid)
+            self.proc = None
 
-# ---- the in-process runner ------------------------------------------------------------------
-
-
-class _Cancelled(TimeoutError):
-    pass
-
-
-def _time_module(cancel: threading.Event) -> types.ModuleType:
-    """A copy of `time` whose sleep returns early (raising) when `cancel` is set."""
-    mod = types.ModuleType("time")
-    mod.__dict__.update(time.__dict__)
-
-    def sleep(seconds: float) -> None:
-        if seconds < 0:
-            raise ValueError("sleep length must be non-negative")
-        if cancel.wait(seconds):
-            raise _Cancelled("timed out")
-
-    mod.sleep = sleep  # type: ignore[attr-defined]
-    return mod
-
-
-class InProcessRunner:
-    """Runs pyautogui code in this process, one program at a time."""
-
-    def __init__(self, pause_s: float = 0.0):
-        import pyautogui  # needs DISPLAY set: it connects at import
-
-        self.pyautogui = pyautogui
-        self.pause_s = pause_s
-        self._busy: threading.Thread | None = None
-        self._lock = asyncio.Lock()
-        _install_routers()
-
-    def available(self) -> bool:
-        """False while an earlier program that timed out is still running."""
-        return self._busy is None or not self._busy.is_alive()
-
-    def reconnect(self, display_name: str) -> None:
-        """Point pyautogui at a restarted X server (it keeps one connection from import)."""
-        from pyautogui import _pyautogui_x11 as x11
-        from Xlib.display import Display
-
-        with contextlib.suppress(Exception):
-            x11._display.close()
-        x11._display = Display(display_name)
-
-    def _run_sync(self, code: str, cancel: threading.Event, box: dict[str, Any]) -> None:
-        out, err = io.StringIO(), io.StringIO()
-        _local.out, _local.err = out, err
-        p = self.pyautogui
-        p.PAUSE, p.FAILSAFE = self.pause_s, True
-        real_import = builtins.__import__
-        timemod = _time_module(cancel)
-
-        def guarded_import(name, globals=None, locals=None, fromlist=(), level=0):
-            if name == "time":
-                return timemod
-            return real_import(name, globals, locals, fromlist, level)
-
-        env_builtins = dict(builtins.__dict__)
-        env_builtins["__import__"] = guarded_import
-        scope = {"__name__": "__main__", "__builtins__": env_builtins}
-        rc = 0
+    def wait_ready_sync(self) -> None:
+        """Block until the warm process is ready (at server start, before the event loop)."""
+        assert self._sock is not None
+        self._sock.settimeout(self.START_TIMEOUT_S)
         try:
-            exec(compile(code, "<string>", "exec"), scope)
-        except SystemExit as e:
-            if e.code is None:
-                rc = 0
-            elif isinstance(e.code, int):
-                rc = e.code
-            else:
-                err.write(f"{e.code}\n")
-                rc = 1
-        except BaseException as e:  # a subprocess reports any uncaught exception the same way
-            tb = e.__traceback__.tb_next if e.__traceback__ is not None else None
-            err.write("".join(traceback.format_exception(type(e), e, tb)))
-            rc = 1
+            msg = self._sock.recv(REPLY.size, socket.MSG_WAITALL)
+        except TimeoutError:
+            msg = b""
         finally:
-            with contextlib.suppress(Exception):
-                sys.stdout.flush()
-            _local.out = _local.err = None
-            box["result"] = (out.getvalue(), err.getvalue(), rc)
+            self._sock.setblocking(False)
+        if msg[:1] != b"R":
+            self._not_started()
+        self._ready = True
+
+    def _not_started(self) -> None:
+        code = self.proc.poll() if self.proc is not None else None
+        self.stop()
+        raise ExecutorDied(
+            f"the warm executor did not start (exit code {code}); see {self.log_path}"
+        )
+
+    # ---- its reports ------------------------------------------------------------------------
+
+    def _readable(self) -> None:
+        """Event-loop callback: read what the warm process sent."""
+        assert self._sock is not None
+        try:
+            chunk = self._sock.recv(65536)
+        except BlockingIOError:
+            return
+        except OSError:
+            chunk = b""
+        if not chunk:
+            self._gone = True
+            if self._watched is not None:
+                self._watched.remove_reader(self._sock.fileno())
+                self._watched = None
+        self._buf += chunk
+        while len(self._buf) >= REPLY.size:
+            kind, pid, code = REPLY.unpack(self._buf[: REPLY.size])
+            del self._buf[: REPLY.size]
+            if kind == b"R":
+                self._ready = True
+            elif kind == b"S":
+                self._exits[pid] = code
+        self._news.set()
+
+    async def _until(self, condition, timeout_s: float | None) -> None:
+        """Wait until `condition()` holds (TimeoutError after `timeout_s`)."""
+        async with asyncio.timeout(timeout_s):
+            while not condition():
+                self._news.clear()
+                await self._news.wait()
+
+    async def _exit_code(self, pid: int, timeout_s: float | None) -> int:
+        """The exit code the warm process reports for its child `pid` (EOFError if it died)."""
+        await self._until(lambda: pid in self._exits or self._gone, timeout_s)
+        if pid not in self._exits:
+            raise EOFError
+        return self._exits[pid]
+
+    # ---- programs ---------------------------------------------------------------------------
 
     async def run(self, code: str, timeout_s: float) -> CommandResult:
+        """Run `code` as `python -c code` would; at most `timeout_s` seconds."""
         async with self._lock:
-            loop = asyncio.get_running_loop()
-            done = asyncio.Event()
-            cancel = threading.Event()
-            box: dict[str, Any] = {}
+            return await self.run_locked(code, timeout_s)
 
-            def target() -> None:
-                try:
-                    self._run_sync(code, cancel, box)
-                finally:
-                    loop.call_soon_threadsafe(done.set)
+    async def run_locked(self, code: str, timeout_s: float) -> CommandResult:
+        """`run` for a caller that holds `lock`."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        try:
+            return await self._start_and_run(code, timeout_s)
+        except _NotTaken:  # it died before any process took the program: once more, anew
+            return await self._start_and_run(code, max(deadline - loop.time(), 0.001))
 
-            thread = threading.Thread(target=target, name="pyautogui-exec", daemon=True)
-            self._busy = thread
-            thread.start()
+    async def _start_and_run(self, code: str, timeout_s: float) -> CommandResult:
+        if self._sock is None or self._gone or self.proc is None or self.proc.poll() is not None:
+            self.start()  # it died (a program can kill it): a new one
+        assert self._sock is not None
+        if self._watched is None:
+            self._watched = asyncio.get_running_loop()
+            self._watched.add_reader(self._sock.fileno(), self._readable)
+        if not self._ready:
+            with contextlib.suppress(TimeoutError):
+                await self._until(lambda: self._ready or self._gone, self.START_TIMEOUT_S)
+            if not self._ready:
+                self._not_started()
+        self._exits.clear()  # earlier programs' exit codes came on their status pipes
+        return await self._run(code, timeout_s)
+
+    async def _run(self, code: str, timeout_s: float) -> CommandResult:
+        assert self._sock is not None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        out: list[bytes] = []
+        err: list[bytes] = []
+        readers: list[asyncio.Task] = []
+        transport: asyncio.BaseTransport | None = None
+        child: int | None = None
+        rc: int | None = None
+        try:
+            data = code.encode("utf-8")
+            out_r, out_w = os.pipe()
+            err_r, err_w = os.pipe()
+            st_r, st_w = os.pipe()
             try:
-                await asyncio.wait_for(done.wait(), timeout_s)
-            except TimeoutError:
-                cancel.set()  # ends a time.sleep of the code
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(done.wait(), 0.1)
-                if not done.is_set():  # a busy loop or a blocking call: interrupt the thread
-                    _async_raise(thread, _Cancelled)
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(done.wait(), 0.5)
-                out, err, _ = box.get("result", ("", "", None))
-                return CommandResult(out, err, None, timed_out=True, in_process=True)
-            out, err, rc = box["result"]
-            return CommandResult(out, err, rc, in_process=True)
-
-
-def _async_raise(thread: threading.Thread, exc: type[BaseException]) -> None:
-    """Raise `exc` in `thread` at its next Python bytecode."""
-    if thread.ident is not None:
-        ctypes.pythonapi.PyThreadState_SetAsyncExc(
-            ctypes.c_ulong(thread.ident), ctypes.py_object(exc)
+                socket.send_fds(
+                    self._sock, [HEADER.pack(len(data), self.pause_s)], [out_w, err_w, st_w]
+                )
+            finally:
+                for fd in (out_w, err_w, st_w):
+                    os.close(fd)
+            readers = [
+                asyncio.create_task(_drain_fd(out_r, out)),
+                asyncio.create_task(_drain_fd(err_r, err)),
+            ]
+            status, transport = await _pipe_reader(st_r)
+            await loop.sock_sendall(self._sock, data)
+            async with asyncio.timeout_at(deadline):
+                # the child that takes the program says who it is, unless the warm process
+                # died before it forked one
+                started = asyncio.ensure_future(status.readexactly(STARTED.size))
+                gone = asyncio.ensure_future(self._until(lambda: self._gone, None))
+                try:
+                    await asyncio.wait({started, gone}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    gone.cancel()
+                    if not started.done():
+                        started.cancel()
+                if not started.done():
+                    raise _NotTaken
+                child = STARTED.unpack(started.result())[0]
+                try:
+                    rc = EXITED.unpack(await status.readexactly(EXITED.size))[0]
+                except asyncio.IncompleteReadError:  # exited without it (os._exit, a signal)
+                    rc = await self._exit_code(child, None)
+        except TimeoutError:
+            rc = None
+            if child is None:
+                self.stop()  # no process took the program: replaced on the next run
+            else:  # the program's group; the warm process then reports its end
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(child, signal.SIGKILL)
+                try:
+                    await self._exit_code(child, 2.0)
+                except (EOFError, TimeoutError):
+                    self.stop()
+        except _NotTaken:
+            self.stop()
+            await _finish(readers)
+            raise
+        except (EOFError, OSError, asyncio.IncompleteReadError):  # the warm process died
+            self.stop()
+            await _finish(readers)
+            if child is None:
+                raise _NotTaken from None  # the program did not start
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child, signal.SIGKILL)
+            raise ExecutorDied(
+                "the executor process died while running the program; it is restarted "
+                "on the next action"
+            ) from None
+        finally:
+            if transport is not None:
+                transport.close()
+        # output still in the pipes; a background child holding them is not waited for
+        await _finish(readers)
+        return CommandResult(
+            b"".join(out).decode("utf-8", "replace"),
+            b"".join(err).decode("utf-8", "replace"),
+            rc,
+            timed_out=rc is None,
+            in_process=True,
         )
 
 
+async def _pipe_reader(fd: int) -> tuple[asyncio.StreamReader, asyncio.BaseTransport]:
+    """An asyncio reader of the read end of a pipe (closing the transport closes the fd)."""
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader()
+    transport, _ = await loop.connect_read_pipe(
+        lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(fd, "rb", 0)
+    )
+    return reader, transport
+
+
+async def _finish(readers: list[asyncio.Task]) -> None:
+    """Give output readers 0.2 s to reach the end of their pipes, then stop them."""
+    if readers:
+        _, pending = await asyncio.wait(readers, timeout=0.2)
+        for t in pending:
+            t.cancel()
+
+
+class ExecutorDied(RuntimeError):
+    """The warm executor process died while it ran a program, or did not start."""
+
+
+class _NotTaken(Exception):
+    """The warm process died before any of its children took the program (it did not run)."""
+
+
 # ---- subprocesses -----------------------------------------------------------------------------
+
+
+async def _drain_fd(fd: int, sink: list[bytes]) -> None:
+    """`_drain` of the read end of a pipe (closed when done)."""
+    reader, transport = await _pipe_reader(fd)
+    try:
+        await _drain(reader, sink)
+    finally:
+        transport.close()
 
 
 MAX_OUTPUT_BYTES = 16 << 20
@@ -344,6 +480,14 @@ async def run_subprocess(
         if isinstance(command, str):
             command = [command]
         proc = await asyncio.create_subprocess_exec(*command, **kwargs)
+    own(proc.pid)
+    try:
+        return await _collect(proc, timeout_s)
+    finally:
+        disown(proc.pid)
+
+
+async def _collect(proc: asyncio.subprocess.Process, timeout_s: float) -> CommandResult:
     out: list[bytes] = []
     err: list[bytes] = []
     readers = [

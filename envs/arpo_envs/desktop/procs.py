@@ -1,11 +1,22 @@
-"""Processes of one desktop: their environment, their marker, and killing all of them.
+"""Processes of one desktop: their environment, how they are found, and killing all of them.
 
-Every process a desktop server starts (Xvfb, openbox, applications, commands) gets
-`ARPO_DESKTOP_ROOT=<the desktop's root dir>` in its environment, and so does anything
-those processes start in turn. That marker is how a reset or `arpo-envs down` finds
-every process of one desktop, including ones that left their process group (a
-`soffice ... &` from a shell command, a double-forking launcher): scanning
-/proc/*/environ costs a few ms.
+Two links find every process of one desktop, including ones that left their process
+group and session (a `soffice ... &` from a shell command, a double-forking launcher,
+`setsid`):
+
+- the marker: every process a desktop server starts gets `ARPO_DESKTOP_ROOT=<the
+  desktop's root dir>` in its environment, and so does anything it starts in turn
+  (unless a command removes it: `env -u ARPO_DESKTOP_ROOT ...`);
+- the process tree: the server is a child subreaper (`become_subreaper`), so a process
+  whose parent exits is re-parented to the server instead of to init. Every process a
+  command starts stays a descendant of the server, whatever it does to its
+  environment, group or session; `descendants` walks /proc from the server's pid.
+
+A reset kills the union of both. `arpo-envs down` records each server's tree before it
+stops the server, so what the server could not kill itself (it was killed hard) is
+still found. Orphans re-parented to the server are reaped by `reap_orphans`; the pids
+the server waits for itself are registered with `own` so that is never done to them.
+Scanning /proc costs a few ms.
 """
 
 from __future__ import annotations
@@ -73,6 +84,107 @@ def write_python_wrappers(bin_dir: Path) -> None:
         script.chmod(0o755)
 
 
+# ---- the process tree ---------------------------------------------------------------------------
+
+_OWN: set[int] = set()
+"""Children this process started and waits for itself (never reaped by `reap_orphans`)."""
+
+
+def own(pid: int) -> None:
+    """Register a child this process waits for itself."""
+    _OWN.add(pid)
+
+
+def disown(pid: int) -> None:
+    """Forget a child registered with `own` (once it has been waited for)."""
+    _OWN.discard(pid)
+
+
+def become_subreaper() -> bool:
+    """Make this process the parent of every orphan among its descendants (Linux >= 3.4).
+
+    Returns False where the kernel refuses (then only the marker finds them)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    PR_SET_CHILD_SUBREAPER = 36
+    return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+
+
+def _stat(pid: int | str) -> tuple[int, str, int] | None:
+    """(parent pid, state letter, start time in clock ticks since boot), or None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(b")") + 2 :].split()
+    return int(fields[1]), fields[0].decode(), int(fields[19])
+
+
+def process_table() -> dict[int, tuple[int, str, int]]:
+    """Every process: pid -> (parent pid, state, start time)."""
+    table = {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit() and (st := _stat(entry.name)) is not None:
+            table[int(entry.name)] = st
+    return table
+
+
+def descendants(pid: int, table: dict[int, tuple[int, str, int]] | None = None) -> list[int]:
+    """Live (not zombie) processes below `pid` in the process tree."""
+    table = process_table() if table is None else table
+    children: dict[int, list[int]] = {}
+    for p, (ppid, _, _) in table.items():
+        children.setdefault(ppid, []).append(p)
+    found, stack = [], list(children.get(pid, ()))
+    while stack:
+        p = stack.pop()
+        if table[p][1] != "Z":
+            found.append(p)
+        stack.extend(children.get(p, ()))
+    return found
+
+
+def tree_snapshot(pid: int) -> dict[int, int]:
+    """The live descendants of `pid` with their start times (to tell a reused pid later)."""
+    table = process_table()
+    return {p: table[p][2] for p in descendants(pid, table)}
+
+
+def still_running(snapshot: dict[int, int]) -> list[int]:
+    """The processes of a `tree_snapshot` still alive (same pid and start time)."""
+    alive = []
+    for pid, start in snapshot.items():
+        st = _stat(pid)
+        if st is not None and st[2] == start and st[1] != "Z":
+            alive.append(pid)
+    return alive
+
+
+def reap_orphans(min_age_s: float = 120.0) -> int:
+    """Reap zombie children of this process that it did not start itself; returns the count.
+
+    Only zombies started at least `min_age_s` ago: a child this process starts and waits
+    for itself but has not registered yet (a `subprocess.run` of wmctrl) is never that
+    old, so its exit code always reaches its own waiter.
+    """
+    me = os.getpid()
+    ticks = os.sysconf("SC_CLK_TCK")
+    with open("/proc/uptime") as f:
+        now = float(f.read().split()[0]) * ticks
+    reaped = 0
+    for pid, (ppid, state, start) in process_table().items():
+        if ppid == me and state == "Z" and pid not in _OWN and now - start >= min_age_s * ticks:
+            with contextlib.suppress(ChildProcessError):
+                if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                    reaped += 1
+    return reaped
+
+
+# ---- the marker -------------------------------------------------------------------------------
+
+
 def marked_pids(root: Path | str, exclude: Iterable[int] = ()) -> list[int]:
     """Live processes (not zombies) whose environment carries the marker of `root`."""
     needle = f"{MARKER}={root}\0".encode()
@@ -124,8 +236,14 @@ def wait_gone(pids: Iterable[int], timeout_s: float) -> list[int]:
     return pending
 
 
-def kill_marked(root: Path | str, exclude: Iterable[int] = (), timeout_s: float = 3.0) -> int:
-    """SIGKILL every marked process of `root` (but `exclude`) and wait for them; returns the count.
+def kill_marked(
+    root: Path | str,
+    exclude: Iterable[int] = (),
+    timeout_s: float = 3.0,
+    tree: int | None = None,
+) -> int:
+    """SIGKILL every marked process of `root` and, with `tree`, every descendant of that pid
+    (but `exclude`), and wait for them; returns the count.
 
     Repeats the scan until none is left: a process may fork between the scan and the kill.
     """
@@ -133,6 +251,8 @@ def kill_marked(root: Path | str, exclude: Iterable[int] = (), timeout_s: float 
     total = 0
     for _ in range(5):
         pids = marked_pids(root, exclude)
+        if tree is not None:
+            pids = sorted(set(pids) | (set(descendants(tree)) - exclude))
         if not pids:
             break
         kill_all(pids)

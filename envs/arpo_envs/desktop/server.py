@@ -10,7 +10,7 @@ it (LibreOffice Calc, mousepad, xterm, ...). Its home directory is
 | method, path | body | answer |
 |---|---|---|
 | GET /screenshot | - | PNG of the screen with the pointer (mss, compress level 1) |
-| POST /execute, /setup/execute | {command: list or str, shell, timeout?} | {status, output, error, returncode}; `python -c` pyautogui code runs in process (`executor`), the rest as a subprocess; a timeout is 500 JSON |
+| POST /execute, /setup/execute | {command: list or str, shell, timeout?} | {status, output, error, returncode}; `python -c` pyautogui code runs in a fork of a warm process (`executor`), the rest as a subprocess; a timeout is 500 JSON |
 | POST /setup/launch | {command, shell} | text; started in its own session, not waited for |
 | POST /setup/upload | multipart file_path, file_data | text "File Uploaded: <n> bytes" |
 | POST /setup/open_file | {path, window_name?, timeout_seconds?} | text once a window titled after the file is up (Calc for spreadsheets, mousepad for text, xterm for folders) |
@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
 import json
 import logging
 import math
@@ -55,12 +56,21 @@ from arpo_envs.desktop import home as homes
 from arpo_envs.desktop.display import XDisplay
 from arpo_envs.desktop.executor import (
     CommandResult,
-    InProcessRunner,
+    ExecutorDied,
+    WarmExecutor,
     inprocess_code,
     normalize,
     run_subprocess,
 )
-from arpo_envs.desktop.procs import desktop_env, kill_marked, write_python_wrappers
+from arpo_envs.desktop.procs import (
+    become_subreaper,
+    desktop_env,
+    disown,
+    kill_marked,
+    own,
+    reap_orphans,
+    write_python_wrappers,
+)
 from arpo_envs.desktop.screen import Screen
 from arpo_envs.desktop.windows import WindowList, accessibility_xml, matches, wmctrl
 from arpo_envs.server_common import RequestError, ServerSecurity, check_type, make_app, read_json
@@ -100,11 +110,12 @@ class DesktopConfig:
     open_timeout_s: float = 60.0
     """Longest wait for the window of /setup/open_file unless the request says otherwise."""
     pause_s: float = 0.0
-    """pyautogui.PAUSE for in-process actions (its default 0.1 s per call would dominate)."""
+    """pyautogui.PAUSE for actions on the fast path (its default 0.1 s per call would dominate)."""
     draw_cursor: bool = True
     """Draw the pointer into screenshots."""
     inprocess: bool = True
-    """Run `python -c` pyautogui code in the server process (False: always a subprocess)."""
+    """Run `python -c` pyautogui code in forks of a warm executor process (False: always a
+    new interpreter)."""
 
     def __post_init__(self) -> None:
         if self.width < 320 or self.height < 240:
@@ -134,7 +145,7 @@ class Desktop:
         self.env["PATH"] = f"{root / 'bin'}:{self.env.get('PATH', os.defpath)}"
         self.display = XDisplay(config.width, config.height, self.env, config.display)
         self.lo_template: Path | None = None
-        self.runner: InProcessRunner | None = None
+        self.executor: WarmExecutor | None = None
         self.screen: Screen | None = None
         self.launched: list[subprocess.Popen] = []
         (root / "logs").mkdir(parents=True, exist_ok=True)
@@ -142,18 +153,30 @@ class Desktop:
     # ---- lifecycle ------------------------------------------------------------------------
 
     def start(self) -> None:
+        # orphans of commands (`setsid sleep 780 &`) become our children: reset finds them
+        if not become_subreaper():
+            log.warning("not a child subreaper: only the marker finds what commands leave")
         self.lo_template = homes.libreoffice_template()
         self._rebuild_home()
         self.display.start()
-        os.environ["DISPLAY"] = self.display.name  # pyautogui connects at import, to this
         if self.config.inprocess:
-            self.runner = InProcessRunner(self.config.pause_s)
+            self.executor = WarmExecutor(
+                self.env, self.home, self.config.pause_s, str(self.root / "logs" / "executor.log")
+            )
+            self.executor.start()
+            self.executor.wait_ready_sync()
         self.screen = Screen(self.display.name, self.config.draw_cursor)
 
+    def _keep(self) -> list[int]:
+        """Processes a reset keeps: the display and the warm executor."""
+        return self.display.pids() + (self.executor.pids() if self.executor else [])
+
     def stop(self) -> None:
-        kill_marked(self.root, exclude=self.display.pids())
+        if self.executor is not None:
+            self.executor.stop()
+        kill_marked(self.root, exclude=self.display.pids(), tree=os.getpid())
         self.display.stop()
-        kill_marked(self.root)
+        kill_marked(self.root, tree=os.getpid())
         if self.screen is not None:
             with contextlib.suppress(Exception):
                 self.screen.close()
@@ -163,21 +186,25 @@ class Desktop:
         homes.rebuild_home(self.home_dir, template, self.lo_template)
 
     def _reap(self) -> None:
-        self.launched = [p for p in self.launched if p.poll() is None]
+        for p in self.launched:
+            if p.poll() is not None:
+                disown(p.pid)
+        self.launched = [p for p in self.launched if p.returncode is None]
+        reap_orphans()
 
     async def reset(self, restart_display: bool) -> dict[str, Any]:
         """Kill every app and command, rebuild the home directory, restart the display if it
         died (or when asked), release held keys and centre the pointer."""
         t0 = time.perf_counter()
-        killed = await asyncio.to_thread(kill_marked, self.root, self.display.pids())
+        killed = await asyncio.to_thread(kill_marked, self.root, self._keep(), 3.0, os.getpid())
         self._reap()
         restarted = False
         if restart_display or not self.display.alive():
             await asyncio.to_thread(self.display.stop)
             await asyncio.to_thread(self.display.start)
             restarted = True
-            if self.runner is not None:
-                self.runner.reconnect(self.display.name)
+            if self.executor is not None:  # its pyautogui read the old display's keymap
+                self.executor.start()
             if self.screen is not None:
                 await self.screen.reconnect(self.display.name)
         await asyncio.to_thread(self._rebuild_home)
@@ -185,8 +212,8 @@ class Desktop:
         await asyncio.to_thread(
             subprocess.run, ["wmctrl", "-s", "0"], env=self.env, capture_output=True, timeout=10
         )
-        if self.runner is not None:
-            await asyncio.to_thread(self._settle_input)
+        if self.executor is not None:
+            await self._settle_input()
         return {
             "status": "success",
             "seconds": round(time.perf_counter() - t0, 4),
@@ -194,14 +221,19 @@ class Desktop:
             "display_restarted": restarted,
         }
 
-    def _settle_input(self) -> None:
-        assert self.runner is not None
-        p = self.runner.pyautogui
-        p.PAUSE = 0
-        for key in ("shift", "ctrl", "alt", "winleft"):
-            p.keyUp(key)
-        p.mouseUp()
-        p.moveTo(self.config.width // 2, self.config.height // 2)
+    async def _settle_input(self) -> None:
+        """Release held keys and the mouse button, centre the pointer (the caller holds the
+        executor's lock)."""
+        assert self.executor is not None
+        code = (
+            "import pyautogui\npyautogui.PAUSE = 0\n"
+            "for key in ('shift', 'ctrl', 'alt', 'winleft'):\n    pyautogui.keyUp(key)\n"
+            f"pyautogui.mouseUp()\npyautogui.moveTo({self.config.width // 2}, "
+            f"{self.config.height // 2})\n"
+        )
+        res = await self.executor.run_locked(code, 10.0)
+        if res.returncode != 0:
+            log.warning("settling the input after reset failed: %s", res.error[-500:])
 
     # ---- paths ----------------------------------------------------------------------------
 
@@ -233,6 +265,7 @@ class Desktop:
             )
         finally:
             log_file.close()
+        own(p.pid)
         self._reap()
         self.launched.append(p)
         return p
@@ -326,22 +359,27 @@ class DesktopServer:
             raise RequestError(f"field {name!r} must be a finite number > 0, got {value}")
         return float(min(value, default))
 
+    def _normalize(self, command: str | list[str], shell: bool) -> str | list[str]:
+        try:
+            return normalize(command, shell, self.desk.home)
+        except ValueError as e:  # shlex: "No closing quotation", "No escaped character"
+            raise RequestError(f"cannot split field 'command' like a shell: {e}") from None
+
     async def _run(self, command: str | list[str], shell: bool, timeout: float) -> CommandResult:
-        command = normalize(command, shell, self.desk.home)
-        runner = self.desk.runner
+        command = self._normalize(command, shell)
+        executor = self.desk.executor
         code = inprocess_code(command, shell)
         async with self._reset_lock:
             pass  # a running reset finishes first
-        if code is not None and runner is not None and runner.available():
-            return await runner.run(code, timeout)
-        try:
+        if code is not None and executor is not None:
+            try:
+                return await executor.run(code, timeout)
+            except ExecutorDied as e:
+                raise RequestError(str(e), 500) from None
+        with _spawn_errors(command):
             return await run_subprocess(
                 command, shell, env=self.desk.env, cwd=self.desk.home, timeout_s=timeout
             )
-        except FileNotFoundError as e:
-            raise RequestError(f"no such program: {e.filename or command}", 400) from None
-        except PermissionError as e:
-            raise RequestError(f"not executable: {e.filename or command}", 400) from None
 
     async def execute(self, request: web.Request) -> web.Response:
         body = await read_json(request)
@@ -423,14 +461,15 @@ class DesktopServer:
             if not wd.is_dir():
                 raise RequestError(f"working directory does not exist: {body['working_dir']}")
             cwd = str(wd)
-        res = await run_subprocess(
-            ["/bin/bash", "-c", body["script"]],
-            False,
-            env=self.desk.env,
-            cwd=cwd,
-            timeout_s=timeout,
-            merge_stderr=True,
-        )
+        with _spawn_errors("/bin/bash"):
+            res = await run_subprocess(
+                ["/bin/bash", "-c", body["script"]],
+                False,
+                env=self.desk.env,
+                cwd=cwd,
+                timeout_s=timeout,
+                merge_stderr=True,
+            )
         if res.timed_out:
             return web.json_response(
                 {
@@ -453,11 +492,9 @@ class DesktopServer:
     async def launch(self, request: web.Request) -> web.Response:
         body = await read_json(request)
         command, shell = self._command(body)
-        command = normalize(command, shell, self.desk.home)
-        try:
+        command = self._normalize(command, shell)
+        with _spawn_errors(command):
             await asyncio.to_thread(self.desk.popen, command, shell)
-        except FileNotFoundError as e:
-            raise RequestError(f"no such program: {e.filename or command}", 400) from None
         shown = command if isinstance(command, str) else " ".join(command)
         return web.Response(text=f"{shown} launched successfully")
 
@@ -605,8 +642,8 @@ class DesktopServer:
         restart = body.get("restart_display", False)
         check_type("restart_display", restart, bool)
         async with self._reset_lock:
-            if self.desk.runner is not None:
-                async with self.desk.runner._lock:
+            if self.desk.executor is not None:
+                async with self.desk.executor.lock:
                     answer = await self.desk.reset(restart)
             else:
                 answer = await self.desk.reset(restart)
@@ -622,9 +659,30 @@ class DesktopServer:
                 "pid": os.getpid(),
                 "xvfb_pid": self.desk.display.xvfb.pid if self.desk.display.xvfb else None,
                 "wm_pid": self.desk.display.wm.pid if self.desk.display.wm else None,
-                "inprocess": self.desk.runner is not None,
+                "inprocess": self.desk.executor is not None,
+                "executor_pid": self.desk.executor.pid if self.desk.executor else None,
             }
         )
+
+
+@contextlib.contextmanager
+def _spawn_errors(command: str | list[str]):
+    """The client's mistakes in starting a program as 400s naming them."""
+    try:
+        yield
+    except FileNotFoundError as e:
+        raise RequestError(f"no such program: {e.filename or command}") from None
+    except PermissionError as e:
+        raise RequestError(f"not executable: {e.filename or command}") from None
+    except OSError as e:
+        if e.errno == errno.E2BIG:
+            raise RequestError(
+                "the command and its arguments are longer than the system allows "
+                "(E2BIG); pass long data in a file (/setup/upload) instead"
+            ) from None
+        if e.errno == errno.ENAMETOOLONG:
+            raise RequestError(f"a file name in the command is too long: {e}") from None
+        raise
 
 
 # ---- one server process ------------------------------------------------------------------------
