@@ -7,10 +7,11 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from arpo_envs.desktop.fleet import orphans
-from test_desktop_common import Desk, require_desktop
+from test_desktop_common import ESCAPE, Desk, pids_running, require_desktop
 from test_desktop_common import wait_until as until
 
 CLI = [sys.executable, "-m", "arpo_envs.cli"]
@@ -80,6 +81,14 @@ def test_up_detached_then_down_leaves_no_orphans(tmp_path) -> None:
         _desk(members[1]).post("/setup/launch", {"command": ["xterm"]})
         # a process that is no X client does not die with the display: down must find it
         _desk(members[1]).post("/setup/launch", {"command": ["sleep", "300"]})
+        # nor one without the marker in a session of its own, on either server
+        for i, m in enumerate(members):
+            d = _desk(m)
+            assert d.post("/execute", {"command": ESCAPE.format(n=784 + i), "shell": True})
+            assert d.post("/run_bash_script", {"script": ESCAPE.format(n=786 + i)})
+        escaped = [["sleep", str(n)] for n in range(784, 788)]
+        until(lambda: all(pids_running(a) for a in escaped))
+        time.sleep(1.5)  # the hard-killed server has recorded its tree
         until(lambda: _soffice_pids() - before)
         assert orphans([m["root"] for m in members])
         # a server killed hard cannot clean up after itself
@@ -93,6 +102,7 @@ def test_up_detached_then_down_leaves_no_orphans(tmp_path) -> None:
     assert "stopped 2 desktops" in down.stdout
     _assert_nothing_left(members, state)
     assert not (_soffice_pids() - before)
+    assert [p for a in escaped for p in pids_running(a)] == []
 
 
 def test_up_in_the_foreground_stops_everything_on_sigterm(tmp_path) -> None:

@@ -169,6 +169,28 @@ def running_desk(root: Path, *args: str, token: str | None = None) -> Iterator[D
         stop_desk_proc(desk.proc)
 
 
+ESCAPE = "env -u ARPO_DESKTOP_ROOT setsid sleep {n} &"
+"""A shell command whose child drops the desktop's marker and leaves the command's session."""
+
+
+def pids_running(argv: list[str]) -> list[int]:
+    """Live processes whose command line is exactly `argv`."""
+    needle = b"\0".join(a.encode() for a in argv) + b"\0"
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            if Path(f"/proc/{entry.name}/cmdline").read_bytes() != needle:
+                continue
+            stat = Path(f"/proc/{entry.name}/stat").read_text()
+        except OSError:
+            continue
+        if stat.rsplit(")", 1)[1].split()[0] != "Z":
+            found.append(int(entry.name))
+    return found
+
+
 def wait_until(fn: Callable[[], Any], timeout: float = 20.0, interval: float = 0.1) -> Any:
     """fn()'s first truthy value; fails the test after `timeout` seconds."""
     deadline = time.monotonic() + timeout

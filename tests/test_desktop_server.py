@@ -18,7 +18,15 @@ from pathlib import Path
 import pytest
 from arpo_envs.desktop.procs import marked_pids
 from PIL import Image
-from test_desktop_common import Desk, require_desktop, running_desk, start_desk, stop_desk_proc
+from test_desktop_common import (
+    ESCAPE,
+    Desk,
+    pids_running,
+    require_desktop,
+    running_desk,
+    start_desk,
+    stop_desk_proc,
+)
 from test_desktop_common import wait_until as until
 
 from arpo.env.client import ClientConfig, EnvClient
@@ -320,6 +328,28 @@ def test_reset_restores_a_clean_desktop_quickly(clean: Desk) -> None:
         f"reset median {median * 1e3:.0f} ms over {len(times)} resets (max {max(times) * 1e3:.0f})"
     )
     assert median < 1.5
+
+
+def test_reset_kills_children_that_dropped_the_marker_and_left_the_session(clean: Desk) -> None:
+    """`env -u ARPO_DESKTOP_ROOT setsid sleep &` through every way of running a command:
+    the child has neither the marker nor the command's session, and survived reset."""
+    code = f"import pyautogui; pyautogui.os.system({ESCAPE.format(n=783)!r})"
+    for path, body in (
+        ("/execute", {"command": ESCAPE.format(n=781), "shell": True}),
+        ("/run_bash_script", {"script": ESCAPE.format(n=782)}),
+        ("/execute", {"command": ["python", "-c", code]}),
+    ):
+        assert clean.post(path, body).status == 200
+    argvs = [["sleep", str(n)] for n in (781, 782, 783)]
+    pids = until(lambda: [p for a in argvs for p in pids_running(a)] if all(
+        pids_running(a) for a in argvs) else None)  # fmt: skip
+    marked = set(marked_pids(clean.root))
+    for pid in pids:
+        assert pid not in marked
+        assert os.getsid(pid) == pid  # a session of its own
+    body = clean.post("/reset").json()
+    assert body["killed"] >= 3
+    assert [p for a in argvs for p in pids_running(a)] == []
 
 
 def test_reset_restarts_a_dead_display(tmp_path) -> None:

@@ -31,7 +31,6 @@ import socket
 import subprocess
 import sys
 from dataclasses import dataclass
-from typing import Any
 
 from arpo_envs.desktop.forkserver import EXITED, HEADER, REPLY, STARTED
 from arpo_envs.desktop.procs import disown, own, process_table, set_parent_death_signal
@@ -459,11 +458,17 @@ async def run_subprocess(
 
     The answer comes when the command exits, not when its pipes close: a command that
     leaves a background child (`soffice x.xlsx &`) holding the pipes answers at once
-    with what was printed so far (the child keeps running).
+    with what was printed so far (the child keeps running). (asyncio's own subprocess
+    `wait()` waits for the pipes too, so the exit is watched here.)
     """
     if isinstance(command, list) and command and os.path.basename(command[0]) in PYTHON_NAMES:
         command = [sys.executable, *command[1:]]  # the interpreter that has pyautogui
-    kwargs: dict[str, Any] = dict(
+    if shell:  # subprocess(shell=True) semantics: list items after the script are its args
+        argv = ["/bin/sh", "-c", *([command] if isinstance(command, str) else command)]
+    else:
+        argv = [command] if isinstance(command, str) else command
+    proc = subprocess.Popen(
+        argv,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
@@ -471,44 +476,53 @@ async def run_subprocess(
         cwd=cwd,
         start_new_session=True,
     )
-    if shell:
-        if isinstance(command, list):  # subprocess(shell=True) semantics: args after the script
-            proc = await asyncio.create_subprocess_exec("/bin/sh", "-c", *command, **kwargs)
-        else:
-            proc = await asyncio.create_subprocess_exec("/bin/sh", "-c", command, **kwargs)
-    else:
-        if isinstance(command, str):
-            command = [command]
-        proc = await asyncio.create_subprocess_exec(*command, **kwargs)
     own(proc.pid)
-    try:
-        return await _collect(proc, timeout_s)
-    finally:
-        disown(proc.pid)
-
-
-async def _collect(proc: asyncio.subprocess.Process, timeout_s: float) -> CommandResult:
     out: list[bytes] = []
     err: list[bytes] = []
-    readers = [
-        asyncio.create_task(_drain(proc.stdout, out)),
-        asyncio.create_task(_drain(proc.stderr, err)),
-    ]
+    readers = []
+    for stream, sink in ((proc.stdout, out), (proc.stderr, err)):
+        if stream is not None:
+            readers.append(asyncio.create_task(_drain_fd(os.dup(stream.fileno()), sink)))
+            stream.close()
     timed_out = False
     try:
-        await asyncio.wait_for(proc.wait(), timeout_s)
-    except TimeoutError:
-        timed_out = True
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        await proc.wait()
+        try:
+            await asyncio.wait_for(_exited(proc), timeout_s)
+        except TimeoutError:
+            timed_out = True
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            await _exited(proc)
+    finally:
+        if proc.returncode is None:  # cancelled: do not leave it behind
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            await asyncio.to_thread(proc.wait)
+        disown(proc.pid)
     # output still in the pipes; a background child holding them is not waited for
-    _, pending = await asyncio.wait(readers, timeout=0.2)
-    for t in pending:
-        t.cancel()
+    await _finish(readers)
     return CommandResult(
         b"".join(out).decode("utf-8", "replace"),
         b"".join(err).decode("utf-8", "replace"),
         None if timed_out else proc.returncode,
         timed_out=timed_out,
     )
+
+
+async def _exited(proc: subprocess.Popen) -> int:
+    """Wait until `proc` exits (a pidfd readable by the event loop; polling without one)."""
+    loop = asyncio.get_running_loop()
+    try:
+        pidfd = os.pidfd_open(proc.pid)
+    except (AttributeError, OSError):  # Linux < 5.3
+        while proc.poll() is None:
+            await asyncio.sleep(0.01)
+        return proc.returncode
+    done = loop.create_future()
+    loop.add_reader(pidfd, lambda: done.done() or done.set_result(None))
+    try:
+        await done
+    finally:
+        loop.remove_reader(pidfd)
+        os.close(pidfd)
+    return proc.wait()  # it has exited: no blocking

@@ -10,10 +10,14 @@ to announce itself and answer GET /platform, and writes a state file (pids, port
 displays, roots) so that `down` works from another shell. Ctrl-C or SIGTERM on a
 foreground `up` stops them all the same way `down` does:
 
-1. SIGTERM to every server (each kills its apps, openbox and Xvfb, removes its locks);
-2. after a grace period, SIGKILL of what is left of each server's process group;
-3. a sweep for any process still carrying a desktop's marker (see `procs`), and
-   removal of stale X lock files and LibreOffice lock files of those desktops.
+1. a snapshot of every server's process tree (each server is a child subreaper, so
+   its tree holds everything its commands started, marker or not; a server killed
+   hard earlier left the last tree it recorded in its root, `tree.json`);
+2. SIGTERM to every server (each kills its apps, openbox and Xvfb, removes its locks);
+3. after a grace period, SIGKILL of what is left of each server's process group;
+4. a sweep for any process of those trees still running (same pid and start time) or
+   still carrying a desktop's marker (see `procs`), and removal of stale X lock files
+   and LibreOffice lock files of those desktops.
 """
 
 from __future__ import annotations
@@ -33,7 +37,15 @@ from pathlib import Path
 
 from arpo_envs.desktop.display import remove_stale_lock
 from arpo_envs.desktop.home import libreoffice_template, remove_lock_files
-from arpo_envs.desktop.procs import kill_marked, marked_pids, wait_gone
+from arpo_envs.desktop.procs import (
+    TREE_FILE,
+    kill_all,
+    kill_marked,
+    marked_pids,
+    still_running,
+    tree_snapshot,
+    wait_gone,
+)
 
 
 def default_state_file() -> Path:
@@ -211,6 +223,7 @@ def down(state_file: Path | None = None, grace_s: float = 10.0, announce=print) 
         return 0
     state = json.loads(state_file.read_text())
     servers = [Member(**s) for s in state.get("servers", [])]
+    trees = _trees(servers)
     for m in servers:
         with contextlib.suppress(ProcessLookupError):
             os.kill(m.pid, signal.SIGTERM)
@@ -219,7 +232,10 @@ def down(state_file: Path | None = None, grace_s: float = 10.0, announce=print) 
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pid, signal.SIGKILL)
     wait_gone(left, 5)
-    swept = 0
+    left_of_trees = still_running(trees)
+    kill_all(left_of_trees)
+    wait_gone(left_of_trees, 5)
+    swept = len(left_of_trees)
     for m in servers:
         if not m.root:
             continue
@@ -243,6 +259,20 @@ def down(state_file: Path | None = None, grace_s: float = 10.0, announce=print) 
         )
     )
     return swept
+
+
+def _trees(servers: list[Member]) -> dict[int, int]:
+    """Every process of the servers' trees (pid -> start time): live ones walked now, and
+    what each server last recorded (all a server killed hard left behind)."""
+    tree: dict[int, int] = {}
+    for m in servers:
+        if m.root:
+            with contextlib.suppress(OSError, ValueError):
+                recorded = json.loads(Path(m.root, TREE_FILE).read_text())
+                tree.update({int(pid): int(start) for pid, start in recorded.items()})
+        if _pid_alive(m.pid):
+            tree.update(tree_snapshot(m.pid))
+    return tree
 
 
 def orphans(roots: list[str]) -> list[int]:

@@ -86,6 +86,10 @@ def write_python_wrappers(bin_dir: Path) -> None:
 
 # ---- the process tree ---------------------------------------------------------------------------
 
+TREE_FILE = "tree.json"
+"""In a desktop's root: its server's process tree, pid -> start time, rewritten when it
+changes (at most every second), for `arpo-envs down` after the server was killed hard."""
+
 _OWN: set[int] = set()
 """Children this process started and waits for itself (never reaped by `reap_orphans`)."""
 

@@ -63,12 +63,14 @@ from arpo_envs.desktop.executor import (
     run_subprocess,
 )
 from arpo_envs.desktop.procs import (
+    TREE_FILE,
     become_subreaper,
     desktop_env,
     disown,
     kill_marked,
     own,
     reap_orphans,
+    tree_snapshot,
     write_python_wrappers,
 )
 from arpo_envs.desktop.screen import Screen
@@ -769,10 +771,24 @@ async def _serve(desk: Desktop) -> None:
     print(json.dumps(ready), flush=True)
     # nothing more for whoever started us (who may close the pipe): the rest goes to stderr
     os.dup2(2, 1)
+    recorder = asyncio.create_task(_record_tree(desk.root / TREE_FILE))
     try:
         await stop.wait()
     finally:
+        recorder.cancel()
         await runner.cleanup()
+
+
+async def _record_tree(path: Path, every_s: float = 1.0) -> None:
+    last: dict[int, int] = {}
+    while True:
+        tree = await asyncio.to_thread(tree_snapshot, os.getpid())
+        if tree != last:
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(tree))
+            os.replace(tmp, path)
+            last = tree
+        await asyncio.sleep(every_s)
 
 
 if __name__ == "__main__":
