@@ -61,6 +61,8 @@ class Desk:
     pid: int
     proc: subprocess.Popen
     token: str | None = None
+    log: Path | None = None
+    """The server's stderr (where it logs)."""
 
     def request(
         self,
@@ -72,8 +74,9 @@ class Desk:
         form: dict[str, str] | None = None,
         token: str | bool | None = True,
         timeout: float = 60.0,
+        headers: dict[str, str] | None = None,
     ) -> Answer:
-        headers = {}
+        headers = dict(headers or {})
         data = raw
         if json_body is not None:
             data = json.dumps(json_body).encode()
@@ -128,9 +131,17 @@ def start_desk(root: Path, *args: str, token: str | None = None, timeout: float 
     env.pop("ARPO_ENV_TOKEN", None)
     if token:  # the environment, as `arpo-envs up` passes it (argv is visible to `ps`)
         env["ARPO_ENV_TOKEN"] = token
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, env=env, start_new_session=True
-    )
+    root.mkdir(parents=True, exist_ok=True)
+    log = root / "server.log"
+    with open(log, "ab") as err:
+        proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+        )
     assert proc.stdout is not None
     deadline = time.monotonic() + timeout
     line = b""
@@ -144,9 +155,13 @@ def start_desk(root: Path, *args: str, token: str | None = None, timeout: float 
     proc.stdout.close()
     if not line:
         stop_desk_proc(proc)
-        raise RuntimeError(f"desktop server did not start (exit code {proc.poll()})")
+        raise RuntimeError(
+            f"desktop server did not start (exit code {proc.poll()}): {log.read_text()[-2000:]}"
+        )
     info = json.loads(line)
-    return Desk(info["url"], info["display"], info["root"], info["home"], info["pid"], proc, token)
+    return Desk(
+        info["url"], info["display"], info["root"], info["home"], info["pid"], proc, token, log
+    )
 
 
 def stop_desk_proc(proc: subprocess.Popen, timeout: float = 15) -> None:

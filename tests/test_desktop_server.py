@@ -20,6 +20,7 @@ from arpo_envs.desktop.procs import marked_pids
 from PIL import Image
 from test_desktop_common import (
     ESCAPE,
+    Answer,
     Desk,
     pids_running,
     require_desktop,
@@ -194,6 +195,56 @@ def test_bad_input_is_answered_with_json_and_the_server_keeps_serving(clean: Des
     assert clean.act("print(1)")["output"] == "1\n"
 
 
+def test_commands_files_and_forms_the_system_refuses_are_4xx_without_a_traceback(
+    clean: Desk,
+) -> None:
+    """An argument list over the OS limit (E2BIG), an unbalanced shell quote, garbage
+    multipart, paths no file system takes: each was a 500 "internal error" with a traceback
+    in the server's log."""
+    assert clean.log is not None
+    logged = clean.log.stat().st_size
+    many = ["echo", *["x" * 1000] * 3000]  # ~3 MB of arguments: over ARG_MAX
+
+    def multipart(path: str, body: bytes, boundary: str | None = "zz") -> Answer:
+        ctype = "multipart/form-data" + (f"; boundary={boundary}" if boundary else "")
+        return clean.request("POST", path, raw=body, headers={"Content-Type": ctype})
+
+    upload_dir = (
+        b'--zz\r\nContent-Disposition: form-data; name="file_path"\r\n\r\n/home/user\r\n'
+        b'--zz\r\nContent-Disposition: form-data; name="file_data"; filename="a"\r\n\r\n'
+        b"abc\r\n--zz--\r\n"
+    )
+    cases = [
+        (clean.post("/execute", {"command": many}), "longer than the system allows"),
+        (clean.post("/execute", {"command": "echo " + "x" * 300_000, "shell": True}), "E2BIG"),
+        (clean.post("/setup/launch", {"command": many}), "E2BIG"),
+        (clean.post("/run_bash_script", {"script": "echo " + "x" * 3_000_000}), "E2BIG"),
+        (clean.post("/execute", {"command": "echo 'unbalanced"}), "No closing quotation"),
+        (clean.post("/setup/launch", {"command": 'xterm -T "a'}), "No closing quotation"),
+        (clean.post("/execute", {"command": "echo trailing\\"}), "No escaped character"),
+        (multipart("/setup/upload", b"--zz\r\ngarbage\r\n\r\n"), "malformed form body"),
+        (multipart("/setup/upload", b"\x00\x01garbage", None), "boundary"),
+        (multipart("/file", b"--zz\r\ngarbage\r\n\r\n"), "malformed form body"),
+        (multipart("/setup/upload", upload_dir), "Is a directory"),
+        (clean.request("POST", "/file", form={"file_path": "/tmp/a\x00b"}), "NUL"),
+        (clean.file("/tmp/" + "a" * 5000), "path too long"),
+        (clean.post("/setup/open_file", {"path": "b" * 300}), "path too long"),
+        (clean.post("/execute", {"command": ["c" * 5000]}), "too long"),
+        # bodies no command can carry (the parser shared with the simulated desktop)
+        (clean.request("POST", "/execute", raw=b"[" * 100_000 + b"]" * 100_000), "deeply"),
+        (clean.request("POST", "/execute", raw=b'{"command": ["echo", "\\ud800"]}'), "surrogate"),
+        (clean.post("/execute", {"command": ["echo", "a\x00b"]}), "NUL"),
+        (clean.request("POST", "/execute", raw=b'{"timeout": ' + b"9" * 5000 + b"}"), "digits"),
+    ]
+    for answer, words in cases:
+        assert answer.status == 400, (answer.status, answer.body[:300])
+        assert words.lower() in answer.json()["message"].lower(), answer.body[:300]
+    assert clean.act("print(1)")["output"] == "1\n"
+    with open(clean.log, "rb") as f:
+        f.seek(logged)
+        assert b"Traceback" not in f.read()
+
+
 def test_command_output_is_capped_and_marked(clean: Desk) -> None:
     """40 MB of output: the answer keeps the first MAX_OUTPUT_BYTES and says it was cut
     (an unbounded `yes` answered 1 GB and took the server to 3 GB)."""
@@ -206,6 +257,25 @@ def test_command_output_is_capped_and_marked(clean: Desk) -> None:
     assert out.startswith("y\ny\n") and out.endswith(f"more than {MAX_OUTPUT_BYTES} bytes]")
     assert MAX_OUTPUT_BYTES <= len(out) < MAX_OUTPUT_BYTES + 100
     assert clean.act("print(1)")["output"] == "1\n"
+
+
+def test_waiting_for_windows_does_not_starve_other_endpoints(clean: Desk) -> None:
+    """Eight /setup/open_file requests waiting for a window that never comes (six 90 s
+    waits filled the thread pool and /accessibility waited 87 s)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    body = {"path": "true", "timeout_seconds": 4}
+    with ThreadPoolExecutor(8) as pool:
+        waits = [pool.submit(clean.post, "/setup/open_file", body) for _ in range(8)]
+        time.sleep(1.0)
+        t0 = time.perf_counter()
+        assert clean.get("/accessibility").status == 200
+        assert clean.post("/file", {"file_path": "/etc/hostname"}).status == 200
+        took = time.perf_counter() - t0
+        answers = [w.result(timeout=30) for w in waits]
+    assert took < 1.5, f"/accessibility and /file took {took:.1f} s behind the waits"
+    for a in answers:
+        assert a.status == 500 and "Failed to find window" in a.json()["message"]
 
 
 def test_a_hanging_command_times_out_and_the_server_still_answers(clean: Desk) -> None:

@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from arpo_envs.desktop import home as homes
 from arpo_envs.desktop.display import XDisplay
@@ -83,6 +84,7 @@ CALC_SUFFIXES = frozenset({".xlsx", ".xls", ".xlsm", ".ods", ".csv", ".tsv"})
 OFFICE_SUFFIXES = frozenset({".docx", ".doc", ".odt", ".rtf", ".pptx", ".ppt", ".odp"})
 MAX_UPLOAD = 512 * 1024 * 1024
 _VAR = re.compile(r"\$(?:\{(\w+)\}|(\w+))")  # $NAME or ${NAME}, expanded in the desktop's env
+PATH_MAX, NAME_MAX = 4096, 255  # Linux's limits on a path and on one name in it, in bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,6 +250,14 @@ class Desktop:
         alias = self.config.home_alias
         if alias and not self.alias_mounted and (p == alias or p.startswith(alias + "/")):
             p = str(self.home_dir) + p[len(alias) :]
+        if "\x00" in p:
+            raise RequestError(f"path contains a NUL character: {raw[:80]!r}")
+        encoded = p.encode("utf-8", "surrogateescape")
+        if len(encoded) >= PATH_MAX or any(len(c) > NAME_MAX for c in encoded.split(b"/")):
+            raise RequestError(
+                f"path too long ({len(encoded)} bytes; at most {PATH_MAX - 1} in all and "
+                f"{NAME_MAX} per name): {raw[:80]!r}..."
+            )
         if not os.path.isabs(p):  # relative to the desktop's home, not the server's cwd
             return self.home_dir / p
         return Path(p)
@@ -505,7 +515,7 @@ class DesktopServer:
     async def upload(self, request: web.Request) -> web.Response:
         if not request.content_type.startswith("multipart/"):
             raise RequestError("send multipart/form-data with fields file_path and file_data")
-        form = await request.post()
+        form = await _read_form(request)
         file_path, data = form.get("file_path"), form.get("file_data")
         if not isinstance(file_path, str) or not file_path or data is None:
             raise RequestError("file_path and file_data are required")
@@ -520,7 +530,7 @@ class DesktopServer:
         try:
             size = await asyncio.to_thread(write)
         except OSError as e:
-            raise RequestError(f"cannot write {file_path}: {e.strerror}", 500) from None
+            raise RequestError(f"cannot write {file_path}: {e.strerror}", _os_status(e)) from None
         return web.Response(text=f"File Uploaded: {size} bytes")
 
     async def file(self, request: web.Request) -> web.StreamResponse:
@@ -528,7 +538,7 @@ class DesktopServer:
             body = await read_json(request, {"file_path": str})
             file_path = body["file_path"]
         else:
-            form = await request.post()
+            form = await _read_form(request)
             file_path = form.get("file_path")
             if not isinstance(file_path, str) or not file_path:
                 raise RequestError("file_path is required")
@@ -537,14 +547,15 @@ class DesktopServer:
             raise RequestError(f"File not found: {file_path}", 404)
         if not target.is_file():
             raise RequestError(f"not a regular file: {file_path}", 400)
-        try:
-            content = await asyncio.to_thread(target.read_bytes)
-        except OSError as e:
-            raise RequestError(f"cannot read {file_path}: {e.strerror}", 500) from None
-        return web.Response(
-            body=content,
-            content_type="application/octet-stream",
-            headers={"Content-Disposition": f'attachment; filename="{target.name}"'},
+        if not os.access(target, os.R_OK):
+            raise RequestError(f"cannot read {file_path}: permission denied", 403)
+        # streamed from the file (sendfile): a file of many GB never sits in memory
+        return web.FileResponse(
+            target,
+            headers={
+                "Content-Type": "application/octet-stream",
+                "Content-Disposition": f'attachment; filename="{target.name}"',
+            },
         )
 
     # ---- windows --------------------------------------------------------------------------
@@ -586,7 +597,7 @@ class DesktopServer:
             candidates = [window_name]
         candidates = [c for c in candidates if c]
         await asyncio.to_thread(self.desk.popen, argv, False, cwd)
-        win = await asyncio.to_thread(self._wait_window, candidates, timeout)
+        win = await self._wait_window(candidates, timeout)
         if win is None:
             titles = [w.title for w in await asyncio.to_thread(self._windows)]
             raise RequestError(
@@ -603,12 +614,19 @@ class DesktopServer:
         )
         return web.Response(text="File opened and window activated successfully")
 
-    def _wait_window(self, candidates: list[str], timeout: float):
-        wl = WindowList(self.desk.display.name)
-        try:
-            return wl.wait_for(candidates, timeout)
-        finally:
-            wl.close()
+    async def _wait_window(self, candidates: list[str], timeout: float):
+        """The first window whose title contains a candidate, polled until `timeout`: one
+        short look per 0.1 s in a worker thread, so waiting requests never hold the thread
+        pool that every other endpoint needs (six 90 s waits made /accessibility wait 87 s)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            for w in await asyncio.to_thread(self._windows):
+                if any(c in w.title for c in candidates):
+                    return w
+            if loop.time() > deadline:
+                return None
+            await asyncio.sleep(0.1)
 
     async def _window_action(self, request: web.Request, action: str) -> tuple[bool, str]:
         body = await read_json(request, {"window_name": str})
@@ -665,6 +683,25 @@ class DesktopServer:
                 "executor_pid": self.desk.executor.pid if self.desk.executor else None,
             }
         )
+
+
+def _os_status(e: OSError) -> int:
+    """The HTTP status of a failed file operation: the client's path (400), a permission
+    (403), or the machine (500: a full disk, an I/O error)."""
+    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return 403
+    if e.errno in (errno.EISDIR, errno.ENOTDIR, errno.ENOENT, errno.ENAMETOOLONG, errno.ELOOP):
+        return 400
+    return 500
+
+
+async def _read_form(request: web.Request):
+    """The request's form fields; 400 naming the problem if the body is not a valid form."""
+    try:
+        return await request.post()
+    except (ValueError, LookupError, HttpProcessingError) as e:
+        reason = str(e).replace("\n", " ").strip() or type(e).__name__
+        raise RequestError(f"malformed form body ({request.content_type}): {reason}") from None
 
 
 @contextlib.contextmanager

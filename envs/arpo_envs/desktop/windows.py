@@ -14,7 +14,6 @@ title, state and geometry in OSWorld's namespaces; nothing below a frame.
 from __future__ import annotations
 
 import subprocess
-import time
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 
@@ -93,17 +92,6 @@ class WindowList:
             except error.XError:
                 continue  # closed while we looked at it
         return out
-
-    def wait_for(self, candidates: list[str], timeout_s: float) -> Window | None:
-        """First window whose title contains one of `candidates`, polling until `timeout_s`."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            for w in self.windows():
-                if any(c in w.title for c in candidates):
-                    return w
-            if time.monotonic() > deadline:
-                return None
-            time.sleep(0.05)
 
 
 def matches(w: Window, name: str, strict: bool, by_class: bool) -> bool:
