@@ -19,6 +19,7 @@ from arpo.env.osworld import names
 from arpo.env.osworld.client import EvaluatorConfig, OSWorldError, OSWorldEvaluator
 from arpo.env.runner import RunnerConfig, TaskRunner
 from arpo.env.task import Task
+from arpo.errors import EnvError
 
 pytestmark = needs_evaluator
 URL = "https://huggingface.co/datasets/xlangai/ubuntu_osworld_file_cache/resolve/main/calc/{}"
@@ -233,3 +234,85 @@ def test_unrunnable_task_is_a_task_error_naming_both_sides():
 
     with pytest.raises(Exception, match=r"check_play_and_exit.*OSWorld's evaluator"):
         asyncio.run(main())
+
+
+def test_unreachable_environment_is_an_env_error_within_the_probe_timeout(loop, tmp_path):
+    """OSWorld's setup controller retries a server that does not answer for ~100 s; the runner
+    checks `GET /platform` first and reports env_error within `osworld_probe_timeout_s`."""
+    cache = tmp_path / "cache"
+    (cache / "calc").mkdir(parents=True)
+    write_xlsx(cache / "calc" / "a.xlsx", {"S": [[1]]})
+    write_xlsx(cache / "calc" / "gold.xlsx", {"S": [[1]]})
+    task = _calc_task()
+
+    async def main():
+        peer = await Peer().start()
+        client = EnvClient(ClientConfig(base_url=peer.url, max_retries=0))
+        cfg = RunnerConfig(cache_dir=cache, evaluator="osworld", osworld_probe_timeout_s=1)
+        runner = TaskRunner(client, cfg)
+        try:
+            await runner.setup(task)
+            assert (await runner.evaluate(task, ["DONE"])).status == "ok"
+            requests = runner.osworld.requests
+            peer.delay["/platform"] = 4  # the server hangs (longer than the probe)
+            t0 = time.perf_counter()
+            hung = await runner.evaluate(task, ["DONE"])
+            hung_s = time.perf_counter() - t0
+            with pytest.raises(EnvError, match=r"GET /platform within 1 s"):
+                await runner.setup(task)
+            peer.delay.clear()
+            await peer.stop()  # the server is gone: connection refused
+            t0 = time.perf_counter()
+            gone = await runner.evaluate(task, ["DONE"])
+            gone_s = time.perf_counter() - t0
+            with pytest.raises(EnvError):
+                await runner.setup(task)
+            return hung, hung_s, gone, gone_s, runner.osworld.requests - requests
+        finally:
+            await runner.aclose()
+            await client.close()
+            await peer.stop()
+
+    hung, hung_s, gone, gone_s, asked = loop.run(main())
+    assert (hung.status, hung.score) == ("env_error", 0.0) and hung_s < 5
+    assert "osworld_probe_timeout_s" in hung.error
+    assert (gone.status, gone.score) == ("env_error", 0.0) and gone_s < 5
+    assert asked == 0  # the worker was never asked to reach an environment that is not there
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_without_the_probe_osworld_waits_for_an_unreachable_server_then_env_error(loop):
+    """What the probe saves: OSWorld's setup controller tries a server that does not answer 20
+    times, 5 s apart, before giving up; the worker then reports the environment's failure (not
+    a score from getters that saw nothing)."""
+    task = Task.from_dict(
+        {
+            "id": "osw-gone",
+            "instruction": "x",
+            "evaluator": {
+                "func": "exact_match",
+                "result": {"type": "vm_command_line", "command": ["echo", "hi"]},
+                "expected": {"type": "rule", "rules": {"expected": "hi\n"}},
+            },
+        }
+    )
+
+    async def main():
+        peer = await Peer().start()
+        url = peer.url
+        await peer.stop()
+        client = EnvClient(ClientConfig(base_url=url, max_retries=0))
+        runner = TaskRunner(client, RunnerConfig(evaluator="osworld", osworld_probe_timeout_s=0))
+        try:
+            t0 = time.perf_counter()
+            res = await runner.evaluate(task, ["DONE"])
+            return res, time.perf_counter() - t0
+        finally:
+            await runner.aclose()
+            await client.close()
+
+    res, seconds = loop.run(main(), timeout=500)
+    assert (res.status, res.score) == ("env_error", 0.0), res
+    assert "could not reach" in res.error
+    assert 90 < seconds < 400, seconds

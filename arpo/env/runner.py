@@ -110,6 +110,10 @@ class RunnerConfig:
     repository's `.venv-osworld` (`make osworld-evaluator`)."""
     osworld_timeout_s: float = 600.0
     """Bound on one OSWorld setup or evaluation; a worker that overruns it is killed."""
+    osworld_probe_timeout_s: float = 10.0
+    """Before each OSWorld setup or evaluation the runner asks the environment for
+    `GET /platform` within this many seconds; one that does not answer is `env_error` at once
+    (OSWorld's own code retries an unreachable server for about 100 s). 0: no check."""
 
     def __post_init__(self) -> None:
         if self.evaluator not in EVALUATORS:
@@ -126,6 +130,11 @@ class RunnerConfig:
         if not (math.isfinite(self.osworld_timeout_s) and self.osworld_timeout_s > 0):
             raise ValueError(
                 f"RunnerConfig.osworld_timeout_s must be finite and > 0, got {self.osworld_timeout_s}"
+            )
+        if not (math.isfinite(self.osworld_probe_timeout_s) and self.osworld_probe_timeout_s >= 0):
+            raise ValueError(
+                "RunnerConfig.osworld_probe_timeout_s must be finite and >= 0 (0: no check), "
+                f"got {self.osworld_probe_timeout_s}"
             )
         if self.sleep_scale < 0:
             raise ValueError(f"RunnerConfig.sleep_scale must be >= 0, got {self.sleep_scale}")
@@ -564,6 +573,8 @@ class TaskRunner:
         self._start_episode(task)
         if self.config.reset_before_setup:
             await self.client.reset()
+        else:
+            await self._probe()
         raw = await self._osworld_task(task, task.config)
         try:
             await self.osworld.setup(
@@ -585,6 +596,7 @@ class TaskRunner:
         if gaps:
             return "eval_error", 0.0, "OSWorld's evaluator: " + "; ".join(gaps)
         try:
+            await self._probe()
             raw = await self._osworld_task(task, task.evaluator.postconfig, getters=True)
             score = await self.osworld.evaluate(
                 await self._osworld_env(raw),
@@ -601,6 +613,25 @@ class TaskRunner:
         if not 0.0 <= score <= 1.0:
             return "eval_error", 0.0, f"OSWorld's evaluator gave {score}, outside [0, 1]"
         return "ok", score, None
+
+    async def _probe(self) -> None:
+        """Raise EnvError unless the environment answers `GET /platform` within
+        `osworld_probe_timeout_s`. OSWorld's setup controller, which `DesktopEnv.evaluate`
+        also runs, retries an unreachable server 20 times 5 s apart and then goes on, so its
+        getters see nothing and a metric can score 0; this check makes that an env_error."""
+        limit = self.config.osworld_probe_timeout_s
+        if limit == 0:
+            return
+        try:
+            async with asyncio.timeout(limit):
+                await self.client.platform(timeout=limit)
+        except TimeoutError:
+            raise EnvTimeout(
+                f"the environment at {self.client.config.base_url} did not answer GET /platform "
+                f"within {limit:g} s (RunnerConfig.osworld_probe_timeout_s)"
+            ) from None
+        except EnvHTTPError:
+            return  # it answered: an old server without /platform is still reachable
 
     def _osworld_cache_base(self) -> Path:
         """OSWorld's cache_dir_base for this episode; its cache dir is `<base>/<task id>`."""

@@ -141,8 +141,7 @@ class Worker:
         if op in ("setup", "evaluate"):
             env = self.make_env(req)
             if op == "setup":
-                if not env.setup_controller.setup(env.config, False):
-                    raise ConnectionError(f"OSWorld's setup could not reach {self._base}")
+                env.setup_controller.setup(env.config, False)
                 return None
             env.action_history = list(req.get("actions") or [])
             return {"score": _score(env.evaluate())}
@@ -203,6 +202,18 @@ class Worker:
         )
         env._set_task_info(task)
         env.setup_controller.reset_cache_dir(env.cache_dir)
+        # SetupController.setup returns False when the server did not answer (after 20 tries
+        # 5 s apart), and DesktopEnv.evaluate goes on to its getters regardless: an unreachable
+        # environment must be an environment failure, not a score.
+        controller_setup = env.setup_controller.setup
+        base = self._base
+
+        def setup(config: Any, use_proxy: bool = False) -> bool:
+            if not controller_setup(config, use_proxy):
+                raise ConnectionError(f"OSWorld's setup controller could not reach {base}")
+            return True
+
+        env.setup_controller.setup = setup
         return env
 
 
