@@ -49,6 +49,7 @@ from arpo import wire
 from arpo.actor.config import ActorConfig, default_actor_id
 from arpo.actor.episode import Environment, run_episode
 from arpo.actor.spool import Spool
+from arpo.env.osworld.client import OSWorldEvaluator
 from arpo.env.runner import RunnerConfig
 from arpo.record import Status, Trajectory
 from arpo.transport import ActorLink, fetch_weights
@@ -108,6 +109,8 @@ class Actor:
         self.spool = Spool(config.spool_dir, config.spool_max_bytes)
         self.stats = ActorStats()
         self.envs: list[Environment] = []
+        self.osworld: OSWorldEvaluator | None = None
+        """OSWorld evaluator workers shared by the environments' runners (`config.runner`)."""
         self.link: ActorLink | None = None
         self._stopping = asyncio.Event()
         self._wake_sender = asyncio.Event()
@@ -183,12 +186,19 @@ class Actor:
             await self.policy.start()  # idempotent for every engine
         # Simulated desktops started here have no animations to wait for: their setup
         # `sleep` steps are skipped.
-        desktop_cfg = RunnerConfig(reset_before_setup=c.reset_before_setup, sleep_scale=1.0)
-        sim_cfg = RunnerConfig(reset_before_setup=c.reset_before_setup, sleep_scale=0.0)
+        # Simulated desktops' scenes and checks are the project's own (evaluator "own").
+        desktop_cfg = c.runner.runner_config(reset_before_setup=c.reset_before_setup)
+        sim_cfg = RunnerConfig(
+            reset_before_setup=c.reset_before_setup, sleep_scale=0.0, evaluator="own"
+        )
         envs = [(u, c.env_pool, desktop_cfg) for u in list(c.envs) + self._extra_urls]
         envs += [(u, c.sim_pool, sim_cfg) for u in await self._start_sims()]
+        # One pool of OSWorld evaluator workers for every environment; none starts until a
+        # task needs OSWorld's code.
+        self.osworld = OSWorldEvaluator(c.runner.evaluator_config(len(envs)))
         self.envs = [
-            Environment(i, u, cfg, token=c.env_token or None) for i, (u, _, cfg) in enumerate(envs)
+            Environment(i, u, cfg, token=c.env_token or None, osworld=self.osworld)
+            for i, (u, _, cfg) in enumerate(envs)
         ]
         self.env_pools = {i: pool for i, (_, pool, _) in enumerate(envs)}
         self.link = ActorLink(c.transport, on_ack=self._acked, actor_id=self.actor_id)
@@ -260,6 +270,7 @@ class Actor:
             # Bounded, so a stuck connection cannot keep a stopping actor alive.
             for what, closing in (
                 ("environments", [e.close() for e in self.envs]),
+                ("OSWorld evaluator workers", [self.osworld.aclose()] if self.osworld else []),
                 ("simulated desktops", [r.cleanup() for r in self._sim_runners]),
                 ("policy", [self.policy.close()] if self._owns_policy else []),
             ):

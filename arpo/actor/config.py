@@ -1,20 +1,97 @@
-"""The configuration of `arpo-actor` (one dataclass, every field documented)."""
+"""The configuration of `arpo-actor` and its `runner` section (every field documented)."""
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 from arpo.actor.episode import EpisodeConfig
 from arpo.config import fail, option
+from arpo.env.osworld.client import EvaluatorConfig, find_python
+from arpo.env.runner import RunnerConfig
 from arpo.policy.engine import EngineConfig
 from arpo.transport import TransportConfig
 
 
 def default_actor_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
+
+
+@dataclass
+class ActorRunnerConfig:
+    """How the task runners of the `envs` URLs set up and score tasks (arpo.env.runner), and
+    the OSWorld evaluator workers they share. Simulated desktops always use the project's own
+    code: their scene steps and checks exist only there."""
+
+    evaluator: Literal["own", "auto", "osworld"] = option(
+        "auto",
+        "Who sets up and scores tasks: 'own' (this project's steps, getters and metrics only), "
+        "'osworld' (OSWorld's published code through its worker, always: benchmark scores "
+        "exactly) or 'auto' (own where it has everything a task needs, OSWorld's otherwise).",
+    )
+    osworld_python: str = option(
+        "",
+        "Python of OSWorld's evaluator environment ('': $ARPO_OSWORLD_PYTHON, else the "
+        "repository's .venv-osworld made by `make osworld-evaluator`).",
+    )
+    osworld_timeout_s: float = option(
+        600.0, "Bound on one OSWorld setup or evaluation; a worker that overruns it is killed."
+    )
+    osworld_probe_timeout_s: float = option(
+        10.0,
+        "Before each OSWorld setup or evaluation the environment must answer GET /platform "
+        "within this, else the episode is env_error at once (OSWorld's code retries an "
+        "unreachable server for about 100 s); 0: no check.",
+    )
+    osworld_workers: int = option(
+        0,
+        "OSWorld evaluator worker processes shared by all environments of this actor, about "
+        "240 MiB and 2.5 s of start-up each, started when a task first needs one "
+        "(0: min(environments, 2)).",
+    )
+    cache_dir: str = option(
+        "", "Local file cache for `download` steps and `cloud_file` getters ('': none)."
+    )
+
+    def validate(self) -> None:
+        if self.evaluator == "osworld" and find_python(self.osworld_python or None) is None:
+            fail(
+                "evaluator",
+                "'osworld' needs OSWorld's evaluator environment: run `make osworld-evaluator`, "
+                "or set runner.osworld_python (or $ARPO_OSWORLD_PYTHON) to its python "
+                f"(not found: {self.osworld_python or '.venv-osworld/bin/python'})",
+            )
+        if not (math.isfinite(self.osworld_timeout_s) and self.osworld_timeout_s > 0):
+            fail("osworld_timeout_s", "must be a finite number of seconds > 0")
+        probe = self.osworld_probe_timeout_s
+        if not (math.isfinite(probe) and probe >= 0):
+            fail("osworld_probe_timeout_s", "must be a finite number of seconds >= 0 (0: no check)")
+        if self.osworld_workers < 0:
+            fail("osworld_workers", "must be >= 0 (0: min(environments, 2))")
+
+    def runner_config(self, *, reset_before_setup: bool) -> RunnerConfig:
+        """The RunnerConfig of an `envs` URL's runner."""
+        return RunnerConfig(
+            cache_dir=Path(self.cache_dir) if self.cache_dir else None,
+            reset_before_setup=reset_before_setup,
+            evaluator=self.evaluator,
+            osworld_python=self.osworld_python or None,
+            osworld_timeout_s=self.osworld_timeout_s,
+            osworld_probe_timeout_s=self.osworld_probe_timeout_s,
+        )
+
+    def evaluator_config(self, environments: int) -> EvaluatorConfig:
+        """The OSWorld worker pool shared by `environments` runners."""
+        workers = self.osworld_workers or max(1, min(environments, 2))
+        return EvaluatorConfig(
+            python=self.osworld_python or None,
+            workers=workers,
+            request_timeout_s=self.osworld_timeout_s,
+        )
 
 
 @dataclass
@@ -49,6 +126,9 @@ class ActorConfig:
     scripted_quit_prob: float = option(0.0, "Scripted policy: share of episodes given up early.")
     scripted_garbage_prob: float = option(0.0, "Scripted policy: share of unparsable responses.")
     episode: EpisodeConfig = option(EpisodeConfig(), "How episodes run.")
+    runner: ActorRunnerConfig = option(
+        ActorRunnerConfig(), "How tasks are set up and scored on the `envs` URLs."
+    )
     transport: TransportConfig = option(TransportConfig(), "Links to the learner.")
     spool_dir: str = option("runs/actor-spool", "Folder of trajectories not yet acknowledged.")
     spool_max_bytes: int = option(

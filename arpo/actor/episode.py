@@ -40,6 +40,7 @@ import numpy as np
 from arpo import wire
 from arpo.config import fail, option
 from arpo.env.client import ClientConfig, EnvClient
+from arpo.env.osworld.client import OSWorldEvaluator
 from arpo.env.runner import RunnerConfig, TaskRunner
 from arpo.env.task import Task
 from arpo.errors import EnvError, TaskError
@@ -94,12 +95,19 @@ class Environment:
     repeated reset failures (the actor then stops using it)."""
 
     def __init__(
-        self, index: int, url: str, runner: RunnerConfig | None = None, token: str | None = None
+        self,
+        index: int,
+        url: str,
+        runner: RunnerConfig | None = None,
+        token: str | None = None,
+        osworld: OSWorldEvaluator | None = None,
     ):
+        """`osworld`: OSWorld evaluator workers shared with other environments (the actor's
+        pool); None: the runner starts its own when a task first needs one."""
         self.index = index
         self.url = url
         self.client = EnvClient(ClientConfig(base_url=url, token=token, max_retries=2))
-        self.runner = TaskRunner(self.client, runner)
+        self.runner = TaskRunner(self.client, runner, osworld=osworld)
         self.healthy = True
         self.busy_s = 0.0
         """Seconds this environment spent in requests (reset, screenshots, actions, checks)."""
@@ -272,4 +280,8 @@ async def run_episode(
     status = (
         Status(result.status) if result.status in Status._value2member_map_ else Status.EVAL_ERROR
     )
+    if status != Status.OK:  # the record has no room for the reason: the log keeps it
+        log.warning(
+            "env %d: task %s is %s: %s", env.index, task.id, status.value, result.error or "?"
+        )
     return finish(turns, result.score, fmt, status)

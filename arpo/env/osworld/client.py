@@ -220,7 +220,12 @@ class _Worker:
 
 
 class OSWorldEvaluator:
-    """A bounded pool of OSWorld evaluator workers, started on first use."""
+    """A bounded pool of OSWorld evaluator workers, started on first use.
+
+    One pool can serve many task runners of one event loop (an actor shares one between its
+    environments): at most `workers` requests run at once, one per worker process; a request
+    waits for a free worker first, and its timeout counts from when a worker takes it.
+    """
 
     def __init__(self, config: EvaluatorConfig | None = None) -> None:
         self.config = config or EvaluatorConfig()
@@ -230,6 +235,8 @@ class OSWorldEvaluator:
         self._slots = asyncio.Semaphore(self.config.workers)
         self.requests = 0
         self.restarts = 0
+        self.starts = 0
+        """Worker processes started so far (first starts and replacements)."""
 
     @property
     def available(self) -> bool:
@@ -257,6 +264,7 @@ class OSWorldEvaluator:
                     await worker.aclose()
                 worker = _Worker(self.python, self.config.start_timeout_s)
                 self._all.append(worker)
+                self.starts += 1
                 try:
                     await worker.start()
                 except BaseException:
