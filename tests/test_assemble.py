@@ -151,6 +151,23 @@ def test_waits_for_enough_groups_across_tasks_and_keeps_partial_progress():
     assert sorted({x.group for x in b.samples}) == [0, 1, 2]
 
 
+def test_flush_hands_out_the_groups_of_an_incomplete_batch():
+    """At a stop the learner trains what was taken for an incomplete batch: those groups
+    are out of the store, so the final checkpoint would not hold them (the soak lost
+    acknowledged trajectories that way)."""
+    s = store()
+    asm = GroupAssembler(s, AssembleConfig(group_size=2, groups_per_step=3, poll_s=0.01))
+    stale = put(s, traj("a", 0.0, version=0))
+    kept = [put(s, traj(t, r)) for t in ("b", "c") for r in (1.0, 0.0)]
+    put(s, traj("a", 1.0))
+    assert asm.next_batch(5, timeout=0.2) is None  # "a" is too small once its stale one goes
+    b = asm.flush(5)
+    assert b is not None and b.groups == 2
+    assert {x.trajectory_id for x in b.samples} == {t.trajectory_id for t in kept}
+    assert (stale.trajectory_id, "stale") in b.dropped
+    assert asm.flush(5) is None
+
+
 def test_flat_groups_can_be_left_out():
     s = store()
     for _ in range(2):

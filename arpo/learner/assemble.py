@@ -239,6 +239,18 @@ class GroupAssembler:
                 time.sleep(cfg.poll_s)
         groups = self._pending[: cfg.groups_per_step]
         self._pending = self._pending[cfg.groups_per_step :]
+        return self._batch(groups, version)
+
+    def flush(self, version: int) -> Batch | None:
+        """The groups taken so far (fewer than `groups_per_step`) and the drops decided so
+        far, as a last batch; None when there are none. For a stop: the final checkpoint's
+        store snapshot holds no taken group, so a partial batch left here would be lost."""
+        if not self._pending and not self._pending_dropped:
+            return None
+        groups, self._pending = self._pending, []
+        return self._batch(groups, version)
+
+    def _batch(self, groups: list[list[Sample]], version: int) -> Batch:
         samples = []
         for gi, grp in enumerate(groups):
             for s in grp:

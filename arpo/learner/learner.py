@@ -454,6 +454,7 @@ class Learner:
                     ahead = pool.submit(self._next_batch, self.version + 1, True)
                 last = self._iterate(batch) or last
             if self.iteration > 0:
+                self._finish_partial_batch()
                 self._announce("checkpoint")
                 self.save_checkpoint()
         finally:
@@ -465,6 +466,19 @@ class Learner:
             self.close()
             D.shutdown(self.info)
         return last
+
+    def _finish_partial_batch(self) -> None:
+        """At a stop: train the groups the assembler took for an incomplete batch (and
+        record its drops). They are out of the store, so the final checkpoint would not
+        hold them, and its journal segment is past them: they would be lost."""
+        batch = self.assembler.flush(self.version)
+        if batch is None:
+            return
+        if batch.samples:
+            log.info("stop: training the %d group(s) of an incomplete batch", batch.groups)
+            self._iterate(batch)
+        else:
+            self._record(batch)
 
     def _may_prefetch(self) -> bool:
         """Whether the next batch may be taken out of the store while this step trains:
