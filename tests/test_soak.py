@@ -1,0 +1,437 @@
+"""The soak: `arpo train` for a long time under every fault at once, nothing lost, nothing poisoned.
+
+    make test-all                                                     # 30 minutes
+    ARPO_SOAK_MINUTES=4 .venv/bin/python -m pytest -q -m slow tests/test_soak.py -s
+
+A real training run (learner, one actor on simulated desktops, one on an external
+simulated-desktop server) while, at the same time:
+
+- a second "actor" (a thread of this test speaking the wire protocol on its own socket)
+  sends a mix of valid trajectories and poisoned ones: malformed messages (garbage, an id
+  with a newline, NaN log-probs, a wrong magic) that ingest must reject, and well-formed
+  records the model cannot take (token ids 2e9 and -7, <|image_pad|> sampled, a PNG with a
+  flipped byte, a truncated PNG) that the learner must drop at assembly;
+- the external environment server is SIGKILLed every few minutes and started again;
+- the learner is SIGKILLed twice (`arpo train` resumes it from its checkpoint and journal).
+
+At the end: every valid finished trajectory (of the real actors and of the test's actor)
+was trained exactly once or is accounted for (dropped with a reason, in the store or
+journal, in a spool); no poisoned record was trained, each malformed message was counted
+as rejected by the learner that received it and each well-formed poisoned record was
+dropped as invalid (or still waits in the store); the learner's resident memory did not
+grow over its longest life.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import statistics
+import struct
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import zmq
+from test_train_faults import free_port, start_sim_server, wait_for
+
+from arpo import wire
+from arpo.actor.spool import LEDGER
+from arpo.buffer import ReplayStore
+from arpo.config import load_config
+from arpo.learner.assemble import AssembleConfig
+from arpo.learner.checkpoint import CheckpointConfig, load_checkpoint
+from arpo.learner.ingest import list_segments, read_segment, segment_path
+from arpo.learner.learner import LearnerConfig
+from arpo.learner.metrics import read_metrics
+from arpo.learner.synthetic import random_response, screenshot_png, synthetic_trajectory
+from arpo.policy.tiny import build_tiny_model
+from arpo.train import TrainConfig, TrainRun
+from arpo.transport import connect_dealer
+
+MINUTES = float(os.environ.get("ARPO_SOAK_MINUTES", "30"))
+"""Length of the training run (the faults are spread over it)."""
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(int(MINUTES * 60) + 1200)]
+
+SYNTHETIC_TASK = "soak-synthetic"
+MALFORMED = ("garbage", "id_newline", "nan_logprobs", "bad_magic")
+UNTRAINABLE = ("huge_id", "negative_id", "image_pad", "flipped_png", "truncated_png")
+
+
+class PoisonActor(threading.Thread):
+    """Sends valid and poisoned trajectories to the learner on its own ZeroMQ socket.
+
+    Valid ones it writes, once acknowledged, to a spool ledger of its own
+    (`spool/poison-actor/finished.log`), so the run's accounting covers them like the
+    real actors' ones. Malformed messages are sent between two heartbeats: the learner's
+    `rejected_total` counter in its replies must have grown by exactly their number
+    (unless the learner was restarted between the two)."""
+
+    def __init__(self, run_dir: Path, model_dir: Path) -> None:
+        super().__init__(daemon=True, name="poison-actor")
+        self.run_dir = run_dir
+        self.model_dir = model_dir
+        self.stop = threading.Event()
+        self.error: BaseException | None = None
+        self.valid_acked: set[str] = set()
+        self.untrainable_acked: dict[str, str] = {}
+        self.malformed_sent = 0
+        self.malformed_counted = 0
+        self.malformed_uncounted: list[int] = []
+        """Rounds whose count could not be checked: the learner restarted in between."""
+        self.miscounted: list[tuple[int, int]] = []
+        self._pending: dict[str, tuple[str, list, float]] = {}
+        self._seq = 0
+        self._hb: wire.Heartbeat | None = None
+        self._ledger = run_dir / "spool" / "poison-actor"
+
+    # ---- the socket ------------------------------------------------------------------
+
+    def _read(self, timeout_s: float) -> None:
+        """Handle what arrives for `timeout_s` (acks, heartbeats)."""
+        end = time.monotonic() + timeout_s
+        while (left := end - time.monotonic()) > 0:
+            if not self.sock.poll(int(left * 1000)):
+                return
+            msg = wire.decode(self.sock.recv_multipart())
+            if isinstance(msg, wire.Heartbeat):
+                self._hb = msg
+            elif isinstance(msg, wire.Ack):
+                for tid in msg.ids:
+                    self._acked(tid)
+
+    def _acked(self, tid: str) -> None:
+        entry = self._pending.pop(tid, None)
+        if entry is None:
+            return
+        kind = entry[0]
+        if kind == "valid":
+            self.valid_acked.add(tid)
+            with open(self._ledger / LEDGER, "a", encoding="utf-8") as f:
+                f.write(f"{tid}\tok\t{SYNTHETIC_TASK}\n")
+        else:
+            self.untrainable_acked[tid] = kind
+
+    def _heartbeat(self) -> wire.Heartbeat | None:
+        """The learner's answer to one heartbeat (None: no answer in 3 s)."""
+        self._seq += 1
+        self._hb = None
+        hb = wire.Heartbeat("poison-actor", "actor", self._seq, 0, time.time(), {})
+        self.sock.send_multipart(wire.encode(hb))
+        end = time.monotonic() + 3.0
+        while self._hb is None and time.monotonic() < end:
+            self._read(0.1)
+        return self._hb
+
+    # ---- what it sends ---------------------------------------------------------------
+
+    def _trajectory(self, version: int, poison: str = ""):
+        tok = self.processor.tokenizer
+        resp = random_response(self.rng, tok, 8)
+        png = screenshot_png(self.rng, 320, 200)
+        if poison == "huge_id":
+            resp[2] = 2_000_000_000
+        elif poison == "negative_id":
+            resp[2] = -7
+        elif poison == "image_pad":
+            resp[2] = tok.convert_tokens_to_ids("<|image_pad|>")
+        elif poison == "flipped_png":
+            png = png[:300] + bytes([png[300] ^ 0xFF]) + png[301:]
+        elif poison == "truncated_png":
+            png = png[: len(png) // 2]
+        reward = float(self.rng.integers(0, 2))
+        return synthetic_trajectory(self.processor, "click the button", screenshots=[png],
+                                    responses=[resp], reward=reward, version=version,
+                                    task_id=SYNTHETIC_TASK)  # fmt: skip
+
+    def _malformed(self, kind: str, version: int) -> list:
+        frames = [bytes(f) for f in wire.encode(self._trajectory(version))]
+        if kind == "garbage":
+            return [os.urandom(8), os.urandom(200)]
+        if kind == "bad_magic":
+            frames[0] = b"XXXX" + frames[0][4:]
+        elif kind == "nan_logprobs":
+            frames[4] = struct.pack("<f", float("nan")) * (len(frames[4]) // 4)
+        elif kind == "id_newline":  # the id's last character replaced in the header
+            tid = wire.decode(frames).trajectory_id.encode()
+            assert tid in frames[1], "the id is not where the header keeps it"
+            frames[1] = frames[1].replace(tid, tid[:-1] + b"\n")
+        return frames
+
+    def _send(self, tid: str, kind: str, frames: list) -> None:
+        self._pending[tid] = (kind, frames, time.monotonic())
+        self.sock.send_multipart(frames)
+
+    def _round(self, n: int) -> None:
+        hb = self._heartbeat()
+        if hb is None:  # the learner is down: resend later
+            time.sleep(1.0)
+            return
+        version = hb.version
+        for tid, (kind, frames, sent) in list(self._pending.items()):
+            if time.monotonic() - sent > 10.0:  # not acknowledged: the learner restarted
+                self._send(tid, kind, frames)
+        valid = self._trajectory(version)
+        self._send(valid.trajectory_id, "valid", wire.encode(valid))
+        kind = UNTRAINABLE[n % len(UNTRAINABLE)]
+        bad = self._trajectory(version, kind)
+        self._send(bad.trajectory_id, kind, wire.encode(bad))
+        self._read(0.5)
+        before = self._heartbeat()
+        if before is None:
+            return
+        k = 1 + n % 3
+        for i in range(k):
+            self.sock.send_multipart(self._malformed(MALFORMED[(n + i) % len(MALFORMED)], version))
+        self.malformed_sent += k
+        after = self._heartbeat()
+        if after is None or after.seq <= before.seq:  # another learner answered
+            self.malformed_uncounted.append(k)
+            return
+        got = int(after.stats.get("rejected_total", 0)) - int(before.stats.get("rejected_total", 0))
+        if got == k:
+            self.malformed_counted += k
+        else:
+            self.miscounted.append((k, got))
+
+    def run(self) -> None:
+        try:
+            from transformers import AutoProcessor
+
+            self.processor = AutoProcessor.from_pretrained(self.model_dir)
+            self.rng = np.random.default_rng(7)
+            self._ledger.mkdir(parents=True, exist_ok=True)
+            toml = self.run_dir / "learner.toml"
+            wait_for(toml.exists, "the learner's config")
+            cfg = load_config(LearnerConfig, toml)
+            self.ctx = zmq.Context()
+            self.sock = connect_dealer(self.ctx, cfg.transport.data, cfg.transport)
+            n = 0
+            while not self.stop.is_set():
+                self._round(n)
+                n += 1
+                self.stop.wait(1.0)
+            # what is still unacknowledged gets its chance, as an actor's spool would
+            end = time.monotonic() + 30
+            while self._pending and time.monotonic() < end:
+                for tid, (kind, frames, _) in list(self._pending.items()):
+                    self._send(tid, kind, frames)
+                self._read(2.0)
+        except BaseException as e:  # surfaced by the test
+            self.error = e
+        finally:
+            if hasattr(self, "ctx"):
+                self.ctx.destroy(linger=0)
+
+
+def _pending_ids(run_dir: Path, checkpoint: str | None) -> set[str]:
+    """Trajectory ids still in the final checkpoint's store or in the journal after it."""
+    if checkpoint is None:
+        return set()
+    ck = load_checkpoint(Path(checkpoint), verify=False)
+    out: set[str] = set()
+    if ck.store_path is not None:
+        store = ReplayStore.restore(ck.store_path)
+        for task in store.tasks():
+            if n := store.fresh_len(task):
+                out |= {
+                    wire.from_item(i).trajectory_id for i in store.take_group(task, n, timeout=0)
+                }
+        store.close()
+    journal = run_dir / "learner" / "journal"
+    for seg in list_segments(journal):
+        if ck.journal_segment is not None and seg >= ck.journal_segment:
+            out |= {wire.decode(r.frames).trajectory_id
+                    for r in read_segment(segment_path(journal, seg))}  # fmt: skip
+    return out
+
+
+def _rss_kb(pid: int) -> int | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def test_soak_training_under_faults_and_poison(tmp_path: Path) -> None:
+    from arpo_envs.sim.tasks import write_tasks
+
+    seconds = MINUTES * 60
+    model = build_tiny_model(tmp_path / "tiny", seed=0)
+    write_tasks(tmp_path / "tasks", ["click_button"], 4, seed=0)
+    (tmp_path / "tasks" / "test_all.json").unlink()
+    port = free_port()
+    server = start_sim_server(port, tmp_path / "server.log")
+    base = TrainConfig()
+    cfg = TrainConfig(
+        run_dir=str(tmp_path / "run"),
+        model=str(model),
+        warm_start=False,
+        tasks=str(tmp_path / "tasks"),
+        actors=1,
+        sim_envs_per_actor=2,
+        env_urls=[f"http://127.0.0.1:{port}"],
+        env_urls_pool="sim",
+        minutes=MINUTES,
+        max_restarts=20,
+        progress_s=0,
+        eval_runs_per_task=0,
+        learner=replace(
+            base.learner,
+            iterations=0,
+            assemble=AssembleConfig(group_size=2, groups_per_step=2, max_staleness=2),
+            checkpoint=CheckpointConfig(every=2, keep=3, verify=False),
+        ),
+        actor=replace(
+            base.actor,
+            episode=replace(
+                base.actor.episode,
+                max_steps=2,
+                max_new_tokens=16,
+                reset_retries=3,
+                reset_backoff_s=0.5,
+            ),
+            shutdown_deadline_s=30.0,
+        ),
+    )
+    run = TrainRun(cfg)
+    run_dir = Path(cfg.run_dir)
+    metrics = run_dir / "learner" / "metrics.jsonl"
+    poison = PoisonActor(run_dir, model)
+    errors: list[BaseException] = []
+    events: dict[str, list] = {"learner_killed": [], "server_killed": []}
+    memory: dict[int, list[tuple[float, int]]] = {}
+    done = threading.Event()
+
+    def rows() -> list[dict]:
+        return read_metrics(metrics) if metrics.exists() else []
+
+    def chaos() -> None:
+        nonlocal server
+        try:
+            wait_for(lambda: len(rows()) >= 1, "the first iteration", timeout=600)
+            t0 = time.monotonic()
+            learner_at = [seconds / 3, 2 * seconds / 3]
+            server_every = max(45.0, seconds / 7)
+            next_server = t0 + server_every
+            while not done.wait(1.0):
+                now = time.monotonic() - t0
+                if learner_at and now >= learner_at[0] and len(rows()) > 0:
+                    learner_at.pop(0)
+                    n = len(rows())
+                    os.kill(run.learner.popen.pid, signal.SIGKILL)
+                    events["learner_killed"].append((round(now), n))
+                if time.monotonic() >= next_server and now < seconds - 30:
+                    server.kill()
+                    server.wait(10)
+                    events["server_killed"].append(round(now))
+                    done.wait(3.0)
+                    server = start_sim_server(port, tmp_path / "server.log")
+                    next_server = time.monotonic() + server_every
+        except BaseException as e:
+            errors.append(e)
+
+    def sample_memory() -> None:
+        while not done.wait(5.0):
+            p = run.learner.popen if run.learner is not None else None
+            if p is not None and p.poll() is None and (kb := _rss_kb(p.pid)):
+                memory.setdefault(p.pid, []).append((time.monotonic(), kb))
+
+    threads = [threading.Thread(target=f, daemon=True) for f in (chaos, sample_memory)]
+    for th in threads:
+        th.start()
+    poison.start()
+    try:
+        result = run.run()
+    finally:
+        poison.stop.set()
+        done.set()
+        for th in threads:
+            th.join(timeout=60)
+        poison.join(timeout=120)
+        server.kill()
+        server.wait(10)
+    assert not errors, errors
+    assert poison.error is None, poison.error
+    acc = result["accounting"]
+    report = {
+        "minutes": MINUTES,
+        "iterations": len(rows()),
+        "restarts": result["restarts"],
+        "events": events,
+        "accounting": acc,
+        "poison": {
+            "valid_acked": len(poison.valid_acked),
+            "untrainable_acked": len(poison.untrainable_acked),
+            "malformed_sent": poison.malformed_sent,
+            "malformed_counted": poison.malformed_counted,
+            "malformed_uncounted_rounds": poison.malformed_uncounted,
+            "miscounted": poison.miscounted,
+        },
+        "learner_rss_mb": {
+            pid: [round(kb / 1024) for _, kb in s[:: max(1, len(s) // 12)]]
+            for pid, s in memory.items()
+        },
+    }
+    print(json.dumps(report, indent=1))
+    (tmp_path / "soak.json").write_text(json.dumps(report, indent=1))
+
+    # The faults happened.
+    assert len(events["learner_killed"]) == 2 and run.restarts.get("learner", 0) >= 2
+    assert len(events["server_killed"]) >= 2
+
+    # Every valid finished trajectory: trained exactly once or accounted for.
+    assert acc["unaccounted"] == 0, acc
+    assert acc["trained_twice"] == 0, acc
+    assert acc["trained"] > 0
+    assert poison.valid_acked and poison.valid_acked <= set(_ledger_ids(run_dir))
+
+    # Every poisoned one rejected: malformed messages counted by the learner that got them,
+    # untrainable records dropped as invalid (or still waiting for a group), none trained.
+    assert poison.miscounted == [], poison.miscounted
+    assert poison.malformed_counted > 0
+    assert poison.malformed_counted + sum(poison.malformed_uncounted) == poison.malformed_sent
+    outcome = _trained_log(run_dir)
+    pending = _pending_ids(run_dir, result["checkpoint"])
+    for tid, kind in poison.untrainable_acked.items():
+        got = outcome.get(tid, set())
+        assert not got & {"fresh", "replay"}, (tid, kind, got)
+        assert "dropped_invalid" in got or tid in pending, (tid, kind, got)
+    dropped = sum("dropped_invalid" in outcome.get(t, set()) for t in poison.untrainable_acked)
+    assert dropped >= 0.8 * len(poison.untrainable_acked) > 0
+
+    # The learner's memory is flat over its longest life (after its first minute).
+    assert memory, "no memory sample of the learner"
+    life = max(memory.values(), key=len)
+    settled = [kb for t, kb in life if t - life[0][0] >= 60]
+    if len(settled) >= 10:
+        k = max(3, len(settled) // 5)
+        early, late = statistics.median(settled[:k]), statistics.median(settled[-k:])
+        assert late - early < max(0.15 * early, 150 * 1024), (early, late)
+
+
+def _ledger_ids(run_dir: Path) -> list[str]:
+    path = run_dir / "spool" / "poison-actor" / LEDGER
+    return [line.split("\t")[0] for line in path.read_text().splitlines()]
+
+
+def _trained_log(run_dir: Path) -> dict[str, set[str]]:
+    """Trajectory id -> every outcome `trained.log` gives it (fresh, replay, dropped_*)."""
+    out: dict[str, set[str]] = {}
+    for line in (run_dir / "learner" / "trained.log").read_text().splitlines():
+        parts = line.split("\t")
+        if len(parts) == 3:
+            out.setdefault(parts[1], set()).add(parts[2])
+    return out
