@@ -256,6 +256,10 @@ def test_command_output_is_capped_and_marked(clean: Desk) -> None:
     out = a.json()["output"]
     assert out.startswith("y\ny\n") and out.endswith(f"more than {MAX_OUTPUT_BYTES} bytes]")
     assert MAX_OUTPUT_BYTES <= len(out) < MAX_OUTPUT_BYTES + 100
+    # the same cap on the fast path (a pyautogui program in the warm executor's fork)
+    out = clean.act("print('y' * 40_000_000)")["output"]
+    assert out.startswith("yyyy") and out.endswith(f"more than {MAX_OUTPUT_BYTES} bytes]")
+    assert MAX_OUTPUT_BYTES <= len(out) < MAX_OUTPUT_BYTES + 100
     assert clean.act("print(1)")["output"] == "1\n"
 
 

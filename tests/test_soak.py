@@ -410,6 +410,8 @@ def test_soak_training_under_faults_and_poison(tmp_path: Path) -> None:
         assert not got & {"fresh", "replay"}, (tid, kind, got)
         assert "dropped_invalid" in got or tid in pending, (tid, kind, got)
     dropped = sum("dropped_invalid" in outcome.get(t, set()) for t in poison.untrainable_acked)
+    print(f"untrainable records: {len(poison.untrainable_acked)} acknowledged, {dropped} "
+          f"dropped as invalid, {len(set(poison.untrainable_acked) & pending)} still stored")  # fmt: skip
     assert dropped >= 0.8 * len(poison.untrainable_acked) > 0
 
     # The learner's memory is flat over its longest life (after its first minute).

@@ -519,12 +519,15 @@ class DesktopServer:
         file_path, data = form.get("file_path"), form.get("file_data")
         if not isinstance(file_path, str) or not file_path or data is None:
             raise RequestError("file_path and file_data are required")
-        content = data.file.read() if isinstance(data, web.FileField) else str(data).encode()
         target = self.desk.path(file_path)
 
         def write() -> int:
             target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(content)
+            with open(target, "wb") as out:
+                if isinstance(data, web.FileField):  # aiohttp keeps it in a temporary file
+                    shutil.copyfileobj(data.file, out, 1 << 20)
+                else:
+                    out.write(str(data).encode())
             return target.stat().st_size
 
         try:
