@@ -60,16 +60,32 @@ _SET_BY_TRAIN = "(set by arpo train)"
 
 
 def _default_learner() -> LearnerConfig:
-    """The embedded default: small groups and batches that train in minutes on 2 cores."""
+    """The embedded default: small groups and batches that train in minutes on 2 cores.
+
+    Two settings differ from the reference's, both measured on the tiny model
+    (`benchmarks/ablate_learning.py`, README "Diagnosing online learning"): group
+    advantages without the division by the group's std (Dr. GRPO: a group of failures
+    whose only difference is one unparseable response otherwise gets advantages as
+    large as a group with a success, and pushes its parseable wrong clicks up), and
+    replayed successes weighted at least 1 (`loss.replay_w_min = 1`: a success the
+    policy has drifted away from still pulls it back; with the floor at 0 the
+    correction switches replay off exactly when the policy has collapsed)."""
     from arpo.learner.assemble import AssembleConfig
     from arpo.learner.checkpoint import CheckpointConfig
+    from arpo.learner.loss import LossConfig
     from arpo.learner.metrics import MetricsConfig
     from arpo.learner.trainer import TrainerConfig
 
     return LearnerConfig(
         tasks=_SET_BY_TRAIN,
-        trainer=TrainerConfig(model=_SET_BY_TRAIN, lr=1e-4, micro_batch=4, optimizer_steps=1),
-        assemble=AssembleConfig(group_size=4, groups_per_step=4, max_staleness=2),
+        trainer=TrainerConfig(
+            model=_SET_BY_TRAIN,
+            lr=1e-4,
+            micro_batch=4,
+            optimizer_steps=1,
+            loss=LossConfig(replay_w_min=1.0),
+        ),
+        assemble=AssembleConfig(group_size=4, groups_per_step=4, max_staleness=2, norm_std=False),
         checkpoint=CheckpointConfig(every=5, keep=2, verify=False),
         metrics=MetricsConfig(progress_s=0),
     )

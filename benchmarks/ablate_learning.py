@@ -36,7 +36,11 @@ from typing import Any
 
 log = logging.getLogger("ablate")
 
-VARIANTS: dict[str, list[str]] = {
+REFERENCE = ["learner.assemble.norm_std=true", "learner.trainer.loss.replay_w_min=0.0"]
+"""The reference's advantage and replay weighting; `arpo train`'s embedded defaults differ
+(no std division, replayed successes weighted at least 1: the `drgrpo-floor1` variant)."""
+
+_CHANGES: dict[str, list[str]] = {
     "base": [],
     "grpo": ["learner.assemble.replay.enabled=false"],
     "lr3e-5": ["learner.trainer.lr=3e-5"],
@@ -61,8 +65,13 @@ VARIANTS: dict[str, list[str]] = {
     "positive-lr3e-4": ["learner.assemble.advantage_side=positive", "learner.trainer.lr=3e-4"],
     "drgrpo": ["learner.assemble.norm_std=false"],
     "drgrpo-lr3e-4": ["learner.assemble.norm_std=false", "learner.trainer.lr=3e-4"],
+    "drgrpo-floor1": ["learner.assemble.norm_std=false", "learner.trainer.loss.replay_w_min=1.0"],
+    "floor1": ["learner.trainer.loss.replay_w_min=1.0"],
+    "uncorrected": ["learner.trainer.loss.correct_replay=false"],
 }
-"""Variant name -> `arpo train` overrides on top of the base run."""
+"""Variant name -> its change to the reference setting."""
+VARIANTS: dict[str, list[str]] = {name: REFERENCE + ch for name, ch in _CHANGES.items()}
+"""Variant name -> `arpo train` overrides (later overrides of a field win)."""
 
 TRACKED = {
     "success": "charts/success_rate",
@@ -144,7 +153,7 @@ def run_variant(args: argparse.Namespace, name: str, seed: int, model: str, task
     final = _eval(str(ckpt / "model"), tasks, run_dir / "eval", args.eval_runs, args.envs)
     curves = {k: [r.get(m) for r in rows] for k, m in TRACKED.items()}
     return {
-        "overrides": VARIANTS[name],
+        "overrides": _CHANGES[name],
         "eval": final,
         "curves": curves,
         "wall_s": json.loads(summary.read_text()).get("wall_s"),
@@ -192,7 +201,7 @@ def report(results: dict[str, Any]) -> str:
 
         stale = sum(x or 0 for c in curves for x in c["stale"])
         lines.append(
-            f"| {name} | {' '.join(per_seed[seeds[0]]['overrides']) or '-'} | "
+            f"| {name} | {' '.join(_CHANGES.get(name, [])) or 'the reference settings'} | "
             + ", ".join(f"{100 * e:.1f}" for e in evals)
             + f" | {100 * (statistics.mean(evals) - warm):+.1f} | {ft('success')} | "
             f"{ft('parse_fail')} | {ft('entropy', 1.0, '.3f')} | "

@@ -1,0 +1,117 @@
+"""`make demo` with several seeds: warm start vs trained, per seed, in one table.
+
+    .venv/bin/python benchmarks/demo_runs.py --seeds 1,2,3,4,5 --save-as demo-runs-<date>
+
+Each seed is `arpo train` with exactly the arguments of the Makefile's `DEMO_ARGS` (read
+from the Makefile, so this cannot drift from `make demo`) plus `seed=<n>` and its own
+run folder: another seed generates other simulated tasks, another warm start (`arpo sft`
+on their demonstrations) and another learner / actor sampling. Every run evaluates its
+warm start and its final checkpoint with the same protocol (`eval_runs_per_task`
+episodes per simulated task at temperature 0.6) and writes both to its summary.json;
+this script collects them with the wall time of the whole run. A finished seed is not
+run again (delete its folder to redo it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def demo_args() -> list[str]:
+    """The Makefile's DEMO_ARGS, without run_dir."""
+    m = re.search(r"^DEMO_ARGS \?= (.*)$", (ROOT / "Makefile").read_text(), re.M)
+    if not m:
+        raise SystemExit("Makefile: no DEMO_ARGS line")
+    return [a for a in shlex.split(m.group(1)) if not a.startswith("run_dir=")]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--seeds", default="1,2,3,4,5", help="Comma-separated seeds.")
+    p.add_argument("--out", default="runs/demo-seeds", help="Folder of the runs.")
+    p.add_argument("--save-as", default="", help="Also write benchmarks/results/<name>.{md,json}.")
+    p.add_argument("--report-only", action="store_true", help="Only collect finished runs.")
+    args = p.parse_args(argv)
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    base = demo_args()
+    rows = []
+    for seed in [int(s) for s in args.seeds.split(",") if s]:
+        run_dir = out / f"seed-{seed}"
+        summary = run_dir / "summary.json"
+        if not summary.exists() and not args.report_only:
+            cmd = [sys.executable, "-m", "arpo.cli", "train", f"run_dir={str(run_dir)!r}",
+                   *base, f"seed={seed}"]  # fmt: skip
+            print("+", shlex.join(cmd), flush=True)
+            t0 = time.monotonic()
+            with (out / f"seed-{seed}.log").open("wb") as log:
+                rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=log).returncode
+            if rc != 0:
+                raise SystemExit(f"seed {seed}: arpo train exited {rc}; see {log.name}")
+            s = json.loads(summary.read_text())
+            s["demo_wall_s"] = round(time.monotonic() - t0, 1)
+            summary.write_text(json.dumps(s, indent=2))
+        if not summary.exists():
+            continue
+        s = json.loads(summary.read_text())
+        w, t = s["eval_warm_start"], s["eval_trained"]
+        rows.append(
+            {
+                "seed": seed,
+                "warm": w["success_rate"],
+                "warm_se": w["se"],
+                "trained": t["success_rate"],
+                "trained_se": t["se"],
+                "gain_points": s["eval_gain"]["points"],
+                "gain_se_points": s["eval_gain"]["se_points"],
+                "episodes": t["episodes"],
+                "iterations": s.get("iterations"),
+                "wall_s": s.get("demo_wall_s"),
+            }
+        )
+    lines = [
+        f"`make demo` arguments: `{' '.join(base)}` plus `seed=<n>`.",
+        "",
+        "| seed | warm start (%) | trained (%) | gain (points) | iterations | wall (min) |",
+        "|---:|---|---|---|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['seed']} | {100 * r['warm']:.1f} ± {100 * r['warm_se']:.1f} | "
+            f"{100 * r['trained']:.1f} ± {100 * r['trained_se']:.1f} | "
+            f"{r['gain_points']:+.1f} ± {r['gain_se_points']:.1f} | {r['iterations']} | "
+            f"{(r['wall_s'] or math.nan) / 60:.1f} |"
+        )
+    if rows:
+        gains = [r["gain_points"] for r in rows]
+        lines += [
+            "",
+            f"Gain over seeds: mean {statistics.mean(gains):+.1f} points, min {min(gains):+.1f}, "
+            f"max {max(gains):+.1f}; seeds with at least +15: "
+            f"{sum(g >= 15 for g in gains)} of {len(gains)}.",
+        ]
+    md = "\n".join(lines)
+    print(md)
+    (out / "results.md").write_text(md + "\n")
+    if args.save_as:
+        dest = ROOT / "benchmarks" / "results"
+        (dest / f"{args.save_as}.md").write_text(md + "\n")
+        (dest / f"{args.save_as}.json").write_text(
+            json.dumps({"demo_args": base, "runs": rows}, indent=2)
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
