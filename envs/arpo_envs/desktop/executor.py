@@ -2,9 +2,9 @@
 as a subprocess.
 
 OSWorld's host controller sends every action as `["python", "-c", "import pyautogui; ...
-<code>"]` and reads what it printed. A new interpreter per action costs about 170 ms
-(importing pyautogui and Xlib); a fork of a process that has them imported costs a few
-ms (`forkserver`). The program then runs in a process of its own, as a subprocess
+<code>"]` and reads what it printed. A new interpreter per action costs ~290 ms here
+(importing pyautogui and Xlib); a fork of a process that has them imported, ~3.5 ms
+per action all told (`forkserver`; benchmarks/results/execute-2026-11-24.md). The program then runs in a process of its own, as a subprocess
 would: it cannot reach the server (no shared memory, interpreter or GIL), its exit code,
 output and traceback are the ones `python -c` gives, and a timeout kills its process
 group. `WarmExecutor` is the server's side of it.

@@ -2,8 +2,8 @@
 
     python -m arpo_envs.desktop.forkserver <socket fd>      # started by executor.WarmExecutor
 
-A new interpreter per action costs ~170 ms (most of it importing pyautogui and Xlib);
-running actions inside the server let them reach it (`os._exit` killed it, a patched
+A new interpreter per action costs hundreds of ms (most of it importing pyautogui and
+Xlib); running actions inside the server let them reach it (`os._exit` killed it, a patched
 `json.loads` broke its endpoints, a C loop holding the GIL stalled every request).
 This process is the middle way: it imports what actions use, then forks a child that
 connects to the display and waits for the next program; the program runs in that
@@ -12,8 +12,8 @@ process group), and the fork and the connection are paid before the program arri
 
 The child runs the code as `python -c` would: as `__main__` with fresh globals,
 compiled as `<string>`, stdout block-buffered and stderr line-buffered on the pipes
-the server passed (unbuffered with PYTHONUNBUFFERED), an uncaught exception printed as a traceback with exit code 1,
-`sys.exit(n)` as n. It has its own connection to the X display (an X connection
+the server passed (unbuffered with PYTHONUNBUFFERED), an uncaught exception printed
+as a traceback with exit code 1, `sys.exit(n)` as n. It has its own connection to the X display (an X connection
 cannot be shared between processes) and starts with pyautogui's `PAUSE` set to the
 server's value and `FAILSAFE` True, as in a fresh interpreter.
 
