@@ -129,7 +129,8 @@ def start_server(model_dir: Path, log: Path) -> tuple[subprocess.Popen, str]:
 async def bench_engine(kind: str, model_dir: Path, other_dir: Path, args, reference, work: Path):
     import torch
 
-    from arpo.policy.engine import EngineConfig, SamplingParams, make_engine
+    from arpo.policy.engine import EngineConfig, SamplingParams
+    from arpo.policy.engines import make_engine
 
     ids, images = args.prompt
     server = None

@@ -12,7 +12,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from arpo.errors import EngineError  # noqa: E402
-from arpo.policy.engine import EngineConfig, SamplingParams, make_engine, process_logits  # noqa: E402
+from arpo.policy.engine import EngineConfig, SamplingParams, process_logits  # noqa: E402
+from arpo.policy.engines import make_engine  # noqa: E402
 from arpo.policy.prompt import EpisodePrompt  # noqa: E402
 from arpo.policy.tiny import build_tiny_model  # noqa: E402
 

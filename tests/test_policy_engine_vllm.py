@@ -22,9 +22,10 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from arpo.policy.engine import EngineConfig, SamplingParams, make_engine  # noqa: E402
+from arpo.policy.engine import EngineConfig, SamplingParams  # noqa: E402
 from arpo.policy.engine_openai import server_command  # noqa: E402
 from arpo.policy.engine_vllm import vllm_available  # noqa: E402
+from arpo.policy.engines import make_engine  # noqa: E402
 from arpo.policy.prompt import EpisodePrompt  # noqa: E402
 from arpo.policy.tiny import build_tiny_model  # noqa: E402
 

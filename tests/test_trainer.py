@@ -27,7 +27,8 @@ from arpo.learner.synthetic import (  # noqa: E402
     with_logprobs,
 )
 from arpo.learner.trainer import Trainer, TrainerConfig  # noqa: E402
-from arpo.policy.engine import EngineConfig, SamplingParams, make_engine  # noqa: E402
+from arpo.policy.engine import EngineConfig, SamplingParams  # noqa: E402
+from arpo.policy.engines import make_engine  # noqa: E402
 from arpo.policy.prompt import EpisodePrompt  # noqa: E402
 from arpo.policy.tiny import build_tiny_model  # noqa: E402
 from arpo.record import Trajectory, Turn  # noqa: E402

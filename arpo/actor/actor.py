@@ -154,7 +154,7 @@ class Actor:
                 garbage_prob=c.scripted_garbage_prob,
                 scroll_clicks=c.episode.scroll_clicks,
             )
-        from arpo.policy.engine import make_engine
+        from arpo.policy.engines import make_engine
 
         return make_engine(c.engine)
 

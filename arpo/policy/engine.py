@@ -1,7 +1,8 @@
 """The policy engine interface: token ids + images in, sampled token ids + log-probs out.
 
 Every engine (transformers `engine_hf.py`, vLLM in process `engine_vllm.py`, an
-OpenAI-compatible vLLM server over HTTP `engine_openai.py`) implements `Engine`:
+OpenAI-compatible vLLM server over HTTP `engine_openai.py`) implements `Engine`;
+`arpo.policy.engines.make_engine` builds the one a config names:
 
     async with make_engine(EngineConfig(kind="hf", model="runs/tiny")) as engine:
         out = await engine.generate(prompt_ids, [png_bytes], SamplingParams(temperature=1.0))
@@ -356,21 +357,3 @@ def _with_stop(params: SamplingParams, stop: tuple[int, ...]) -> SamplingParams:
         seed=params.seed,
         stop_token_ids=stop,
     )
-
-
-def make_engine(config: EngineConfig) -> Engine:
-    """The engine named by `config.kind` (not started: use `async with` or `await start()`)."""
-    from arpo.config import validate
-
-    validate(config)
-    if config.kind == "hf":
-        from arpo.policy.engine_hf import HFEngine
-
-        return HFEngine(config)
-    if config.kind == "vllm":
-        from arpo.policy.engine_vllm import VLLMEngine
-
-        return VLLMEngine(config)
-    from arpo.policy.engine_openai import OpenAIEngine
-
-    return OpenAIEngine(config)

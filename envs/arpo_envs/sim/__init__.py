@@ -3,6 +3,7 @@
 It exists for learning tests and throughput benchmarks; it never stands in for the
 real desktop where a test names it. Parts, one file per job:
 
+- `host`: what a widget may ask of its desktop (the protocol both sides share);
 - `widgets`: buttons, text fields, check boxes, lists, menus, windows;
 - `desktop`: one screen: input routing, focus, rendering, accessibility tree, state;
 - `png`: the PNG encoder that re-compresses only the changed bands of a frame;

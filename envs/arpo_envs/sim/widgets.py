@@ -14,12 +14,11 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 from PIL import ImageDraw, ImageFont
 
-if TYPE_CHECKING:
-    from arpo_envs.sim.desktop import Desktop
+from arpo_envs.sim.host import WidgetHost
 
 Color = tuple[int, int, int]
 
@@ -67,7 +66,8 @@ def draw_text_centered(
     d.text((x + w / 2, y + h / 2), s, font=font(), fill=color, anchor="mm")
 
 
-Callback = Callable[["Desktop", "Widget"], None]
+Callback = Callable[[Any, "Widget"], None]
+"""A scene's reaction to a widget: called with the desktop (the widget's host) and the widget."""
 
 
 @dataclass(eq=False)
@@ -98,17 +98,17 @@ class Widget:
     def draw(self, d: ImageDraw.ImageDraw, focused: bool) -> None:
         pass
 
-    def click(self, desk: Desktop, px: int, py: int, count: int) -> None:
+    def click(self, desk: WidgetHost, px: int, py: int, count: int) -> None:
         pass
 
-    def key(self, desk: Desktop, key: str, mods: frozenset[str]) -> bool:
+    def key(self, desk: WidgetHost, key: str, mods: frozenset[str]) -> bool:
         """Handle a key press; False lets the desktop try its own bindings."""
         return False
 
-    def text(self, desk: Desktop, ch: str) -> None:
+    def text(self, desk: WidgetHost, ch: str) -> None:
         pass
 
-    def scroll(self, desk: Desktop, clicks: int) -> bool:
+    def scroll(self, desk: WidgetHost, clicks: int) -> bool:
         return False
 
     def state(self) -> dict[str, Any]:
@@ -147,16 +147,16 @@ class Button(Widget):
     role: ClassVar[str] = "push-button"
     focusable: ClassVar[bool] = True
 
-    def press(self, desk: Desktop) -> None:
+    def press(self, desk: WidgetHost) -> None:
         self.presses += 1
         desk.touch()
         if self.on_press is not None:
             self.on_press(desk, self)
 
-    def click(self, desk: Desktop, px: int, py: int, count: int) -> None:
+    def click(self, desk: WidgetHost, px: int, py: int, count: int) -> None:
         self.press(desk)
 
-    def key(self, desk: Desktop, key: str, mods: frozenset[str]) -> bool:
+    def key(self, desk: WidgetHost, key: str, mods: frozenset[str]) -> bool:
         if key in ("space", "enter") and not mods:
             self.press(desk)
             return True
@@ -203,7 +203,7 @@ class TextField(Widget):
                 return i
         return len(self.value)
 
-    def click(self, desk: Desktop, px: int, py: int, count: int) -> None:
+    def click(self, desk: WidgetHost, px: int, py: int, count: int) -> None:
         if count >= 2:
             self.selected_all = bool(self.value)  # word and line selection: the whole field
             self.caret = len(self.value)
@@ -218,11 +218,11 @@ class TextField(Widget):
         self.value = self.value[: self.caret] + s + self.value[self.caret :]
         self.caret += len(s)
 
-    def text(self, desk: Desktop, ch: str) -> None:
+    def text(self, desk: WidgetHost, ch: str) -> None:
         self._replace_selection(ch)
         desk.touch()
 
-    def key(self, desk: Desktop, key: str, mods: frozenset[str]) -> bool:
+    def key(self, desk: WidgetHost, key: str, mods: frozenset[str]) -> bool:
         if "ctrl" in mods:
             if key == "a":
                 self.selected_all = bool(self.value)
@@ -307,16 +307,16 @@ class Checkbox(Widget):
     role: ClassVar[str] = "check-box"
     focusable: ClassVar[bool] = True
 
-    def toggle(self, desk: Desktop) -> None:
+    def toggle(self, desk: WidgetHost) -> None:
         self.checked = not self.checked
         desk.touch()
         if self.on_toggle is not None:
             self.on_toggle(desk, self)
 
-    def click(self, desk: Desktop, px: int, py: int, count: int) -> None:
+    def click(self, desk: WidgetHost, px: int, py: int, count: int) -> None:
         self.toggle(desk)
 
-    def key(self, desk: Desktop, key: str, mods: frozenset[str]) -> bool:
+    def key(self, desk: WidgetHost, key: str, mods: frozenset[str]) -> bool:
         if key == "space" and not mods:
             self.toggle(desk)
             return True
@@ -381,7 +381,7 @@ class ListBox(Widget):
     def _set_top(self, top: int) -> None:
         self.top = max(0, min(self.max_top, top))
 
-    def click(self, desk: Desktop, px: int, py: int, count: int) -> None:
+    def click(self, desk: WidgetHost, px: int, py: int, count: int) -> None:
         if px >= self.x + self.w - self.bar_w:  # scroll bar track: page up or down
             thumb_y, thumb_h = self._thumb()
             if py < thumb_y:
@@ -397,12 +397,12 @@ class ListBox(Widget):
                 self.on_open(desk, self)
         desk.touch()
 
-    def scroll(self, desk: Desktop, clicks: int) -> bool:
+    def scroll(self, desk: WidgetHost, clicks: int) -> bool:
         self._set_top(self.top - clicks * self.rows_per_click)
         desk.touch()
         return True
 
-    def key(self, desk: Desktop, key: str, mods: frozenset[str]) -> bool:
+    def key(self, desk: WidgetHost, key: str, mods: frozenset[str]) -> bool:
         n = len(self.items)
         if key in ("up", "down", "home", "end", "pageup", "pagedown") and n:
             cur = -1 if self.selected is None else self.selected
@@ -483,7 +483,7 @@ class MenuBar(Widget):
     """
 
     menus: list[Menu] = field(default_factory=list)
-    on_pick: Callable[[Desktop, str], None] | None = None
+    on_pick: Callable[[Any, str], None] | None = None
     item_h: ClassVar[int] = 28
     pad: ClassVar[int] = 14
     role: ClassVar[str] = "menu-bar"
@@ -519,7 +519,7 @@ class MenuBar(Widget):
         item = (py - y - 4) // self.item_h
         return item if 0 <= item < len(self.menus[index].items) else None
 
-    def click(self, desk: Desktop, px: int, py: int, count: int) -> None:
+    def click(self, desk: WidgetHost, px: int, py: int, count: int) -> None:
         i = self.title_at(px, py)
         if i is not None:
             desk.open_menu(self, i)
