@@ -1,13 +1,12 @@
 """The `arpo` command.
 
-arpo train [--config FILE] [field=value ...]   a whole training run on this machine (arpo.train)
-arpo demo [--config FILE] [field=value ...]    the smallest end-to-end run (see arpo.demo)
-arpo demo --show-config                        every config field with its default and meaning
+arpo train [--config FILE] [field=value ...]          a whole training run on this machine (arpo.train)
 arpo select-tasks [--config FILE] [field=value ...]   N base-agent runs per task, keep the solvable
 arpo sft [--config FILE] [field=value ...]            oracle demonstrations + supervised warm start
 arpo offline --algo dpo|kto|rft [field=value ...]     offline baselines on collected trajectories
 arpo eval [--config FILE] [field=value ...]           success rates of a checkpoint / model
 arpo collect [--config FILE] [field=value ...]        N runs per task, trajectories kept on disk
+arpo COMMAND --show-config                            every config field with its default and meaning
 """
 
 from __future__ import annotations
@@ -34,8 +33,6 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "train": ("learner, actors, desktops, eval: one run", "arpo.train:TrainConfig",
               "arpo.cli:_train"),
-    "demo": ("the smallest end-to-end run of the data path", "arpo.demo:DemoConfig",
-             "arpo.cli:_demo"),
     "select-tasks": ("run the base agent N times per task, keep solvable",
                      "arpo.learner.select:SelectConfig", "arpo.learner.select:main"),
     "eval": ("success rates of a checkpoint on a task set", "arpo.learner.evaluate:EvalConfig",
@@ -65,13 +62,6 @@ def _train(cfg: Any) -> int:
         level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr
     )
     return train_main(cfg)
-
-
-def _demo(cfg: Any) -> int:
-    from arpo.demo import run
-
-    run(cfg)
-    return 0
 
 
 def _sft(cfg: Any) -> int:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import enum
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -167,3 +169,10 @@ def test_nested_overrides_change_the_declared_default_not_the_class_default(tmp_
     assert c.actor.episode.format_weight == 0.0
     assert c.actor.episode.max_steps == base.actor.episode.max_steps == 4
     assert c.actor.sim_envs == base.actor.sim_envs
+
+
+def test_the_arpo_command_exits_2_naming_the_field_and_the_fix() -> None:
+    p = subprocess.run(
+        [sys.executable, "-m", "arpo.cli", "train", "minuts=1"], capture_output=True, text=True
+    )
+    assert p.returncode == 2 and "'minuts'" in p.stderr and "'minutes'" in p.stderr, p.stderr
