@@ -143,9 +143,27 @@ def test_arpo_sft_records_trains_and_lowers_the_nll(tiny: Path, tmp_path: Path, 
     assert AutoProcessor.from_pretrained(out) is not None
 
 
+def test_arpo_sft_stops_at_the_target_nll(tiny: Path, tmp_path: Path, capsys) -> None:
+    """With target_nll, SFT stops after the first epoch whose demonstrations' mean NLL is
+    at most the target (here well before the 40 epochs allowed), and reports that NLL."""
+    out = tmp_path / "sft"
+    rc = cli_main(["sft", f"model={tiny}", f"out={out}", 'families=["click_button"]',
+                   "per_family=3", "task_seed=5", "epochs=40", "batch_size=3", "micro_batch=3",
+                   "lr=1e-3", "n_envs=2", "target_nll=1.0"])  # fmt: skip
+    assert rc == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["nll_before"] > 1.0 >= summary["nll_after"]
+    assert 1 <= summary["steps"] < 40
+
+
 @pytest.mark.parametrize(
     ("override", "field"),
-    [("per_family=0", "per_family"), ("max_steps=1", "max_steps"), ("out=''", "out")],
+    [
+        ("per_family=0", "per_family"),
+        ("max_steps=1", "max_steps"),
+        ("out=''", "out"),
+        ("target_nll=-1", "target_nll"),
+    ],
 )
 def test_sft_config_errors_name_the_field(override: str, field: str) -> None:
     with pytest.raises(ConfigError, match=field):

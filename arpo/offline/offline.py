@@ -117,6 +117,11 @@ class OfflineConfig:
     batch_size: int = option(8, "Units (dpo pairs, kto / rft trajectories) per optimizer step.")
     micro_batch: int = option(1, "Units per forward / backward pass (dpo: 2 sequences each).")
     max_steps: int = option(0, "Stop after this many optimizer steps (0: run all epochs).")
+    target_nll: float = option(
+        0.0,
+        "rft: stop after the first epoch whose trajectories' mean NLL per response token is "
+        "at most this (0: run all epochs). Fits a warm start to a level, not a step count.",
+    )
     seed: int = option(0, "Seed of shuffling, pairing and torch.")
     log_every: int = option(10, "Log a progress line every this many optimizer steps.")
 
@@ -147,6 +152,10 @@ class OfflineConfig:
             fail("micro_batch", "must be >= 1")
         if self.max_steps < 0:
             fail("max_steps", "must be >= 0 (0: no limit)")
+        if self.target_nll < 0:
+            fail("target_nll", "must be >= 0 (0: no target, run all epochs)")
+        if self.target_nll and self.algo != "rft":
+            fail("target_nll", "applies to algo 'rft' only (a mean NLL of the data it fits)")
         if self.log_every < 1:
             fail("log_every", "must be >= 1")
 
@@ -392,6 +401,12 @@ class OfflineTrainer:
                         self.steps_done, epoch, loss, time.perf_counter() - t_start,
                     )  # fmt: skip
                 if cfg.max_steps and self.steps_done >= cfg.max_steps:
+                    return history
+            if cfg.target_nll:
+                nll = self.mean_nll(list(units))
+                if nll <= cfg.target_nll:
+                    log.info("%s: mean NLL %.4f <= target %.4f after epoch %d: done",
+                             cfg.algo, nll, cfg.target_nll, epoch)  # fmt: skip
                     return history
         return history
 

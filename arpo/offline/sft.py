@@ -68,6 +68,12 @@ class SFTConfig:
     batch_size: int = option(8, "Demonstrations per optimizer step.")
     micro_batch: int = option(4, "Demonstrations per forward / backward pass.")
     max_steps_train: int = option(0, "Stop after this many optimizer steps (0: all epochs).")
+    target_nll: float = option(
+        0.0,
+        "Stop after the first epoch whose demonstrations' mean NLL per response token is at "
+        "most this (0: all epochs): the tiny model's success after SFT follows this fit, "
+        "not the epoch count, which varies widely with the seed.",
+    )
     seed: int = option(0, "Seed of shuffling and torch.")
     eval_tasks: int = option(0, "After training, greedy episodes on this many tasks (0: none).")
     log_every: int = option(10, "Log a progress line every this many optimizer steps.")
@@ -91,6 +97,8 @@ class SFTConfig:
             fail("eval_tasks", "must be >= 0")
         if self.max_steps_train < 0:
             fail("max_steps_train", "must be >= 0 (0: no limit)")
+        if self.target_nll < 0:
+            fail("target_nll", "must be >= 0 (0: no target, run all epochs)")
         # The optimizer fields are checked by OfflineConfig.validate.
 
     def offline_config(self) -> OfflineConfig:
@@ -99,7 +107,8 @@ class SFTConfig:
             algo="rft", model=self.model, out=self.out, dtype=self.dtype, device=self.device,
             lr=self.lr, weight_decay=self.weight_decay, grad_clip=self.grad_clip,
             epochs=self.epochs, batch_size=self.batch_size, micro_batch=self.micro_batch,
-            max_steps=self.max_steps_train, seed=self.seed, log_every=self.log_every,
+            max_steps=self.max_steps_train, target_nll=self.target_nll, seed=self.seed,
+            log_every=self.log_every,
         )  # fmt: skip
 
 
