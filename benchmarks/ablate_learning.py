@@ -40,6 +40,9 @@ REFERENCE = ["learner.assemble.norm_std=true", "learner.trainer.loss.replay_w_mi
 """The reference's advantage and replay weighting; `arpo train`'s embedded defaults differ
 (no std division, replayed successes weighted at least 1: the `drgrpo-floor1` variant)."""
 
+NEW = ["learner.assemble.norm_std=false", "learner.trainer.loss.replay_w_min=1.0"]
+"""`arpo train`'s embedded defaults where they differ from the reference."""
+
 _CHANGES: dict[str, list[str]] = {
     "base": [],
     "grpo": ["learner.assemble.replay.enabled=false"],
@@ -68,6 +71,10 @@ _CHANGES: dict[str, list[str]] = {
     "drgrpo-floor1": ["learner.assemble.norm_std=false", "learner.trainer.loss.replay_w_min=1.0"],
     "floor1": ["learner.trainer.loss.replay_w_min=1.0"],
     "uncorrected": ["learner.trainer.loss.correct_replay=false"],
+    # One change each to the new default (drgrpo-floor1):
+    "new-opt4": [*NEW, "learner.trainer.optimizer_steps=4"],
+    "new-sync": [*NEW, "learner.assemble.max_staleness=0"],
+    "new-kl0.1": [*NEW, "learner.trainer.loss.kl_coef=0.1"],
 }
 """Variant name -> its change to the reference setting."""
 VARIANTS: dict[str, list[str]] = {name: REFERENCE + ch for name, ch in _CHANGES.items()}
