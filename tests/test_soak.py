@@ -31,7 +31,6 @@ import statistics
 import struct
 import threading
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -41,20 +40,19 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 import zmq
-from test_train_faults import free_port, start_sim_server, wait_for
+from test_train_faults import fault_run_config, free_port, start_sim_server, wait_for
 
 from arpo import wire
 from arpo.actor.spool import LEDGER
 from arpo.buffer import ReplayStore
 from arpo.config import load_config
-from arpo.learner.assemble import AssembleConfig
-from arpo.learner.checkpoint import CheckpointConfig, load_checkpoint
+from arpo.learner.checkpoint import load_checkpoint
 from arpo.learner.ingest import list_segments, read_segment, segment_path
 from arpo.learner.learner import LearnerConfig
 from arpo.learner.metrics import read_metrics
 from arpo.learner.synthetic import random_response, screenshot_png, synthetic_trajectory
 from arpo.policy.tiny import build_tiny_model
-from arpo.train import TrainConfig, TrainRun
+from arpo.train import TrainRun
 from arpo.transport import connect_dealer
 
 MINUTES = float(os.environ.get("ARPO_SOAK_MINUTES", "30"))
@@ -274,38 +272,7 @@ def test_soak_training_under_faults_and_poison(tmp_path: Path) -> None:
     (tmp_path / "tasks" / "test_all.json").unlink()
     port = free_port()
     server = start_sim_server(port, tmp_path / "server.log")
-    base = TrainConfig()
-    cfg = TrainConfig(
-        run_dir=str(tmp_path / "run"),
-        model=str(model),
-        warm_start=False,
-        tasks=str(tmp_path / "tasks"),
-        actors=1,
-        sim_envs_per_actor=2,
-        env_urls=[f"http://127.0.0.1:{port}"],
-        env_urls_pool="sim",
-        minutes=MINUTES,
-        max_restarts=20,
-        progress_s=0,
-        eval_runs_per_task=0,
-        learner=replace(
-            base.learner,
-            iterations=0,
-            assemble=AssembleConfig(group_size=2, groups_per_step=2, max_staleness=2),
-            checkpoint=CheckpointConfig(every=2, keep=3, verify=False),
-        ),
-        actor=replace(
-            base.actor,
-            episode=replace(
-                base.actor.episode,
-                max_steps=2,
-                max_new_tokens=16,
-                reset_retries=3,
-                reset_backoff_s=0.5,
-            ),
-            shutdown_deadline_s=30.0,
-        ),
-    )
+    cfg = fault_run_config(tmp_path, model, port, minutes=MINUTES, reset_retries=3, max_restarts=20)
     run = TrainRun(cfg)
     run_dir = Path(cfg.run_dir)
     metrics = run_dir / "learner" / "metrics.jsonl"

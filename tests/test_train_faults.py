@@ -57,16 +57,21 @@ def wait_for(cond, what: str, timeout: float = 240.0) -> None:
         time.sleep(0.2)
 
 
-def test_training_survives_kills_and_accounts_for_every_trajectory(tmp_path: Path) -> None:
-    from arpo_envs.sim.tasks import write_tasks
-
-    model = build_tiny_model(tmp_path / "tiny", seed=0)
-    write_tasks(tmp_path / "tasks", ["click_button"], 4, seed=0)
-    (tmp_path / "tasks" / "test_all.json").unlink()
-    port = free_port()
-    server = start_sim_server(port, tmp_path / "server.log")
+def fault_run_config(
+    tmp_path: Path,
+    model: Path,
+    port: int,
+    *,
+    minutes: float = 0,
+    iterations: int = 0,
+    reset_retries: int = 2,
+    max_restarts: int | None = None,
+) -> TrainConfig:
+    """`arpo train` on the simulated tasks of `tmp_path/tasks`: one actor with 2 simulated
+    desktops plus one on the environment server at `port`, small groups, a checkpoint
+    every 2 iterations (the fault tests and the soak)."""
     base = TrainConfig()
-    cfg = TrainConfig(
+    return TrainConfig(
         run_dir=str(tmp_path / "run"),
         model=str(model),
         warm_start=False,
@@ -75,12 +80,13 @@ def test_training_survives_kills_and_accounts_for_every_trajectory(tmp_path: Pat
         sim_envs_per_actor=2,
         env_urls=[f"http://127.0.0.1:{port}"],
         env_urls_pool="sim",
-        minutes=0,
+        minutes=minutes,
+        max_restarts=base.max_restarts if max_restarts is None else max_restarts,
         progress_s=0,
         eval_runs_per_task=0,
         learner=replace(
             base.learner,
-            iterations=8,
+            iterations=iterations,
             assemble=AssembleConfig(group_size=2, groups_per_step=2, max_staleness=2),
             checkpoint=CheckpointConfig(every=2, keep=3, verify=False),
         ),
@@ -90,12 +96,23 @@ def test_training_survives_kills_and_accounts_for_every_trajectory(tmp_path: Pat
                 base.actor.episode,
                 max_steps=2,
                 max_new_tokens=16,
-                reset_retries=2,
+                reset_retries=reset_retries,
                 reset_backoff_s=0.5,
             ),
             shutdown_deadline_s=30.0,
         ),
     )
+
+
+def test_training_survives_kills_and_accounts_for_every_trajectory(tmp_path: Path) -> None:
+    from arpo_envs.sim.tasks import write_tasks
+
+    model = build_tiny_model(tmp_path / "tiny", seed=0)
+    write_tasks(tmp_path / "tasks", ["click_button"], 4, seed=0)
+    (tmp_path / "tasks" / "test_all.json").unlink()
+    port = free_port()
+    server = start_sim_server(port, tmp_path / "server.log")
+    cfg = fault_run_config(tmp_path, model, port, iterations=8)
     run = TrainRun(cfg)
     metrics = Path(cfg.run_dir) / "learner" / "metrics.jsonl"
     log: dict[str, object] = {}
