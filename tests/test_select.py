@@ -251,3 +251,54 @@ def test_cli_prints_the_table_and_the_output_path(pool: Path, tmp_path: Path, ca
     assert "runs" in text and "successes" in text and str(out) in text
     assert all(f"* {tid}" in text for tid in ids)
     assert "6 of 6 tasks selected" in text
+
+
+def test_kept_episodes_prefill_the_replay_buffers_with_the_selection_runs_successes(
+    pool: Path, tmp_path: Path
+) -> None:
+    """`trajectories=` keeps every ok episode of the selection; `prefill_replay` puts the
+    successes of the training tasks (and nothing else) into their replay buffers."""
+    from arpo.learner.groups import ReplayConfig
+    from arpo.learner.learner import prefill_replay
+
+    kept = tmp_path / "kept"
+    cfg = validate(
+        SelectConfig(
+            tasks=str(pool),
+            runs_per_task=4,
+            out=str(tmp_path / "selection.json"),
+            trajectories=str(kept),
+            transport=LOOPBACK,
+            local_actor=True,
+            local_actor_args=[*ACTOR, "scripted_quit_prob=0.4"],
+            timeout_s=120,
+        )
+    )
+    result = run_selection(cfg)
+    assert result["trajectories"] == str(kept)
+    ids = list(result["tasks"])
+    train = set(ids[:4])  # the last two tasks are not trained on: their successes stay out
+    store = ReplayStore(max_bytes=1 << 30, fresh_capacity=64, replay_capacity=2, seed=0)
+    try:
+        n = prefill_replay(store, str(kept), train, ReplayConfig(capacity=2))
+        for tid in ids:
+            k = result["tasks"][tid]["successes"]
+            if tid not in train:
+                assert tid not in store.tasks()
+                continue
+            assert n >= 0 and (store.replay_len(tid) if k else 0) == min(k, 2)
+            if k:
+                got = [wire.from_item(i) for i in store.sample(tid, 2, mode="newest")]
+                assert all(t.task_id == tid and t.checker_score >= 1.0 for t in got)
+                assert all(t.status == Status.OK for t in got)
+        assert n == sum(result["tasks"][t]["successes"] for t in train)
+        assert 0 < n < 4 * 4  # the scripted policy gave up some episodes: failures skipped
+    finally:
+        store.close()
+    # The folder already holds episodes: a second selection into it is refused.
+    with pytest.raises(ConfigError, match="trajectories"):
+        run_selection(cfg)
+    with pytest.raises(ConfigError, match=r"assemble\.replay\.prefill"):
+        prefill_replay(
+            ReplayStore(max_bytes=1 << 20), str(tmp_path / "none"), train, ReplayConfig()
+        )

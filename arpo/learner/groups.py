@@ -15,7 +15,9 @@ a group with one partial score ([0.15] + [0]*7: population std 0.0496). The
 advantages are still computed on the total rewards. Successes with checker score
 > 0.1 enter the per-task buffer (capacity 8, FIFO, kept by the replay store)
 after the pick, so a group never gets its own success back as its replay.
-Variants: add instead of replace, k successes, newest first.
+Variants: add instead of replace, k successes, newest first, and buffers pre-filled
+with the successes of the task-selection run (`prefill`; the reference has this step
+commented out).
 """
 
 from __future__ import annotations
@@ -50,6 +52,14 @@ class ReplayConfig:
     )
     pick: Literal["uniform", "newest"] = option(
         "uniform", "How successes are picked from the buffer."
+    )
+    prefill: str = option(
+        "",
+        "Successes to start the buffers with: a folder of kept episodes (the `trajectories` "
+        "of `arpo select-tasks`, or an `arpo collect` folder); those of the training tasks "
+        "with checker score > admit_score_above enter their task's buffer before the first "
+        "step (a fresh start only: a resume restores the buffers of its checkpoint). "
+        "'' = start empty (the reference).",
     )
 
     def validate(self) -> None:

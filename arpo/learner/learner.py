@@ -27,6 +27,10 @@ journaled before each ack) and the grant server (control link: grants, weights,
 heartbeats). Actors (`arpo-actor`) anywhere connect to `transport.data` and
 `transport.control`.
 
+Set-up of a fresh start puts the successes of a kept collection into the replay buffers
+when `assemble.replay.prefill` names one (`prefill_replay`: the task-selection run's
+successes, as the paper's pipeline can; `replay/prefilled` in every metrics row).
+
 Resume (`resume = true`): the newest valid checkpoint's model, optimizer, scheduler,
 RNG states, version and task statistics are loaded; the store is restored from its
 snapshot and the ingest journal since that snapshot is replayed into it, so every
@@ -56,8 +60,9 @@ from typing import Any
 
 import numpy as np
 
+from arpo import wire
 from arpo.config import fail, option, validate
-from arpo.errors import ConfigError
+from arpo.errors import ArpoError, ConfigError
 from arpo.files import write_atomic
 from arpo.learner import distributed as D
 from arpo.learner.assemble import AssembleConfig, Batch, GroupAssembler, Sample
@@ -72,9 +77,11 @@ from arpo.learner.checkpoint import (
 )
 from arpo.learner.distributed import DistConfig
 from arpo.learner.grants import GrantBook, GrantConfig, GrantServer
+from arpo.learner.groups import ReplayConfig
 from arpo.learner.ingest import Ingest, IngestConfig
 from arpo.learner.metrics import MetricsConfig, MetricsLogger, ProgressLine, Spans, TaskStats
 from arpo.learner.trainer import Trainer, TrainerConfig
+from arpo.record import Status
 from arpo.transport import TransportConfig
 
 log = logging.getLogger("arpo.learner")
@@ -185,6 +192,43 @@ def resolved(cfg: LearnerConfig) -> LearnerConfig:
     return replace(cfg, ingest=ingest, checkpoint=ckpt, grants=grants, publish_dir=publish)
 
 
+def prefill_replay(store: Any, path: str, tasks: set[str], replay: ReplayConfig) -> int:
+    """Put the successes kept in `path` (a collection: `arpo select-tasks`'s `trajectories`
+    or an `arpo collect` folder) of the tasks in `tasks` into their replay buffers, in the
+    order they were kept (FIFO: beyond `replay.capacity` a task keeps its newest); the count.
+
+    A success is an `ok` episode with checker score > `replay.admit_score_above`, the
+    assembler's admission rule. Episodes of other tasks are skipped; records that do not
+    decode are skipped by `read_collection` (logged). A picked success the learner cannot
+    train (other sampling settings, a bad record) is evicted at its first pick, as any.
+    Raises `ConfigError` naming the field when `path` holds no collection.
+    """
+    from arpo.learner.collect import read_collection
+
+    counts: collections.Counter[str] = collections.Counter()
+    kept: collections.Counter[str] = collections.Counter()
+    try:
+        for traj in read_collection(path, counts):
+            if traj.task_id not in tasks:
+                counts["other_task"] += 1
+            elif traj.status != Status.OK or traj.checker_score <= replay.admit_score_above:
+                counts["not_success"] += 1
+            else:
+                store.add_success(traj.task_id, wire.to_item(traj))
+                kept[traj.task_id] += 1
+    except ArpoError as e:
+        raise ConfigError(
+            f"config field assemble.replay.prefill: {e} (give the `trajectories` folder of "
+            "`arpo select-tasks` or an `arpo collect` output folder)"
+        ) from None
+    n = sum(kept.values())
+    log.info(
+        "replay prefill from %s: %d successes of %d tasks (of %d training tasks); skipped %s",
+        path, n, len(kept), len(tasks), dict(counts),
+    )  # fmt: skip
+    return n
+
+
 class Learner:
     """Owns every learner component; `run()` is the loop (see the module docstring)."""
 
@@ -206,6 +250,8 @@ class Learner:
         self.assembler: GroupAssembler | None = None
         self._published: list[Path] = []
         self._rate_mark: tuple[float, float, float] | None = None
+        self.prefilled = 0
+        """Successes put into the replay buffers at a fresh start (`replay.prefill`)."""
         self.history: list[dict[str, float]] = []
         """Every iteration's metrics (also in metrics.jsonl)."""
 
@@ -290,6 +336,10 @@ class Learner:
                 seed=cfg.seed,
             )
         self.store = store
+        if ckpt is None and cfg.assemble.replay.prefill:
+            self.prefilled = prefill_replay(
+                store, cfg.assemble.replay.prefill, {t["id"] for t in tasks}, cfg.assemble.replay
+            )
         book = GrantBook(tasks, cfg.grants)
         book.set_version(self.version)
         # Groups of earlier versions count as opened, so admission allows the usual
@@ -554,6 +604,7 @@ class Learner:
             "charts/staleness_mean": batch.counts.get("data/staleness_mean", math.nan),
             "charts/staleness_max": batch.counts.get("data/staleness_max", math.nan),
             "replay/buffer_size": float(self.store.stats()["total"]["replay"]),
+            "replay/prefilled": float(self.prefilled),
         }
         out.update({k: float(v) for k, v in batch.counts.items() if not k.startswith("data/stal")})
         out.update(m)

@@ -35,7 +35,10 @@ How it runs (`arpo.learner.rollouts.run_pool`, shared with `arpo eval` and `arpo
 
   `selected` keeps the pool's order: the tasks with `min_successes <= successes` (and
   `successes <= max_successes` unless that is -1). A task with unknown runs is judged on
-  the runs it has. If `timeout_s` passes first, the file is written with
+  the runs it has. With `trajectories` set, every `ok` episode is also kept there (the
+  journal format of `arpo collect`) and the result names the folder under
+  "trajectories": `learner.assemble.replay.prefill` starts the replay buffers with its
+  successes. If `timeout_s` passes first, the file is written with
   `"complete": false` (which `load_selection` refuses) and an `ArpoError` is raised.
 """
 
@@ -52,6 +55,7 @@ from typing import Any
 from arpo.config import fail, option
 from arpo.errors import ArpoError, ConfigError
 from arpo.files import write_json_atomic
+from arpo.learner.ingest import IngestConfig, list_segments
 from arpo.learner.rollouts import (
     PoolConfig,
     PoolTally,
@@ -95,6 +99,12 @@ class SelectConfig(PoolConfig):
         "runs_per_task - 1 leaves out tasks already solved every time).",
     )
     out: str = option("runs/selection.json", "Where the selection result is written (JSON).")
+    trajectories: str = option(
+        "",
+        "Folder that keeps every `ok` episode (the journal of `arpo collect`'s "
+        "trajectories/, read with `read_collection`), for `learner.assemble.replay.prefill`; "
+        "it must not hold one already. '' = episodes are discarded.",
+    )
 
     def validate(self) -> None:
         super().validate()
@@ -142,6 +152,15 @@ def run_selection(
     """
     tasks = load_task_pool(cfg.tasks)
     out = Path(cfg.out)
+    ingest_config = None
+    if cfg.trajectories:
+        if list_segments(cfg.trajectories):
+            raise ConfigError(
+                f"config field trajectories: {cfg.trajectories!r} already holds kept "
+                "episodes; choose an empty folder or delete it"
+            )
+        Path(cfg.trajectories).mkdir(parents=True, exist_ok=True)
+        ingest_config = IngestConfig(journal_dir=cfg.trajectories)
     res = run_pool(
         cfg,
         tasks,
@@ -149,10 +168,13 @@ def run_selection(
         spool=out.parent / f"{out.name}.actor-spool",
         learner_id="select-tasks",
         actor_id="select-local",
+        ingest_config=ingest_config,
         store=store,
         on_progress=on_progress,
     )
     result = _result(cfg, res.counts, res.complete, res.elapsed_s)
+    if cfg.trajectories:
+        result["trajectories"] = cfg.trajectories
     write_json_atomic(out, result)
     if not res.complete:
         raise ArpoError(
