@@ -426,7 +426,7 @@ class TrainRun:
         """`arpo eval` of `policy` ({"checkpoint": ...} or {"model": ...}) on the simulated
         tasks of the pool, `eval_runs_per_task` episodes per task at `eval_temperature`;
         the success rate over episodes and its standard error."""
-        from arpo.learner.evaluate import EvalConfig, run_eval
+        from arpo.pool.evaluate import EvalConfig, run_eval
 
         cfg = self.config
         sim_tasks = str(Path(tasks) / "sim") if (Path(tasks) / "sim").is_dir() else tasks
@@ -541,7 +541,7 @@ def account(run_dir: Path, checkpoint: Path | None) -> dict[str, Any]:
     from arpo.actor.spool import SUFFIX, read_ledger
     from arpo.buffer import ReplayStore
     from arpo.learner.checkpoint import load_checkpoint
-    from arpo.learner.ingest import list_segments, read_segment, segment_path
+    from arpo.service.ingest import list_segments, read_segment, segment_path
 
     finished: dict[str, tuple[str, str]] = {}
     in_spool: set[str] = set()

@@ -95,7 +95,7 @@ TRACKED = {
 
 
 def _eval(policy: str, tasks: str, out: Path, runs: int, envs: int) -> float:
-    from arpo.learner.evaluate import EvalConfig, run_eval
+    from arpo.pool.evaluate import EvalConfig, run_eval
     from arpo.train import TrainConfig
 
     done = out / "eval.json"

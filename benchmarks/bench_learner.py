@@ -47,7 +47,7 @@ def make_items(trainer, n: int, turns: int, response: int, seed: int):
     """n on-policy trajectories (behaviour log-probs = the model's own, teacher-forced)."""
     from arpo import wire
     from arpo.learner.batch import build_sequence
-    from arpo.learner.synthetic import (
+    from arpo.synthetic import (
         random_response,
         screenshot_png,
         synthetic_trajectory,

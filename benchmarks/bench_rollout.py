@@ -170,8 +170,8 @@ async def asynchronous(
     urls: list[str], args: argparse.Namespace, duration: float
 ) -> dict[str, float]:
     from arpo.buffer import ReplayStore
-    from arpo.learner.grants import GrantBook, GrantConfig, GrantServer
-    from arpo.learner.ingest import Ingest
+    from arpo.service.grants import GrantBook, GrantConfig, GrantServer
+    from arpo.service.ingest import Ingest
     from arpo.transport import TransportConfig
 
     store = ReplayStore(max_bytes=8 << 30, fresh_capacity=100_000, seed=0)

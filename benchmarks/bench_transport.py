@@ -75,7 +75,7 @@ def workload(n: int) -> list[Trajectory]:
 
 def _learner(q: mp.Queue, done: mp.Event, n: int, journal: str) -> None:
     from arpo.buffer import ReplayStore
-    from arpo.learner.ingest import Ingest, IngestConfig
+    from arpo.service.ingest import Ingest, IngestConfig
     from arpo.transport import TransportConfig
 
     store = ReplayStore(max_bytes=8 << 30, fresh_capacity=n + 1, seed=0)

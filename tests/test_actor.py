@@ -26,10 +26,10 @@ from arpo.actor.config import ActorConfig
 from arpo.actor.episode import EpisodeConfig
 from arpo.actor.scripted import ByteTokenizer, oracle_to_actions
 from arpo.buffer import ReplayStore
-from arpo.learner.grants import GrantBook, GrantConfig, GrantServer
-from arpo.learner.ingest import Ingest, IngestConfig
 from arpo.policy import actions as A
 from arpo.record import Status, Trajectory
+from arpo.service.grants import GrantBook, GrantConfig, GrantServer
+from arpo.service.ingest import Ingest, IngestConfig
 from arpo.transport import TransportConfig
 
 FAMILIES = ["click_button", "click_sequence", "type_submit", "menu_pick", "dialog_confirm",

@@ -23,10 +23,10 @@ from test_actor import Learner, async_wait_for, sim_tasks
 from arpo.actor.actor import Actor
 from arpo.actor.config import ActorConfig
 from arpo.actor.episode import EpisodeConfig
-from arpo.learner.grants import GrantConfig
 from arpo.policy.engine import EngineConfig
 from arpo.policy.tiny import build_tiny_model
 from arpo.record import Status
+from arpo.service.grants import GrantConfig
 
 
 def _state_dict_stream(folder: Path) -> bytes:

@@ -20,7 +20,7 @@ from arpo.actor.actor import Actor
 from arpo.actor.config import ActorConfig, ActorRunnerConfig
 from arpo.config import load_config
 from arpo.errors import ConfigError
-from arpo.learner.grants import GrantConfig
+from arpo.service.grants import GrantConfig
 
 pytestmark = needs_evaluator
 

@@ -39,8 +39,8 @@ from arpo.learner.checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
-from arpo.learner.ingest import Ingest, IngestConfig, list_segments
 from arpo.policy.tiny import build_tiny_model
+from arpo.service.ingest import Ingest, IngestConfig, list_segments
 from arpo.transport import TransportConfig, connect_dealer
 
 TIMEOUT_S = 60.0

@@ -2,7 +2,7 @@
 GRPO groups with the replay of successes -> a store snapshot that restores.
 
 Every piece is the one `arpo train` runs: `arpo.transport.ActorLink` on the actor side,
-`arpo.learner.ingest.Ingest` (a `RouterServer`) on the learner side, `ReplayStore`, and
+`arpo.service.ingest.Ingest` (a `RouterServer`) on the learner side, `ReplayStore`, and
 `GroupAssembler` with the reference replay rule. Several actors send at once; each owns its
 tasks, so a task's episodes arrive in order and every group is one iteration's episodes.
 """
@@ -20,8 +20,8 @@ from conftest import make_trajectory
 from arpo import wire
 from arpo.buffer import ReplayStore
 from arpo.learner.assemble import AssembleConfig, GroupAssembler
-from arpo.learner.ingest import Ingest, IngestConfig
 from arpo.record import Trajectory
+from arpo.service.ingest import Ingest, IngestConfig
 from arpo.transport import ActorLink, TransportConfig
 
 G = 4

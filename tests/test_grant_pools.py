@@ -26,9 +26,9 @@ from arpo_envs.sim.tasks import generate_tasks
 from arpo import wire
 from arpo.buffer import ReplayStore
 from arpo.env.task import task_pool
-from arpo.learner.grants import GrantBook, GrantConfig, GrantServer
-from arpo.learner.ingest import Ingest, IngestConfig
 from arpo.record import Status
+from arpo.service.grants import GrantBook, GrantConfig, GrantServer
+from arpo.service.ingest import Ingest, IngestConfig
 from arpo.transport import TransportConfig
 
 

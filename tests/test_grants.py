@@ -8,8 +8,8 @@ import json
 import pytest
 
 from arpo import wire
-from arpo.learner.grants import GrantBook, GrantConfig, GrantServer
 from arpo.record import Status, Trajectory
+from arpo.service.grants import GrantBook, GrantConfig, GrantServer
 from arpo.transport import ActorLink, TransportConfig
 
 TASKS = [{"id": f"t{i}", "instruction": f"task {i}", "evaluator": {"func": "x"}} for i in range(3)]
@@ -209,7 +209,7 @@ def test_admission_is_global_across_pools() -> None:
 
 def test_a_pool_without_tasks_gets_nothing_and_one_warning(caplog) -> None:
     book = GrantBook(SIM, GrantConfig(group_size=2))
-    with caplog.at_level("WARNING", logger="arpo.learner.grants"):
+    with caplog.at_level("WARNING", logger="arpo.service.grants"):
         assert book.request("a", 1, pool="desktop") == []
         assert book.request("b", 3, pool="desktop") == []
     (rec,) = caplog.records

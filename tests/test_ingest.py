@@ -13,8 +13,8 @@ from conftest import make_trajectory
 
 from arpo import wire
 from arpo.buffer import ReplayStore
-from arpo.learner.ingest import Ingest, IngestConfig
 from arpo.record import Status, Trajectory
+from arpo.service.ingest import Ingest, IngestConfig
 from arpo.transport import TransportConfig, connect_dealer
 
 TIMEOUT_MS = 30_000
@@ -154,7 +154,7 @@ def test_frames_above_the_socket_limit_drop_the_peer_not_the_learner(
 
 
 def test_seen_ids_are_bounded(tmp_path: Path) -> None:
-    from arpo.learner.ingest import SeenIds
+    from arpo.service.ingest import SeenIds
 
     seen = SeenIds(3, tmp_path / "ids", fsync_every=2)
     for i in range(10):

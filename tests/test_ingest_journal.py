@@ -28,7 +28,8 @@ from arpo import wire
 from arpo.buffer import ReplayStore
 from arpo.config import validate
 from arpo.errors import ConfigError
-from arpo.learner.ingest import (
+from arpo.record import Status, Trajectory
+from arpo.service.ingest import (
     Ingest,
     IngestConfig,
     Journal,
@@ -37,7 +38,6 @@ from arpo.learner.ingest import (
     replay_journal,
     segment_path,
 )
-from arpo.record import Status, Trajectory
 from arpo.transport import TransportConfig, connect_dealer
 
 TIMEOUT_S = 30.0
@@ -97,7 +97,7 @@ _LEARNER = textwrap.dedent(
     """
     import os, sys, time, pathlib
     from arpo.buffer import ReplayStore
-    from arpo.learner.ingest import Ingest, IngestConfig
+    from arpo.service.ingest import Ingest, IngestConfig
     from arpo.transport import TransportConfig
 
     work = pathlib.Path(sys.argv[1])
@@ -354,7 +354,7 @@ _FULL_DISK = textwrap.dedent(
     from conftest import make_png, make_trajectory
     from arpo import wire
     from arpo.buffer import ReplayStore
-    from arpo.learner.ingest import Ingest, IngestConfig
+    from arpo.service.ingest import Ingest, IngestConfig
     from arpo.transport import TransportConfig, connect_dealer
     import zmq
 

@@ -23,9 +23,9 @@ from arpo.learner.assemble import AssembleConfig  # noqa: E402
 from arpo.learner.checkpoint import CheckpointConfig, list_checkpoints  # noqa: E402
 from arpo.learner.learner import Learner, LearnerConfig  # noqa: E402
 from arpo.learner.metrics import MetricsConfig, read_metrics  # noqa: E402
-from arpo.learner.synthetic import random_response, screenshot_png, synthetic_trajectory  # noqa: E402
 from arpo.learner.trainer import TrainerConfig  # noqa: E402
 from arpo.policy.tiny import build_tiny_model  # noqa: E402
+from arpo.synthetic import random_response, screenshot_png, synthetic_trajectory  # noqa: E402
 from arpo.transport import TransportConfig  # noqa: E402
 
 
@@ -257,7 +257,7 @@ def test_config_errors_name_the_field(tmp_path, tiny_dir, sim_tasks_file):
     with pytest.raises(ConfigError, match="tasks"):
         Learner(LearnerConfig(trainer=TrainerConfig(model=str(tiny_dir))))
     with pytest.raises(ConfigError, match=r"grants\.group_size"):
-        from arpo.learner.grants import GrantConfig
+        from arpo.service.grants import GrantConfig
 
         Learner(config(tmp_path, tiny_dir, sim_tasks_file, grants=GrantConfig(group_size=3)))
     with pytest.raises(ConfigError, match=r"grants\.temperature.*trainer\.temperature"):

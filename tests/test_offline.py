@@ -15,7 +15,6 @@ from transformers import AutoProcessor
 from arpo.cli import main as cli_main
 from arpo.config import load_config
 from arpo.errors import ArpoError, ConfigError
-from arpo.learner.synthetic import random_response, screenshot_png, synthetic_trajectory
 from arpo.offline.data import (
     dpo_pairs,
     read_trajectories,
@@ -25,6 +24,7 @@ from arpo.offline.data import (
 from arpo.offline.offline import OfflineConfig, OfflineTrainer
 from arpo.policy.tiny import build_tiny_model
 from arpo.record import Status, Trajectory
+from arpo.synthetic import random_response, screenshot_png, synthetic_trajectory
 
 LR = 1e-4  # the tiny random model needs a large rate to move measurably in one step
 

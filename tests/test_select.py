@@ -17,8 +17,7 @@ from arpo import cli, wire
 from arpo.buffer import ReplayStore
 from arpo.config import load_config, validate
 from arpo.errors import ArpoError, ConfigError, TaskError
-from arpo.learner.grants import GrantBook, GrantConfig, GrantServer
-from arpo.learner.select import (
+from arpo.pool.select import (
     SelectConfig,
     SelectionTally,
     format_table,
@@ -27,6 +26,7 @@ from arpo.learner.select import (
     run_selection,
 )
 from arpo.record import Status, Trajectory
+from arpo.service.grants import GrantBook, GrantConfig, GrantServer
 from arpo.transport import TransportConfig
 
 FAMILIES = POOL_FAMILIES

@@ -47,11 +47,11 @@ from arpo.actor.spool import LEDGER
 from arpo.buffer import ReplayStore
 from arpo.config import load_config
 from arpo.learner.checkpoint import load_checkpoint
-from arpo.learner.ingest import list_segments, read_segment, segment_path
 from arpo.learner.learner import LearnerConfig
 from arpo.learner.metrics import read_metrics
-from arpo.learner.synthetic import random_response, screenshot_png, synthetic_trajectory
 from arpo.policy.tiny import build_tiny_model
+from arpo.service.ingest import list_segments, read_segment, segment_path
+from arpo.synthetic import random_response, screenshot_png, synthetic_trajectory
 from arpo.train import TrainRun
 from arpo.transport import connect_dealer
 

@@ -20,18 +20,18 @@ from arpo.learner.assemble import AssembleConfig, GroupAssembler, Sample  # noqa
 from arpo.learner.batch import build_sequence, response_positions  # noqa: E402
 from arpo.learner.groups import advantages  # noqa: E402
 from arpo.learner.loss import LossConfig, arpo_loss  # noqa: E402
-from arpo.learner.synthetic import (  # noqa: E402
-    random_response,
-    screenshot_png,
-    synthetic_trajectory,
-    with_logprobs,
-)
 from arpo.learner.trainer import Trainer, TrainerConfig  # noqa: E402
 from arpo.policy.engine import EngineConfig, SamplingParams  # noqa: E402
 from arpo.policy.engines import make_engine  # noqa: E402
 from arpo.policy.prompt import EpisodePrompt  # noqa: E402
 from arpo.policy.tiny import build_tiny_model  # noqa: E402
 from arpo.record import Trajectory, Turn  # noqa: E402
+from arpo.synthetic import (  # noqa: E402
+    random_response,
+    screenshot_png,
+    synthetic_trajectory,
+    with_logprobs,
+)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from arpo import wire
 from arpo.buffer import ReplayStore
 from arpo.config import load_config
 from arpo.errors import ConfigError
-from arpo.learner.ingest import Ingest
+from arpo.service.ingest import Ingest
 from arpo.transport import (
     ActorLink,
     RouterServer,

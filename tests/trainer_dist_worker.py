@@ -23,13 +23,13 @@ from arpo.learner.assemble import Sample
 from arpo.learner.batch import build_sequence
 from arpo.learner.distributed import DistConfig, init_distributed, shutdown
 from arpo.learner.groups import advantages
-from arpo.learner.synthetic import (
+from arpo.learner.trainer import Trainer, TrainerConfig
+from arpo.synthetic import (
     random_response,
     screenshot_png,
     synthetic_trajectory,
     with_logprobs,
 )
-from arpo.learner.trainer import Trainer, TrainerConfig
 
 REWARDS = [1.0, 0.0, 0.0, 0.0, 0.0, 1.0]
 

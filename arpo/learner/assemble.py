@@ -5,7 +5,7 @@
 
 A group is the `group_size` oldest fresh trajectories of one task in the store
 (`ReplayStore.take_group`, all or nothing). Actors fill groups through task grants
-(`arpo.learner.grants`), so these are normally one grant's episodes; when more groups
+(`arpo.service.grants`), so these are normally one grant's episodes; when more groups
 of a task are in flight than one, a group may mix episodes of two grants of the same
 task (same task, policy versions within the staleness bound), which GRPO treats the
 same way.

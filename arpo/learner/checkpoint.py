@@ -42,7 +42,7 @@ to its final name and `<dir>` fsynced. Then the oldest complete checkpoints beyo
 process is gone). A crash at any point leaves the previous checkpoints as they were.
 
 With `ingest`, the store snapshot is taken with the ingest paused right after it rotates
-its journal (`arpo.learner.ingest`): the snapshot holds exactly the journal segments
+its journal (`arpo.service.ingest`): the snapshot holds exactly the journal segments
 below `journal_segment`, and segments below the oldest kept checkpoint's are pruned
 after the save, so any kept checkpoint can still be resumed from (with its journal).
 The pause lasts as long as the snapshot (about 0.2 s for a 200 MB store on the project
@@ -77,7 +77,7 @@ from arpo.errors import SnapshotError
 from arpo.files import fsync_dir as _fsync_dir
 
 if TYPE_CHECKING:
-    from arpo.learner.ingest import Ingest
+    from arpo.service.ingest import Ingest
 
 log = logging.getLogger("arpo.learner.checkpoint")
 

@@ -76,12 +76,12 @@ from arpo.learner.checkpoint import (
     save_checkpoint,
 )
 from arpo.learner.distributed import DistConfig
-from arpo.learner.grants import GrantBook, GrantConfig, GrantServer
 from arpo.learner.groups import ReplayConfig
-from arpo.learner.ingest import Ingest, IngestConfig
 from arpo.learner.metrics import MetricsConfig, MetricsLogger, ProgressLine, Spans, TaskStats
 from arpo.learner.trainer import Trainer, TrainerConfig
 from arpo.record import Status
+from arpo.service.grants import GrantBook, GrantConfig, GrantServer
+from arpo.service.ingest import Ingest, IngestConfig
 from arpo.transport import TransportConfig
 
 log = logging.getLogger("arpo.learner")
@@ -203,7 +203,7 @@ def prefill_replay(store: Any, path: str, tasks: set[str], replay: ReplayConfig)
     train (other sampling settings, a bad record) is evicted at its first pick, as any.
     Raises `ConfigError` naming the field when `path` holds no collection.
     """
-    from arpo.learner.collect import read_collection
+    from arpo.pool.collect import read_collection
 
     counts: collections.Counter[str] = collections.Counter()
     kept: collections.Counter[str] = collections.Counter()
@@ -258,7 +258,7 @@ class Learner:
     # ---- set-up ------------------------------------------------------------------------
 
     def _tasks(self) -> list[dict[str, Any]]:
-        from arpo.learner.select import load_selection, load_task_pool
+        from arpo.pool.select import load_selection, load_task_pool
 
         cfg = self.config
         tasks = load_task_pool(cfg.tasks)

@@ -5,10 +5,10 @@
     split = split_outcomes(trajs, success_score=1.0)
     pairs, report = dpo_pairs(split, mode="all", max_pairs_per_task=16, seed=0)
 
-On disk a folder holds journal segments (`journal-<n>.log`, `arpo.learner.ingest.Journal`),
+On disk a folder holds journal segments (`journal-<n>.log`, `arpo.service.ingest.Journal`),
 each record one trajectory's wire frames (`arpo.wire.encode`): the format the learner's
 ingest journal and `arpo collect` write, so one reader
-(`arpo.learner.collect.read_collection`) serves demonstrations and collections; it
+(`arpo.pool.collect.read_collection`) serves demonstrations and collections; it
 skips, counts and logs torn or corrupt records.
 
 Outcomes: only `ok` trajectories count (environment and checker failures say nothing
@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from arpo import wire
-from arpo.learner.ingest import Journal
 from arpo.record import Status, Trajectory
+from arpo.service.ingest import Journal
 
 log = logging.getLogger("arpo.offline.data")
 
@@ -46,9 +46,9 @@ def write_trajectories(folder: str | Path, trajs: Iterable[Trajectory]) -> int:
 
 def read_trajectories(folder: str | Path) -> Iterator[Trajectory]:
     """The trajectories of a demonstration or collection folder, in the order stored
-    (`arpo.learner.collect.read_collection`: the folder's segments, or those of its
+    (`arpo.pool.collect.read_collection`: the folder's segments, or those of its
     trajectories/ sub-folder)."""
-    from arpo.learner.collect import read_collection
+    from arpo.pool.collect import read_collection
 
     return read_collection(folder)
 

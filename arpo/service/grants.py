@@ -66,7 +66,7 @@ from arpo.errors import TaskError, WireError
 from arpo.record import Status, Trajectory, ident_problem
 from arpo.transport import RouterServer, TransportConfig, WeightsServer
 
-log = logging.getLogger("arpo.learner.grants")
+log = logging.getLogger("arpo.service.grants")
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Collection: a policy run N times on every task of a set, every trajectory kept on disk.
 
 The data of offline methods (rejection sampling, DPO/KTO pairs) and of analysis. The
-episodes go through the real rollout path (`arpo.learner.rollouts.run_pool`), with the
+episodes go through the real rollout path (`arpo.pool.rollouts.run_pool`), with the
 rollout sampling (DESIGN: temperature 1.0, top_p 1.0):
 
     arpo collect model=runs/tiny tasks=runs/task_pool runs_per_task=8 out=runs/collect-base \\
@@ -18,7 +18,7 @@ The local actor (on by default) gets `engine.model`, `episode.temperature` and
 Layout of `<out>/`:
 
 - `trajectories/journal-<n:08d>.log`: the ingest's write-ahead journal
-  (`arpo.learner.ingest`), one record per stored trajectory: the wire-encoded message
+  (`arpo.service.ingest`), one record per stored trajectory: the wire-encoded message
   (`arpo.wire`, the frames it arrived in) framed as
   `b"ARJ1", n_frames u32, payload u64 | frame lengths u64 | frames | crc32`. Only `ok`
   episodes are stored, each once (a resend of the same trajectory id, or a surplus
@@ -59,8 +59,7 @@ from arpo import wire
 from arpo.config import fail, option
 from arpo.errors import ArpoError, ConfigError, WireError
 from arpo.files import write_json_atomic
-from arpo.learner.ingest import IngestConfig, list_segments, read_segment, segment_path
-from arpo.learner.rollouts import (
+from arpo.pool.rollouts import (
     PolicyPoolConfig,
     counts_table,
     load_pool,
@@ -70,8 +69,9 @@ from arpo.learner.rollouts import (
     with_overrides,
 )
 from arpo.record import Trajectory
+from arpo.service.ingest import IngestConfig, list_segments, read_segment, segment_path
 
-log = logging.getLogger("arpo.learner.collect")
+log = logging.getLogger("arpo.pool.collect")
 
 TRAJECTORIES = "trajectories"
 OUTCOMES = "outcomes.json"

@@ -14,7 +14,7 @@ and writes the result:
     result = run_selection(load_config(SelectConfig, None, ["tasks=runs/task_pool"]))
     selected = load_selection("runs/selection.json")    # the learner's task list
 
-How it runs (`arpo.learner.rollouts.run_pool`, shared with `arpo eval` and `arpo collect`):
+How it runs (`arpo.pool.rollouts.run_pool`, shared with `arpo eval` and `arpo collect`):
 
 - The grant book opens exactly one group of `runs_per_task` slots per task
   (`groups_per_step` = the number of tasks, `max_staleness` 0, the policy version never
@@ -55,8 +55,7 @@ from typing import Any
 from arpo.config import fail, option
 from arpo.errors import ArpoError, ConfigError
 from arpo.files import write_json_atomic
-from arpo.learner.ingest import IngestConfig, list_segments
-from arpo.learner.rollouts import (
+from arpo.pool.rollouts import (
     PoolConfig,
     PoolTally,
     counts_table,
@@ -64,6 +63,7 @@ from arpo.learner.rollouts import (
     run_command,
     run_pool,
 )
+from arpo.service.ingest import IngestConfig, list_segments
 
 __all__ = [
     "SelectConfig",
@@ -75,10 +75,10 @@ __all__ = [
     "run_selection",
 ]
 
-log = logging.getLogger("arpo.learner.select")
+log = logging.getLogger("arpo.pool.select")
 
 SelectionTally = PoolTally
-"""Outcome counts per task (`arpo.learner.rollouts.PoolTally`)."""
+"""Outcome counts per task (`arpo.pool.rollouts.PoolTally`)."""
 
 
 @dataclass

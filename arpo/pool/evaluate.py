@@ -1,6 +1,6 @@
 """Evaluation: a policy run N times on every task of a set, success rates by task and domain.
 
-The episodes go through the real rollout path (`arpo.learner.rollouts.run_pool`: the same
+The episodes go through the real rollout path (`arpo.pool.rollouts.run_pool`: the same
 grant server, ingest, `arpo-actor` processes, environments and policy engine as
 training), with the evaluation sampling (DESIGN: temperature 0.6, top_p 1.0):
 
@@ -53,7 +53,7 @@ from typing import Any
 from arpo.config import option
 from arpo.errors import ArpoError
 from arpo.files import write_atomic, write_json_atomic
-from arpo.learner.rollouts import (
+from arpo.pool.rollouts import (
     EpisodeOutcome,
     PolicyPoolConfig,
     PolicySource,
@@ -65,7 +65,7 @@ from arpo.learner.rollouts import (
     with_overrides,
 )
 
-log = logging.getLogger("arpo.learner.evaluate")
+log = logging.getLogger("arpo.pool.evaluate")
 
 
 @dataclass

@@ -52,12 +52,12 @@ from arpo.config import fail, option
 from arpo.env.task import Task
 from arpo.errors import ArpoError, ConfigError, SnapshotError, TaskError
 from arpo.learner.checkpoint import MANIFEST, latest_checkpoint, verify_checkpoint
-from arpo.learner.grants import GrantBook, GrantConfig, GrantServer
-from arpo.learner.ingest import Ingest, IngestConfig
 from arpo.record import Status, Trajectory
+from arpo.service.grants import GrantBook, GrantConfig, GrantServer
+from arpo.service.ingest import Ingest, IngestConfig
 from arpo.transport import TransportConfig
 
-log = logging.getLogger("arpo.learner.rollouts")
+log = logging.getLogger("arpo.pool.rollouts")
 
 
 @dataclass

@@ -90,7 +90,7 @@ from arpo.files import fsync_dir
 from arpo.record import Status, Trajectory
 from arpo.transport import RouterServer, TransportConfig
 
-log = logging.getLogger("arpo.learner.ingest")
+log = logging.getLogger("arpo.service.ingest")
 
 
 @dataclass

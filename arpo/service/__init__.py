@@ -1,0 +1,9 @@
+"""The learner host's network services, used by the training loop and by the pool runs.
+
+- `ingest`: the receiving end of the data link: trajectories in, journaled, stored,
+  acknowledged; the journal format and its readers;
+- `grants`: the server of the control link: task grants (which episode each actor runs
+  next, staleness admission), weights and heartbeats.
+
+Used by `arpo.learner` and `arpo.pool`; imports neither.
+"""
