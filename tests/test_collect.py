@@ -16,9 +16,9 @@ from conftest import POOL_FAMILIES, SCRIPTED_ACTOR, ListStore, loopback
 from arpo import cli, wire
 from arpo.config import load_config, validate
 from arpo.errors import ArpoError, ConfigError
-from arpo.pool.collect import CollectConfig, load_outcomes, read_collection, run_collect
+from arpo.pool.collect import CollectConfig, load_outcomes, run_collect
 from arpo.record import Trajectory
-from arpo.service.ingest import list_segments, segment_path
+from arpo.service.ingest import list_segments, read_collection, segment_path
 
 FAMILIES = POOL_FAMILIES
 LOOPBACK = loopback()

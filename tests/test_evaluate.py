@@ -18,12 +18,12 @@ from conftest import POOL_FAMILIES, SCRIPTED_ACTOR, ListStore, loopback
 
 from arpo import cli, wire
 from arpo.config import load_config, validate
+from arpo.env.task import load_pool, task_domain
 from arpo.errors import ArpoError, ConfigError
 from arpo.learner.batch import build_sequence, collate, token_logprobs
 from arpo.learner.checkpoint import save_checkpoint
 from arpo.policy.tiny import build_tiny_model
 from arpo.pool.evaluate import EvalConfig, run_eval
-from arpo.pool.rollouts import load_pool, task_domain
 from arpo.record import Status
 
 FAMILIES = POOL_FAMILIES

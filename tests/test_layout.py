@@ -103,3 +103,36 @@ def test_no_import_circles_among_project_modules() -> None:
         "modules that import each other (directly or around a circle); move what they share "
         f"into a module below them or the factory into one above: {found}"
     )
+
+
+# (importer, imported, allowed, why): no module of the package `importer` imports a module of
+# the package `imported`, except the modules in `allowed`.
+ONE_WAY = [
+    ("arpo.service", "arpo.learner", (), "the services serve the learner and the pool runs"),
+    ("arpo.service", "arpo.pool", (), "the services serve the learner and the pool runs"),
+    ("arpo.learner", "arpo.pool", (), "training reads task pools, selections and collections "
+     "through arpo.env.task and arpo.service.ingest, not through the runs that write them"),
+    ("arpo.pool", "arpo.learner", ("arpo.learner.checkpoint",),
+     "a pool run reads the checkpoints it evaluates, and nothing of training"),
+]  # fmt: skip
+
+
+def _inside(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def test_the_services_the_learner_and_the_pool_runs_import_one_way() -> None:
+    g = import_graph()
+    # the rules see what they are about
+    assert {"arpo.service.grants", "arpo.service.ingest"} <= g["arpo.learner.learner"]
+    assert {"arpo.service.grants", "arpo.service.ingest"} <= g["arpo.pool.rollouts"]
+    assert "arpo.learner.checkpoint" in g["arpo.pool.rollouts"]
+    broken = [
+        f"{mod} imports {dep} ({why})"
+        for importer, imported, allowed, why in ONE_WAY
+        for mod, deps in sorted(g.items())
+        if _inside(mod, importer)
+        for dep in sorted(deps)
+        if _inside(dep, imported) and dep not in allowed
+    ]
+    assert not broken, broken

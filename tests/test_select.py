@@ -16,13 +16,12 @@ from conftest import POOL_FAMILIES, loopback
 from arpo import cli, wire
 from arpo.buffer import ReplayStore
 from arpo.config import load_config, validate
+from arpo.env.task import load_selection, load_task_pool
 from arpo.errors import ArpoError, ConfigError, TaskError
 from arpo.pool.select import (
     SelectConfig,
     SelectionTally,
     format_table,
-    load_selection,
-    load_task_pool,
     run_selection,
 )
 from arpo.record import Status, Trajectory

@@ -8,6 +8,8 @@ does not know are kept in `extra` rather than rejected, because the benchmark gr
 
     tasks = load_tasks("shared/osworld/evaluation_examples")          # all files, by domain
     tasks = load_task_set("shared/osworld/evaluation_examples", "test_all.json")  # index order
+    pool = load_pool("runs/task_pool")      # a folder / .json / .jsonl of task dicts, with domains
+    keep = load_selection("runs/selection.json")      # the ids `arpo select-tasks` kept
     task_pool(task_dict)   # "sim", "desktop" or the task's own "pool": where it can run
 
 JSON values inside steps, getters and options are kept as parsed (dicts and lists): treat them
@@ -22,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from arpo.errors import TaskError
+from arpo.errors import ConfigError, TaskError
 
 _KNOWN_TASK_KEYS = frozenset(
     {
@@ -295,6 +297,152 @@ def load_task_set(root: str | Path, index: str = "test_all.json") -> list[Task]:
                 )
             tasks.append(load_task(f, domain))
     return tasks
+
+
+# ---------------------------------------------------------------------------- task pools
+# The task set of a run (`arpo train`, `arpo-learner`, the pool runs of `arpo.pool`).
+
+
+@dataclass(frozen=True)
+class PoolTask:
+    """One task of a pool: the task dict as read, where it came from, and its domain."""
+
+    task: dict[str, Any]
+    source: str
+    """The file (and line, for .jsonl) the task was read from."""
+    domain: str
+
+
+def _task_dicts(raw: Any, where: str) -> list[dict[str, Any]]:
+    if isinstance(raw, dict) and isinstance(raw.get("tasks"), list):
+        raw = raw["tasks"]
+    if isinstance(raw, dict):
+        raw = [raw]
+    if not isinstance(raw, list):
+        raise TaskError(f"{where}: expected a task object or a list of tasks")
+    return raw
+
+
+def task_domain(task: Mapping[str, Any], folder: str = "") -> str:
+    """The domain of a task: its "domain" field, else `folder`, else its id's prefix."""
+    d = task.get("domain")
+    if isinstance(d, str) and d:
+        return d
+    if folder:
+        return folder
+    tid = str(task.get("id", ""))
+    return tid.split("-", 1)[0] if "-" in tid and tid.split("-", 1)[0] else "unknown"
+
+
+def _absolute_files(task: dict[str, Any], folder: Path) -> dict[str, Any]:
+    """The task with its `upload_file` steps' relative `local_path`s that exist beside the
+    task file made absolute: a grant carries only the task's JSON, so an actor (on this
+    filesystem) could not find files named relative to the task file's folder."""
+    import copy
+
+    out = copy.deepcopy(task)
+    steps = list(out.get("config") or [])
+    ev = out.get("evaluator")
+    if isinstance(ev, dict):
+        steps += list(ev.get("postconfig") or [])
+    for step in steps:
+        if not isinstance(step, dict) or step.get("type") != "upload_file":
+            continue
+        for f in (step.get("parameters") or {}).get("files") or []:
+            local = f.get("local_path") if isinstance(f, dict) else None
+            if isinstance(local, str) and local and not Path(local).is_absolute():
+                beside = folder / local
+                if not Path(local).is_file() and beside.is_file():
+                    f["local_path"] = str(beside.resolve())
+    return out
+
+
+def load_pool(path: str | Path) -> list[PoolTask]:
+    """The tasks of a pool, each checked as an OSWorld task.
+
+    A pool is a folder searched recursively for task JSON files (other JSON files there,
+    such as index files, are skipped), a .json file with a task or a list of tasks, or a
+    .jsonl file with one task per line. A task's domain is its "domain" field if it has
+    one, else the name of the folder its file is in when the pool is a folder (OSWorld's
+    `examples/<domain>/<id>.json` and the simulated tasks' `<family>/<id>.json`), else the
+    task id's part before the first '-', else "unknown".
+
+    Raises `TaskError` naming the file for a malformed task or a task id given twice.
+    """
+    p = Path(path)
+    found: list[tuple[dict[str, Any], str, str]] = []  # task, where, folder
+    if p.is_dir():
+        for f in sorted(p.rglob("*.json")):
+            try:
+                raw = json.loads(f.read_text(encoding="utf-8"))
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise TaskError(f"{f}: cannot read a task file: {e}") from None
+            # A task has an id and an evaluator; index files and the like are skipped.
+            if isinstance(raw, dict) and "id" in raw and "evaluator" in raw:
+                found.append((_absolute_files(raw, f.parent), str(f), f.parent.name))
+    elif p.is_file():
+        try:
+            text = p.read_text(encoding="utf-8")
+            if p.suffix == ".jsonl":
+                found = [
+                    (json.loads(line), f"{p}:{i + 1}", "")
+                    for i, line in enumerate(text.splitlines())
+                    if line.strip()
+                ]
+            else:
+                found = [(t, str(p), "") for t in _task_dicts(json.loads(text), str(p))]
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise TaskError(f"{p}: cannot read the task list: {e}") from None
+    else:
+        raise TaskError(f"{p}: no such task folder or file")
+    pool: list[PoolTask] = []
+    where_of: dict[str, str] = {}
+    for raw, where, folder in found:
+        task = Task.from_dict(raw, path=where)  # TaskError names the file
+        if task.id in where_of:
+            raise TaskError(f"{where}: task id {task.id} is also in {where_of[task.id]}")
+        where_of[task.id] = where
+        pool.append(PoolTask(raw, where, task_domain(raw, folder)))
+    if not pool:
+        raise TaskError(f"{p}: holds no tasks (JSON objects with 'id' and 'evaluator')")
+    return pool
+
+
+def load_task_pool(path: str | Path) -> list[dict[str, Any]]:
+    """The task dicts of a pool (`load_pool` without sources and domains)."""
+    return [p.task for p in load_pool(path)]
+
+
+def load_selection(path: str | Path) -> list[str]:
+    """The selected task ids of a result of `arpo select-tasks` (`arpo.pool.select`).
+
+    Raises `ConfigError` naming the file when it is missing, not JSON, not a selection
+    result, or from a run that did not finish.
+    """
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(
+            f"task selection file {str(p)!r} does not exist (run `arpo select-tasks` first)"
+        ) from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"task selection file {str(p)!r} is not readable JSON: {e}") from None
+    sel = data.get("selected") if isinstance(data, dict) else None
+    if not isinstance(sel, list) or not all(isinstance(t, str) and t for t in sel):
+        raise ConfigError(
+            f"task selection file {str(p)!r} has no 'selected' list of task ids "
+            "(is it the output of `arpo select-tasks`?)"
+        )
+    if data.get("complete") is False:
+        raise ConfigError(
+            f"task selection file {str(p)!r} is from a run that did not finish "
+            "(complete: false); run `arpo select-tasks` again"
+        )
+    return list(sel)
+
+
+# ---------------------------------------------------------------------------- where a task runs
 
 
 SIM_SNAPSHOT = "arpo-sim"

@@ -62,6 +62,7 @@ import numpy as np
 
 from arpo import wire
 from arpo.config import fail, option, validate
+from arpo.env.task import load_selection, load_task_pool
 from arpo.errors import ArpoError, ConfigError
 from arpo.files import write_atomic
 from arpo.learner import distributed as D
@@ -81,7 +82,7 @@ from arpo.learner.metrics import MetricsConfig, MetricsLogger, ProgressLine, Spa
 from arpo.learner.trainer import Trainer, TrainerConfig
 from arpo.record import Status
 from arpo.service.grants import GrantBook, GrantConfig, GrantServer
-from arpo.service.ingest import Ingest, IngestConfig
+from arpo.service.ingest import Ingest, IngestConfig, read_collection
 from arpo.transport import TransportConfig
 
 log = logging.getLogger("arpo.learner")
@@ -203,8 +204,6 @@ def prefill_replay(store: Any, path: str, tasks: set[str], replay: ReplayConfig)
     train (other sampling settings, a bad record) is evicted at its first pick, as any.
     Raises `ConfigError` naming the field when `path` holds no collection.
     """
-    from arpo.pool.collect import read_collection
-
     counts: collections.Counter[str] = collections.Counter()
     kept: collections.Counter[str] = collections.Counter()
     try:
@@ -258,8 +257,6 @@ class Learner:
     # ---- set-up ------------------------------------------------------------------------
 
     def _tasks(self) -> list[dict[str, Any]]:
-        from arpo.pool.select import load_selection, load_task_pool
-
         cfg = self.config
         tasks = load_task_pool(cfg.tasks)
         if cfg.selection:

@@ -8,7 +8,7 @@
 On disk a folder holds journal segments (`journal-<n>.log`, `arpo.service.ingest.Journal`),
 each record one trajectory's wire frames (`arpo.wire.encode`): the format the learner's
 ingest journal and `arpo collect` write, so one reader
-(`arpo.pool.collect.read_collection`) serves demonstrations and collections; it
+(`arpo.service.ingest.read_collection`) serves demonstrations and collections; it
 skips, counts and logs torn or corrupt records.
 
 Outcomes: only `ok` trajectories count (environment and checker failures say nothing
@@ -26,7 +26,7 @@ from pathlib import Path
 
 from arpo import wire
 from arpo.record import Status, Trajectory
-from arpo.service.ingest import Journal
+from arpo.service.ingest import Journal, read_collection
 
 log = logging.getLogger("arpo.offline.data")
 
@@ -46,10 +46,8 @@ def write_trajectories(folder: str | Path, trajs: Iterable[Trajectory]) -> int:
 
 def read_trajectories(folder: str | Path) -> Iterator[Trajectory]:
     """The trajectories of a demonstration or collection folder, in the order stored
-    (`arpo.pool.collect.read_collection`: the folder's segments, or those of its
+    (`arpo.service.ingest.read_collection`: the folder's segments, or those of its
     trajectories/ sub-folder)."""
-    from arpo.pool.collect import read_collection
-
     return read_collection(folder)
 
 

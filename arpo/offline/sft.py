@@ -115,7 +115,7 @@ class SFTConfig:
 def task_pool(cfg: SFTConfig) -> list[dict[str, Any]]:
     """The tasks: the pool at `tasks`, else `per_family` generated tasks of each family."""
     if cfg.tasks:
-        from arpo.pool.select import load_task_pool
+        from arpo.env.task import load_task_pool
 
         return load_task_pool(cfg.tasks)
     from arpo.offline.demos import sim_task_pool

@@ -8,7 +8,7 @@ rollout sampling (DESIGN: temperature 1.0, top_p 1.0):
         'local_actor_args=["sim_envs=4"]'
     arpo collect model=runs/learner/checkpoints tasks=...    # the newest valid checkpoint
 
-    for traj in read_collection("runs/collect-base"):        # arpo.record.Trajectory
+    for traj in read_collection("runs/collect-base"):  # arpo.service.ingest: Trajectory records
         ...
     outcomes = load_outcomes("runs/collect-base")
 
@@ -46,34 +46,30 @@ stored until then stay readable.
 
 from __future__ import annotations
 
-import collections
 import datetime
 import json
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from arpo import wire
 from arpo.config import fail, option
-from arpo.errors import ArpoError, ConfigError, WireError
+from arpo.env.task import load_pool
+from arpo.errors import ArpoError, ConfigError
 from arpo.files import write_json_atomic
 from arpo.pool.rollouts import (
     PolicyPoolConfig,
     counts_table,
-    load_pool,
     resolve_policy,
     run_command,
     run_pool,
     with_overrides,
 )
-from arpo.record import Trajectory
-from arpo.service.ingest import IngestConfig, list_segments, read_segment, segment_path
+from arpo.service.ingest import TRAJECTORIES, IngestConfig, list_segments, segment_path
 
 log = logging.getLogger("arpo.pool.collect")
 
-TRAJECTORIES = "trajectories"
 OUTCOMES = "outcomes.json"
 
 
@@ -101,38 +97,6 @@ class CollectConfig(PolicyPoolConfig):
 
 
 # ---------------------------------------------------------------------------- reading
-
-
-def _journal_dir(path: str | Path) -> Path:
-    p = Path(path)
-    return p / TRAJECTORIES if (p / TRAJECTORIES).is_dir() else p
-
-
-def read_collection(
-    path: str | Path, counts: collections.Counter[str] | None = None
-) -> Iterator[Trajectory]:
-    """Every stored trajectory of a collection (its folder or its trajectories/ folder).
-
-    Decoded with `arpo.wire.decode` (strict validation), in the order they were stored.
-    Torn or corrupt records and records that do not decode to a trajectory are skipped,
-    logged and counted in `counts` (torn, corrupt, malformed; records: the intact ones).
-    """
-    counts = counts if counts is not None else collections.Counter()
-    jdir = _journal_dir(path)
-    if not jdir.is_dir():
-        raise ArpoError(f"{path}: not a collection (no {TRAJECTORIES}/ folder)")
-    for n in list_segments(jdir):
-        for rec in read_segment(segment_path(jdir, n), counts):
-            try:
-                msg = wire.decode(rec.frames)
-            except WireError as e:
-                counts["malformed"] += 1
-                log.warning("collection %s segment %d offset %d: %s", jdir, n, rec.offset, e)
-                continue
-            if not isinstance(msg, Trajectory):
-                counts["malformed"] += 1
-                continue
-            yield msg
 
 
 def load_outcomes(path: str | Path) -> dict[str, Any]:

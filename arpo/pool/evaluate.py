@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from arpo.config import option
+from arpo.env.task import load_pool
 from arpo.errors import ArpoError
 from arpo.files import write_atomic, write_json_atomic
 from arpo.pool.rollouts import (
@@ -58,7 +59,6 @@ from arpo.pool.rollouts import (
     PolicyPoolConfig,
     PolicySource,
     PoolResult,
-    load_pool,
     resolve_policy,
     run_command,
     run_pool,

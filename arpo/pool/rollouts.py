@@ -4,7 +4,7 @@ The shared core of `arpo select-tasks`, `arpo eval` and `arpo collect`: the same
 server, ingest and `arpo-actor` processes as training, with a grant book that opens
 exactly one group of `runs_per_task` slots per task and never moves the policy version.
 
-    pool = load_pool("runs/task_pool")                  # [PoolTask(task, source, domain)]
+    pool = load_pool("runs/task_pool")      # arpo.env.task: [PoolTask(task, source, domain)]
     res = run_pool(cfg, [p.task for p in pool], actor_log=Path("runs/x/actor.log"),
                    spool=Path("runs/x/actor-spool"), learner_id="eval")
     res.complete, res.counts["<task id>"], res.episodes      # per task counts, per episode
@@ -22,11 +22,6 @@ Counting:
 - The run ends when every slot of every task is done (runs + unknown = runs_per_task for
   each task), or with `complete=False` when `timeout_s` passes first. A local actor that
   exits before the end is an `ArpoError` carrying the end of its log.
-
-Domains (`load_pool`): a task's "domain" field if it has one, else the name of the folder
-its file is in when the pool is a folder (OSWorld's `examples/<domain>/<id>.json` and the
-simulated tasks' `<family>/<id>.json`), else the task id's part before the first '-', else
-"unknown".
 
 The policy under test (`resolve_policy`): a checkpoint folder (`<ckpt>/model/` is the
 model), a folder of checkpoints (the newest valid one is used), or a model folder / hub id.
@@ -49,8 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from arpo.config import fail, option
-from arpo.env.task import Task
-from arpo.errors import ArpoError, ConfigError, SnapshotError, TaskError
+from arpo.errors import ArpoError, ConfigError, SnapshotError
 from arpo.learner.checkpoint import MANIFEST, latest_checkpoint, verify_checkpoint
 from arpo.record import Status, Trajectory
 from arpo.service.grants import GrantBook, GrantConfig, GrantServer
@@ -175,112 +169,6 @@ class PolicyPoolConfig(PoolConfig):
 
     _policy_field = "checkpoint"
     """The field named when neither checkpoint nor model is given."""
-
-
-# ---------------------------------------------------------------------------- the task pool
-
-
-@dataclass(frozen=True)
-class PoolTask:
-    """One task of a pool: the task dict as read, where it came from, and its domain."""
-
-    task: dict[str, Any]
-    source: str
-    """The file (and line, for .jsonl) the task was read from."""
-    domain: str
-
-
-def _task_dicts(raw: Any, where: str) -> list[dict[str, Any]]:
-    if isinstance(raw, dict) and isinstance(raw.get("tasks"), list):
-        raw = raw["tasks"]
-    if isinstance(raw, dict):
-        raw = [raw]
-    if not isinstance(raw, list):
-        raise TaskError(f"{where}: expected a task object or a list of tasks")
-    return raw
-
-
-def task_domain(task: Mapping[str, Any], folder: str = "") -> str:
-    """The domain of a task: its "domain" field, else `folder`, else its id's prefix."""
-    d = task.get("domain")
-    if isinstance(d, str) and d:
-        return d
-    if folder:
-        return folder
-    tid = str(task.get("id", ""))
-    return tid.split("-", 1)[0] if "-" in tid and tid.split("-", 1)[0] else "unknown"
-
-
-def _absolute_files(task: dict[str, Any], folder: Path) -> dict[str, Any]:
-    """The task with its `upload_file` steps' relative `local_path`s that exist beside the
-    task file made absolute: a grant carries only the task's JSON, so an actor (on this
-    filesystem) could not find files named relative to the task file's folder."""
-    import copy
-
-    out = copy.deepcopy(task)
-    steps = list(out.get("config") or [])
-    ev = out.get("evaluator")
-    if isinstance(ev, dict):
-        steps += list(ev.get("postconfig") or [])
-    for step in steps:
-        if not isinstance(step, dict) or step.get("type") != "upload_file":
-            continue
-        for f in (step.get("parameters") or {}).get("files") or []:
-            local = f.get("local_path") if isinstance(f, dict) else None
-            if isinstance(local, str) and local and not Path(local).is_absolute():
-                beside = folder / local
-                if not Path(local).is_file() and beside.is_file():
-                    f["local_path"] = str(beside.resolve())
-    return out
-
-
-def load_pool(path: str | Path) -> list[PoolTask]:
-    """The tasks of a pool (see `PoolConfig.tasks`), each checked as an OSWorld task.
-
-    Raises `TaskError` naming the file for a malformed task or a task id given twice.
-    """
-    p = Path(path)
-    found: list[tuple[dict[str, Any], str, str]] = []  # task, where, folder
-    if p.is_dir():
-        for f in sorted(p.rglob("*.json")):
-            try:
-                raw = json.loads(f.read_text(encoding="utf-8"))
-            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-                raise TaskError(f"{f}: cannot read a task file: {e}") from None
-            # A task has an id and an evaluator; index files and the like are skipped.
-            if isinstance(raw, dict) and "id" in raw and "evaluator" in raw:
-                found.append((_absolute_files(raw, f.parent), str(f), f.parent.name))
-    elif p.is_file():
-        try:
-            text = p.read_text(encoding="utf-8")
-            if p.suffix == ".jsonl":
-                found = [
-                    (json.loads(line), f"{p}:{i + 1}", "")
-                    for i, line in enumerate(text.splitlines())
-                    if line.strip()
-                ]
-            else:
-                found = [(t, str(p), "") for t in _task_dicts(json.loads(text), str(p))]
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise TaskError(f"{p}: cannot read the task list: {e}") from None
-    else:
-        raise TaskError(f"{p}: no such task folder or file")
-    pool: list[PoolTask] = []
-    where_of: dict[str, str] = {}
-    for raw, where, folder in found:
-        task = Task.from_dict(raw, path=where)  # TaskError names the file
-        if task.id in where_of:
-            raise TaskError(f"{where}: task id {task.id} is also in {where_of[task.id]}")
-        where_of[task.id] = where
-        pool.append(PoolTask(raw, where, task_domain(raw, folder)))
-    if not pool:
-        raise TaskError(f"{p}: holds no tasks (JSON objects with 'id' and 'evaluator')")
-    return pool
-
-
-def load_task_pool(path: str | Path) -> list[dict[str, Any]]:
-    """The task dicts of a pool (`load_pool` without sources and domains)."""
-    return [p.task for p in load_pool(path)]
 
 
 # ---------------------------------------------------------------------------- the policy

@@ -12,7 +12,7 @@ and writes the result:
         'local_actor_args=["sim_envs=4", "policy=scripted"]'     # or one actor started here
 
     result = run_selection(load_config(SelectConfig, None, ["tasks=runs/task_pool"]))
-    selected = load_selection("runs/selection.json")    # the learner's task list
+    selected = load_selection("runs/selection.json")    # the learner's task list (arpo.env.task)
 
 How it runs (`arpo.pool.rollouts.run_pool`, shared with `arpo eval` and `arpo collect`):
 
@@ -45,7 +45,6 @@ How it runs (`arpo.pool.rollouts.run_pool`, shared with `arpo eval` and `arpo co
 from __future__ import annotations
 
 import datetime
-import json
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -53,13 +52,13 @@ from pathlib import Path
 from typing import Any
 
 from arpo.config import fail, option
+from arpo.env.task import load_task_pool
 from arpo.errors import ArpoError, ConfigError
 from arpo.files import write_json_atomic
 from arpo.pool.rollouts import (
     PoolConfig,
     PoolTally,
     counts_table,
-    load_task_pool,
     run_command,
     run_pool,
 )
@@ -69,8 +68,6 @@ __all__ = [
     "SelectConfig",
     "SelectionTally",
     "format_table",
-    "load_selection",
-    "load_task_pool",
     "main",
     "run_selection",
 ]
@@ -182,35 +179,6 @@ def run_selection(
             f"{res.total} runs finished; partial counts in {cfg.out} (marked incomplete)"
         )
     return result
-
-
-def load_selection(path: str | Path) -> list[str]:
-    """The selected task ids of a result written by `run_selection`.
-
-    Raises `ConfigError` naming the file when it is missing, not JSON, not a selection
-    result, or from a run that did not finish.
-    """
-    p = Path(path)
-    try:
-        data = json.loads(p.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ConfigError(
-            f"task selection file {str(p)!r} does not exist (run `arpo select-tasks` first)"
-        ) from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(f"task selection file {str(p)!r} is not readable JSON: {e}") from None
-    sel = data.get("selected") if isinstance(data, dict) else None
-    if not isinstance(sel, list) or not all(isinstance(t, str) and t for t in sel):
-        raise ConfigError(
-            f"task selection file {str(p)!r} has no 'selected' list of task ids "
-            "(is it the output of `arpo select-tasks`?)"
-        )
-    if data.get("complete") is False:
-        raise ConfigError(
-            f"task selection file {str(p)!r} is from a run that did not finish "
-            "(complete: false); run `arpo select-tasks` again"
-        )
-    return list(sel)
 
 
 def format_table(result: Mapping[str, Any]) -> str:

@@ -1,4 +1,4 @@
-"""The learner's ingest: trajectories off the data socket, into the replay store, acknowledged.
+"""The ingest: trajectories off the data socket, into the replay store, acknowledged.
 
     store = ReplayStore(max_bytes=8 << 30, fresh_capacity=64, replay_capacity=8)
     ingest = Ingest(store, IngestConfig(), TransportConfig(data="tcp://127.0.0.1:5555"))
@@ -65,6 +65,11 @@ exactly the segments before the rotation and none after:
     ingest.start()
 
 Replayed trajectories go straight into the store (the grant book is not told again).
+
+A folder of journal segments is also how trajectories are kept on disk: `arpo collect`,
+`arpo select-tasks`' kept episodes and the demonstrations of `arpo sft` write it, and
+`read_collection` reads it back, decoded, for the learner's replay prefill and the
+offline methods.
 """
 
 from __future__ import annotations
@@ -85,7 +90,7 @@ from typing import Any
 
 from arpo import wire
 from arpo.config import fail, option
-from arpo.errors import BufferClosed, BufferError, WireError
+from arpo.errors import ArpoError, BufferClosed, BufferError, WireError
 from arpo.files import fsync_dir
 from arpo.record import Status, Trajectory
 from arpo.transport import RouterServer, TransportConfig
@@ -485,6 +490,43 @@ def replay_journal(
     for key in ("malformed", "rejected", "skipped_bytes"):
         counts.setdefault(key, 0)
     return dict(counts)
+
+
+TRAJECTORIES = "trajectories"
+"""The folder of a collection's journal (`arpo collect`'s `<out>/trajectories/`)."""
+
+
+def _journal_dir(path: str | Path) -> Path:
+    p = Path(path)
+    return p / TRAJECTORIES if (p / TRAJECTORIES).is_dir() else p
+
+
+def read_collection(
+    path: str | Path, counts: collections.Counter[str] | None = None
+) -> Iterator[Trajectory]:
+    """Every stored trajectory of a collection: a journal folder, or a folder that holds
+    one as `trajectories/` (`arpo collect`'s output).
+
+    Decoded with `arpo.wire.decode` (strict validation), in the order they were stored.
+    Torn or corrupt records and records that do not decode to a trajectory are skipped,
+    logged and counted in `counts` (torn, corrupt, malformed; records: the intact ones).
+    """
+    counts = counts if counts is not None else collections.Counter()
+    jdir = _journal_dir(path)
+    if not jdir.is_dir():
+        raise ArpoError(f"{path}: not a collection (no {TRAJECTORIES}/ folder)")
+    for n in list_segments(jdir):
+        for rec in read_segment(segment_path(jdir, n), counts):
+            try:
+                msg = wire.decode(rec.frames)
+            except WireError as e:
+                counts["malformed"] += 1
+                log.warning("collection %s segment %d offset %d: %s", jdir, n, rec.offset, e)
+                continue
+            if not isinstance(msg, Trajectory):
+                counts["malformed"] += 1
+                continue
+            yield msg
 
 
 class Ingest:
