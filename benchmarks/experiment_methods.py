@@ -1,44 +1,61 @@
-"""The learning experiment: GRPO, ARPO, uncorrected replay and the offline baselines, compared.
+"""The learning experiment: does ARPO's replay help? Paired seeds, task selection, held-out tasks.
 
-    .venv/bin/python benchmarks/experiment_methods.py                      # everything, 3 seeds
-    .venv/bin/python benchmarks/experiment_methods.py --seeds 0 --iterations 4   # a quick look
-    .venv/bin/python benchmarks/experiment_methods.py --report-only        # tables + plot again
+    .venv/bin/python benchmarks/experiment_methods.py --out runs/experiment-r2 \\
+        --save-as experiment-<date>                                # the reported seeds 1-5
+    .venv/bin/python benchmarks/experiment_methods.py --out runs/experiment-r2 --seeds 0 \\
+        --save-as experiment-<date>-selection                     # the selection seed
+    .venv/bin/python benchmarks/experiment_methods.py --out runs/experiment-r2 --report-only
 
-One warm start for every method: the tiny Qwen2.5-VL (`arpo-tiny-model`, seed 0) after
-`arpo sft` on the oracle demonstrations of 16 simulated `click_button` tasks (task seed 0),
-exactly what `arpo train` builds. Success on those tasks is sparse (about 1 in 5 greedily,
-fewer when sampling at temperature 1), so many GRPO groups have no success at all: the
-setting where the paper expects replay to help. Then, per seed:
+Every step below is skipped when its output exists, so an interrupted experiment
+continues where it stopped (delete a run's folder to redo it). Runs are sequential;
+nothing else should run on the machine.
 
-- online (`arpo train`, learner + one actor with `--envs` simulated desktops, up to
-  `--staleness` policy versions in flight), `--iterations` iterations of `--groups` groups
-  of 4 episodes each, reward = checker score + `--format-weight` x format reward (0.5,
-  the reference's, by default):
-  - `grpo`:  GRPO, no replay (`learner.assemble.replay.enabled=false`);
-  - `arpo`:  replay of stored successes into groups without one, importance-corrected
-    (weight exp(pi_prox - mu) of the replayed success's own behaviour log-probs);
-  - `arpo_uncorrected`: the same replay as the reference implementation trains it
-    (`learner.trainer.loss.correct_replay=false`: the ratio of a replayed success
-    starts at 1);
-- offline, from at least as many environment episodes (`arpo collect` of the warm start
-  at temperature 1, as many episodes per task as the most any online method of that seed
-  ran, counting the episodes its actors ran ahead that were never trained on; one
-  collection per seed shared by the three methods), then `arpo offline --algo
-  dpo|kto|rft` at the online learner's learning rate (1e-4, `--offline-lr`) for
-  `--offline-epochs` passes, batches of 8;
-- every resulting policy, and the warm start itself, evaluated with `arpo eval` on the
-  16 tasks (`--eval-runs` episodes per task, temperature 0.6 as the reference evaluates).
+1. **Tasks.** `--families` x `--per-family` tasks generated with task seed 0: the
+   candidate pool (default: 16 `click_button` tasks, the pool of the earlier experiment
+   and of the learning ablation; multi-step families did not learn at this scale:
+   `arpo train` on 16 `menu_pick` / `dialog_confirm` tasks, seed 99, went from 14.1 % to
+   10.9 % in 24 iterations, README). The same families x `--heldout-per-family` tasks
+   with task seed 1000: held-out tasks, never in the warm start's demonstrations and
+   never trained on (ids checked disjoint).
+2. **Warm start.** The tiny Qwen2.5-VL (`arpo-tiny-model`, seed 0) after `arpo sft` on
+   the candidate pool's oracle demonstrations for `--sft-epochs` epochs (17, `arpo
+   train`'s default: sparse success), or until their mean NLL is `--sft-target-nll`.
+3. **Task selection** as the paper does it: `arpo select-tasks` of the warm start,
+   `--select-runs` episodes per candidate task at the rollout temperature 1, keeps the
+   tasks with at least one success; the episodes are kept (`trajectories=`) for the
+   pre-filled variant. The selected tasks are the training tasks of every method.
+4. **Per seed** (paired: one warm start, one selection, one evaluation pool; the seed
+   sets the learner's and the actors' random streams), `arpo train` on the training
+   tasks with its embedded learner defaults (Dr. GRPO advantages, replay weight floor 1;
+   README "Diagnosing online learning"), `--iterations` iterations of `--groups` groups
+   x 4 episodes, reward = checker score + `--format-weight` x format reward (0.5, the
+   reference's), up to `--staleness` policy versions in flight with `--envs` simulated
+   desktops (4: heavy staleness for this learner):
+   - `grpo`: replay off;
+   - `arpo`: replay of stored successes into groups without one, weight
+     clamp(exp(pi_prox - mu), 1, 2) of the replayed success's own behaviour log-probs;
+   - `arpo_prefill`: `arpo` with the buffers pre-filled with the selection run's
+     successes (`learner.assemble.replay.prefill`; the reference has it commented out);
+   - `arpo_uncorrected`: replayed successes trained as the reference does (weight 1:
+     `learner.trainer.loss.correct_replay=false`);
+   - `arpo_nofloor` (not in the default set): the correction without the floor
+     (`replay_w_min=0`, weights in [0, 2]).
+   Offline, from at least as many environment episodes: one `arpo collect` of the warm
+   start per seed on the training tasks at temperature 1 (as many episodes per task as
+   the most any online method of that seed ran, counting the episodes its actors ran
+   ahead that were never trained on), then `arpo offline --algo dpo|kto|rft` (lr
+   `--offline-lr`, KTO `--kto-lr`, `--offline-epochs` passes, batches of 8).
+5. **Evaluation.** The warm start and every final policy: one `arpo eval` on the
+   training tasks and the held-out tasks together (`--eval-runs` episodes per task,
+   temperature 0.6 as the reference evaluates), split by task.
 
-The format reward is on (0.5, the reference's): the replay trigger reads the checker
-scores with the population std, as the reference does, so a group without a success is
-replayed into even when one of its episodes failed to parse (an earlier version read the
-total reward and switched the format reward off to make such groups trigger).
-
-Writes `<out>/results.json`, `<out>/results.md` (the tables the README quotes) and
-`<out>/curves.png` (training success rate against iteration, mean and min-max over seeds,
-and the final evaluation of every method with one dot per seed). A finished run or
-evaluation is not run again (delete its folder to redo it), so an interrupted experiment
-continues where it stopped. Runs are sequential; nothing else should run on the machine.
+Report (`<out>/results.md`, `results.json`, `curves.png`): success per method and seed on
+the training and the held-out tasks; the paired differences (same seed) with their mean
+and 95 % t-interval over seeds (GRPO - warm start, ARPO - GRPO, pre-filled - ARPO,
+ARPO - uncorrected, RFT - GRPO, ...); the drift under staleness per online method
+(staleness mean / max, per-sequence log-ratio pi_prox - mu of fresh and replayed
+trajectories, the replay weights); training curves with one line per seed and the final
+evaluations with one dot per seed.
 """
 
 from __future__ import annotations
@@ -46,6 +63,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
+import shutil
 import statistics
 import sys
 import time
@@ -55,19 +74,173 @@ from typing import Any
 
 log = logging.getLogger("experiment")
 
-ONLINE = ("grpo", "arpo", "arpo_uncorrected")
+ONLINE = ("grpo", "arpo", "arpo_prefill", "arpo_uncorrected", "arpo_nofloor")
 OFFLINE = ("dpo", "kto", "rft")
+DEFAULT_METHODS = ("grpo", "arpo", "arpo_prefill", "arpo_uncorrected", "dpo", "kto", "rft")
 GROUP_SIZE = 4
+HELDOUT_TASK_SEED = 1000
 SMOOTH = 4  # iterations per point of the plotted training curves
+# Paired differences reported, (a, b): a - b per seed.
+CONTRASTS = (
+    ("grpo", "warm_start"),
+    ("arpo", "warm_start"),
+    ("arpo", "grpo"),
+    ("arpo_prefill", "arpo"),
+    ("arpo_prefill", "grpo"),
+    ("arpo", "arpo_uncorrected"),
+    ("arpo_nofloor", "arpo_uncorrected"),
+    ("rft", "grpo"),
+    ("rft", "arpo"),
+    ("dpo", "warm_start"),
+    ("kto", "warm_start"),
+    ("rft", "warm_start"),
+)
+# Two-sided 95 % quantiles of Student's t by degrees of freedom (1..10).
+_T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
 
 
-def _train_config(args: argparse.Namespace, method: str, seed: int, model: str, tasks: str):
+def t_interval(xs: list[float]) -> tuple[float, float, float]:
+    """Mean and the 95 % t-interval of the mean (nan bounds for fewer than 2 values)."""
+    m = statistics.mean(xs)
+    if len(xs) < 2:
+        return m, math.nan, math.nan
+    t = _T95[len(xs) - 2] if len(xs) - 1 <= len(_T95) else 1.96
+    h = t * statistics.stdev(xs) / math.sqrt(len(xs))
+    return m, m - h, m + h
+
+
+# ---------------------------------------------------------------------------- set-up
+
+
+def _actor_args(args: argparse.Namespace) -> list[str]:
+    """The local actor of eval / collect / select: the online runs' episode limits."""
+    from arpo.train import TrainConfig
+
+    ep = TrainConfig().actor.episode
+    return [
+        f"sim_envs={args.envs}",
+        f"episode.max_steps={ep.max_steps}",
+        f"episode.max_new_tokens={ep.max_new_tokens}",
+        "progress_s=0",
+    ]
+
+
+def _copy_tasks(ids: list[str], src: Path, dest: Path) -> None:
+    dest.mkdir(parents=True, exist_ok=True)
+    by_id = {f.stem: f for f in src.rglob("*.json")}
+    for tid in ids:
+        shutil.copyfile(by_id[tid], dest / f"{tid}.json")
+
+
+def setup(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """Warm start, candidate and held-out tasks, task selection; their paths and ids."""
+    from arpo_envs.sim.tasks import write_tasks
+
+    from arpo.pool.select import SelectConfig, run_selection
+    from arpo.train import TrainConfig, TrainRun
+
+    families = [f for f in args.families.split(",") if f]
+    base = TrainRun(
+        TrainConfig(
+            run_dir=str(out / "base"),
+            sim_families=families,
+            sim_tasks_per_family=args.per_family,
+            sft_epochs=args.sft_epochs,
+            sft_target_nll=args.sft_target_nll,
+            seed=0,
+        )
+    )
+    base.run_dir.mkdir(parents=True, exist_ok=True)
+    model = base.policy()
+    pool = Path(base.task_pool()) / "sim"
+    heldout = out / "heldout"
+    if not heldout.exists():
+        write_tasks(heldout, families, args.heldout_per_family, HELDOUT_TASK_SEED)
+        (heldout / "test_all.json").unlink()
+    cand = sorted(f.stem for f in pool.rglob("*.json"))
+    held = sorted(f.stem for f in heldout.rglob("*.json"))
+    if set(cand) & set(held):
+        raise SystemExit(f"held-out tasks overlap the candidates: {set(cand) & set(held)}")
+    sel_path = out / "selection" / "selection.json"
+    if not sel_path.exists():
+        log.info("task selection: %d candidates x %d runs", len(cand), args.select_runs)
+        shutil.rmtree(out / "selection", ignore_errors=True)
+        run_selection(
+            SelectConfig(
+                tasks=str(pool),
+                runs_per_task=args.select_runs,
+                out=str(sel_path),
+                trajectories=str(out / "selection" / "kept"),
+                local_actor=True,
+                local_actor_args=[*_actor_args(args), f"engine.model={model!r}"],
+                progress_s=0,
+            )
+        )
+    selection = json.loads(sel_path.read_text())
+    train = list(selection["selected"])
+    if not train:
+        raise SystemExit(f"{sel_path}: the warm start solved none of the candidates")
+    train_pool = out / "train_tasks"
+    eval_pool = out / "eval_tasks"
+    if not eval_pool.exists():
+        _copy_tasks(train, pool, train_pool)
+        _copy_tasks(train, pool, eval_pool / "train")
+        _copy_tasks(held, heldout, eval_pool / "heldout")
+    return {
+        "model": model,
+        "pool": str(pool),
+        "train_pool": str(train_pool),
+        "eval_pool": str(eval_pool),
+        "selection": str(sel_path),
+        "kept": str(out / "selection" / "kept"),
+        "candidates": cand,
+        "train": train,
+        "heldout": held,
+        "select_counts": {t: selection["tasks"][t]["successes"] for t in cand},
+    }
+
+
+# ---------------------------------------------------------------------------- evaluation
+
+
+def _eval(args: argparse.Namespace, policy: str, s: dict[str, Any], out: Path) -> dict:
+    """`arpo eval` on training + held-out tasks; success rates of each part."""
+    from arpo.pool.evaluate import EvalConfig, run_eval
+
+    done = out / "eval.json"
+    if not done.exists():
+        run_eval(
+            EvalConfig(
+                model=policy,
+                verify=False,
+                tasks=s["eval_pool"],
+                runs_per_task=args.eval_runs,
+                temperature=0.6,
+                out=str(out),
+                progress_s=0,
+                local_actor_args=_actor_args(args),
+            )
+        )
+    ev = json.loads(done.read_text())
+
+    def rate(ids: list[str]) -> float:
+        rows = [ev["tasks"][t] for t in ids]
+        runs = sum(r["runs"] for r in rows)
+        return sum(r["successes"] for r in rows) / runs if runs else math.nan
+
+    return {"train": rate(s["train"]), "heldout": rate(s["heldout"])}
+
+
+# ---------------------------------------------------------------------------- online
+
+
+def _train_config(args: argparse.Namespace, method: str, seed: int, s: dict[str, Any]):
     from arpo.train import TrainConfig
 
     cfg = TrainConfig(
         run_dir=str(Path(args.out) / "runs" / f"{method}-s{seed}"),
-        model=model,
-        tasks=tasks,
+        model=s["model"],
+        tasks=s["pool"],
         seed=seed,
         minutes=0,
         restart=False,
@@ -76,9 +249,19 @@ def _train_config(args: argparse.Namespace, method: str, seed: int, model: str, 
         sim_envs_per_actor=args.envs,
     )
     la = cfg.learner
-    replay = replace(la.assemble.replay, enabled=method != "grpo")
+    replay = replace(
+        la.assemble.replay,
+        enabled=method != "grpo",
+        prefill=s["kept"] if method == "arpo_prefill" else "",
+    )
+    loss = replace(
+        la.trainer.loss,
+        correct_replay=method != "arpo_uncorrected",
+        replay_w_min=0.0 if method == "arpo_nofloor" else la.trainer.loss.replay_w_min,
+    )
     la = replace(
         la,
+        selection=s["selection"],
         iterations=args.iterations,
         assemble=replace(
             la.assemble,
@@ -87,117 +270,89 @@ def _train_config(args: argparse.Namespace, method: str, seed: int, model: str, 
             max_staleness=args.staleness,
             replay=replay,
         ),
-        trainer=replace(
-            la.trainer,
-            loss=replace(la.trainer.loss, correct_replay=method != "arpo_uncorrected"),
-        ),
+        trainer=replace(la.trainer, loss=loss),
     )
     # The learner is gone when the actors are stopped: nothing would acknowledge a flush.
     episode = replace(cfg.actor.episode, format_weight=args.format_weight)
     return replace(cfg, learner=la, actor=replace(cfg.actor, episode=episode, flush_deadline_s=5.0))
 
 
-def _actor_args(args: argparse.Namespace) -> list[str]:
-    """The local actor of eval / collect: the episode limits of the online runs' actors."""
-    from arpo.train import TrainConfig
-
-    ep = TrainConfig().actor.episode
-    return [
-        f"sim_envs={args.envs}",
-        f"episode.max_steps={ep.max_steps}",
-        f"episode.max_new_tokens={ep.max_new_tokens}",
-    ]
+def _values(rows: list[dict], key: str) -> list[float]:
+    return [r[key] for r in rows if r.get(key) is not None and not math.isnan(r[key])]
 
 
-def _eval(args: argparse.Namespace, policy: str, tasks: str, out: Path, seed: int) -> dict:
-    from arpo.learner.evaluate import EvalConfig, run_eval
-
-    done = out / "eval.json"
-    if done.exists():
-        return json.loads(done.read_text())
-    run_eval(
-        EvalConfig(
-            model=policy,
-            verify=False,
-            tasks=tasks,
-            runs_per_task=args.eval_runs,
-            temperature=0.6,
-            out=str(out),
-            progress_s=0,
-            local_actor_args=_actor_args(args),
-        )
-    )
-    return json.loads(done.read_text())
-
-
-def _rate(ev: dict) -> float:
-    return float(ev["overall"]["success_rate_episodes"])
-
-
-def _online(args, method: str, seed: int, model: str, tasks: str) -> dict[str, Any]:
+def _online(args, method: str, seed: int, s: dict[str, Any]) -> dict[str, Any]:
     from arpo.learner.checkpoint import latest_checkpoint
     from arpo.learner.metrics import read_metrics
     from arpo.train import TrainRun
 
-    cfg = _train_config(args, method, seed, model, tasks)
+    cfg = _train_config(args, method, seed, s)
     run_dir = Path(cfg.run_dir)
     summary = run_dir / "summary.json"
     if not summary.exists():
         log.info("online %s seed %d -> %s", method, seed, run_dir)
         t0 = time.monotonic()
         TrainRun(cfg).run()
-        s = json.loads(summary.read_text())
-        s["wall_s"] = round(time.monotonic() - t0, 1)
-        summary.write_text(json.dumps(s, indent=2))
-    s = json.loads(summary.read_text())
+        sm = json.loads(summary.read_text())
+        sm["wall_s"] = round(time.monotonic() - t0, 1)
+        summary.write_text(json.dumps(sm, indent=2))
+    sm = json.loads(summary.read_text())
     rows = read_metrics(run_dir / "learner" / "metrics.jsonl")
     ckpt = latest_checkpoint(run_dir / "learner" / "checkpoints", verify=False)
     if ckpt is None:
         raise SystemExit(f"{run_dir}: no checkpoint; see {run_dir / 'logs'}")
-    ev = _eval(args, str(ckpt / "model"), tasks, run_dir / "eval", seed)
-    acc = s.get("accounting", {})
+    ev = _eval(args, str(ckpt / "model"), s, run_dir / "eval")
+    acc = sm.get("accounting", {})
+    lr_min = _values(rows, "losses/seq_logratio_replay_min")
+    lr_max = _values(rows, "losses/seq_logratio_replay_max")
+    fr_min = _values(rows, "losses/seq_logratio_fresh_min")
+    fr_max = _values(rows, "losses/seq_logratio_fresh_max")
     return {
         "curve": [r.get("charts/success_rate") for r in rows],
+        "parse_fail": [r.get("charts/parse_failure_rate") for r in rows],
         "replay_hits": sum(r.get("replay/hits", 0) for r in rows),
         "triggered": sum(r.get("replay/triggered", 0) for r in rows),
+        "prefilled": max((r.get("replay/prefilled", 0) for r in rows), default=0),
         "groups": sum(r.get("data/groups", 0) for r in rows),
-        "weight_replay": [
-            r["losses/weight_replay_mean"]
-            for r in rows
-            if r.get("losses/weight_replay_mean") is not None
+        "staleness_mean": statistics.mean(_values(rows, "charts/staleness_mean") or [math.nan]),
+        "staleness_max": max(_values(rows, "charts/staleness_max") or [math.nan]),
+        "dropped_stale": sum(r.get("data/dropped_stale", 0) for r in rows),
+        "replay_logratio": [min(lr_min, default=math.nan), max(lr_max, default=math.nan)],
+        "fresh_logratio": [min(fr_min, default=math.nan), max(fr_max, default=math.nan)],
+        "weight_lowp_replay": [
+            min(_values(rows, "losses/weight_lowp_replay_min"), default=math.nan),
+            max(_values(rows, "losses/weight_lowp_replay_max"), default=math.nan),
         ],
-        "version_gap": [
-            r["replay/version_gap_mean"]
-            for r in rows
-            if r.get("replay/version_gap_mean") is not None
-        ],
-        "staleness": [r.get("charts/staleness_mean") for r in rows],
         "episodes": acc.get("finished"),
         "trained": sum(r.get("charts/episodes", 0) for r in rows),
-        "eval": _rate(ev),
-        "wall_s": s.get("wall_s"),
+        "eval": ev,
+        "wall_s": sm.get("wall_s"),
     }
 
 
-def _offline(args, seed: int, model: str, tasks: str, budget: int) -> dict[str, dict[str, Any]]:
-    from arpo.learner.collect import CollectConfig, load_outcomes, run_collect
+# ---------------------------------------------------------------------------- offline
+
+
+def _offline(args, seed: int, s: dict[str, Any], budget: int, algos: list[str]) -> dict:
     from arpo.offline.offline import OfflineConfig
     from arpo.offline.offline import run as run_offline
+    from arpo.pool.collect import CollectConfig, load_outcomes, run_collect
 
     base = Path(args.out) / "runs" / f"offline-s{seed}"
     data = base / "collect"
     if not (data / "outcomes.json").exists():
-        log.info("collect seed %d -> %s", seed, data)
+        log.info("collect seed %d -> %s (%d episodes at least)", seed, data, budget)
         run_collect(
             CollectConfig(
-                model=model,
+                model=s["model"],
                 verify=False,
-                tasks=tasks,
-                runs_per_task=-(-budget // 16),
+                tasks=s["train_pool"],
+                runs_per_task=-(-budget // len(s["train"])),
                 temperature=1.0,
                 out=str(data),
                 overwrite=True,
                 progress_s=0,
+                seed=seed,
                 local_actor_args=_actor_args(args),
             )
         )
@@ -205,77 +360,149 @@ def _offline(args, seed: int, model: str, tasks: str, budget: int) -> dict[str, 
     episodes = sum(int(t["runs"]) for t in outcomes["tasks"].values())
     successes = sum(int(t["successes"]) for t in outcomes["tasks"].values())
     out: dict[str, dict[str, Any]] = {}
-    for algo in OFFLINE:
+    for algo in algos:
         adir = base / algo
         if not (adir / "model" / "config.json").exists():
             log.info("offline %s seed %d -> %s", algo, seed, adir)
             run_offline(
                 OfflineConfig(
                     algo=algo,
-                    model=model,
+                    model=s["model"],
                     data=str(data),
                     out=str(adir / "model"),
-                    lr=args.offline_lr,
+                    lr=args.kto_lr if algo == "kto" else args.offline_lr,
                     epochs=args.offline_epochs,
                     batch_size=8,
                     seed=seed,
                 )
             )
-        ev = _eval(args, str(adir / "model"), tasks, adir / "eval", seed)
-        out[algo] = {"eval": _rate(ev), "episodes": episodes, "successes": successes}
+        ev = _eval(args, str(adir / "model"), s, adir / "eval")
+        out[algo] = {"eval": ev, "episodes": episodes, "successes": successes}
     return out
 
 
-def _spread(xs: list[float]) -> str:
-    if not xs:
-        return "-"
-    m = statistics.mean(xs)
-    sd = statistics.stdev(xs) if len(xs) > 1 else 0.0
-    return f"{100 * m:.1f} ± {100 * sd:.1f}"
+# ---------------------------------------------------------------------------- report
+
+
+def _pct(x: float) -> str:
+    return "-" if x is None or math.isnan(x) else f"{100 * x:.1f}"
+
+
+def _per_seed(results: dict[str, Any], method: str, part: str) -> dict[str, float]:
+    if method == "warm_start":
+        w = results["warm_start"][part]
+        return {s: w for s in map(str, results["seeds"])}
+    return {k: v["eval"][part] for k, v in results["methods"].get(method, {}).items()}
+
+
+def contrasts(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """Paired differences a - b over the seeds both have, per evaluation part."""
+    rows = []
+    for a, b in CONTRASTS:
+        for part in ("train", "heldout"):
+            pa, pb = _per_seed(results, a, part), _per_seed(results, b, part)
+            seeds = sorted(set(pa) & set(pb), key=int)
+            if len(seeds) < 1 or a == b:
+                continue
+            d = [pa[s] - pb[s] for s in seeds]
+            m, lo, hi = t_interval(d)
+            rows.append({"a": a, "b": b, "part": part, "seeds": seeds, "diffs": d,
+                         "mean": m, "lo": lo, "hi": hi})  # fmt: skip
+    return rows
 
 
 def report(out: Path, results: dict[str, Any]) -> str:
-    seeds = results["seeds"]
+    s = results["setup"]
+    st = results["settings"]
+    w = results["warm_start"]
+    seeds = [str(x) for x in results["seeds"]]
     lines = [
-        f"Warm start (SFT) evaluation: {100 * results['warm_start']:.1f} % "
-        f"({results['eval_runs']} episodes per task x 16 tasks, temperature 0.6).",
-        "Online: {iterations} iterations x {groups} groups x 4 episodes, max staleness "
-        "{staleness}, reward = checker score + {format_weight} x format reward; offline: "
-        "lr {offline_lr}, {offline_epochs} epochs. Seeds with results: {done}.".format(
-            **{"format_weight": 0.5, **results.get("settings", {})},
-            done=", ".join(
-                str(s) for s in seeds if any(str(s) in v for v in results["methods"].values())
-            ),
-        ),
+        f"Tasks: {st['families']} x {st['per_family']} candidates (task seed 0); task "
+        f"selection (warm start, {st['select_runs']} runs per task at T=1, >= 1 success) kept "
+        f"{len(s['train'])} of {len(s['candidates'])} as training tasks; held-out: "
+        f"{len(s['heldout'])} tasks of the same families (task seed {HELDOUT_TASK_SEED}), "
+        "never trained on.",
+        f"Warm start (SFT to NLL {st['sft_target_nll']}) evaluation: training tasks "
+        f"{_pct(w['train'])} %, held-out {_pct(w['heldout'])} % ({st['eval_runs']} episodes "
+        "per task at T=0.6; the same protocol for every policy).",
+        f"Online: {st['iterations']} iterations x {st['groups']} groups x {GROUP_SIZE} "
+        f"episodes, max staleness {st['staleness']}, {st['envs']} desktops, reward = checker "
+        f"score + {st['format_weight']} x format reward. Offline: lr {st['offline_lr']} "
+        f"(KTO {st['kto_lr']}), {st['offline_epochs']} epochs. Seeds: {', '.join(seeds)}.",
         "",
-        "| method | episodes run per seed (trained on) | final success, mean ± sd (%) | per seed (%) | "
-        "training success, last third (%) | replay hits / triggered groups |",
-        "|---|---|---|---|---|---|",
+        "| method | training tasks, mean (%) | per seed | held-out, mean (%) | per seed | "
+        "episodes run (trained) | replay hits / triggered | staleness mean / max |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for m in ONLINE + OFFLINE:
-        per = [results["methods"][m][str(s)] for s in seeds if str(s) in results["methods"][m]]
+        per = {k: v for k, v in results["methods"].get(m, {}).items() if k in seeds}
         if not per:
             continue
-        evals = [p["eval"] for p in per]
-        eps = [str(p.get("episodes")) + (f" ({p['trained']:.0f})" if "trained" in p else "")
-               for p in per]  # fmt: skip
+        ps = [per[k] for k in sorted(per, key=int)]
+        tr = [p["eval"]["train"] for p in ps]
+        ho = [p["eval"]["heldout"] for p in ps]
+        eps = ", ".join(
+            f"{p.get('episodes')}" + (f" ({p['trained']:.0f})" if "trained" in p else "")
+            for p in ps
+        )
         if m in ONLINE:
-            last = []
-            for p in per:
-                c = [x for x in p["curve"] if x is not None]
-                k = max(1, len(c) // 3)
-                last.append(statistics.mean(c[-k:]))
-            train = _spread(last)
             hits = (
-                f"{sum(p['replay_hits'] for p in per):.0f} / {sum(p['triggered'] for p in per):.0f}"
-                if m != "grpo"
-                else "- (no replay)"
+                "-"
+                if m == "grpo"
+                else f"{sum(p['replay_hits'] for p in ps):.0f} / "
+                f"{sum(p['triggered'] for p in ps):.0f}"
+            )
+            stale = (
+                f"{statistics.mean(p['staleness_mean'] for p in ps):.2f} / "
+                f"{max(p['staleness_max'] for p in ps):.0f}"
             )
         else:
-            train, hits = "-", "-"
+            hits = stale = "-"
         lines.append(
-            f"| {m} | {', '.join(map(str, eps))} | {_spread(evals)} | "
-            f"{', '.join(f'{100 * e:.1f}' for e in evals)} | {train} | {hits} |"
+            f"| {m} | {_pct(statistics.mean(tr))} | {', '.join(map(_pct, tr))} | "
+            f"{_pct(statistics.mean(ho))} | {', '.join(map(_pct, ho))} | {eps} | {hits} | "
+            f"{stale} |"
+        )
+    lines += [
+        "",
+        "Paired differences (same seed), points; 95 % t-interval over the seeds:",
+        "",
+        "| difference | tasks | mean | 95 % CI | per seed | seeds |",
+        "|---|---|---|---|---|---|",
+    ]
+    for c in contrasts(results):
+        c["seeds"] = [x for x in c["seeds"] if x in seeds]
+        if not c["seeds"]:
+            continue
+        lines.append(
+            f"| {c['a']} - {c['b']} | {c['part']} | {100 * c['mean']:+.1f} | "
+            f"{100 * c['lo']:+.1f} .. {100 * c['hi']:+.1f} | "
+            f"{', '.join(f'{100 * d:+.1f}' for d in c['diffs'])} | {len(c['seeds'])} |"
+        )
+    lines += [
+        "",
+        "Drift of the online runs (over all their iterations and seeds): per-sequence "
+        "log-ratio pi_prox - mu of fresh and of replayed trajectories (min .. max), the "
+        "replay weight on low-probability tokens (min .. max), stale drops:",
+        "",
+        "| method | fresh log-ratio | replayed log-ratio | replay weight (p < 0.5 tokens) | "
+        "dropped stale | prefilled successes |",
+        "|---|---|---|---|---|---|",
+    ]
+    for m in ONLINE:
+        ps = [v for k, v in results["methods"].get(m, {}).items() if k in seeds]
+        if not ps:
+            continue
+
+        def span(key: str, ps=ps) -> str:
+            lo = min((p[key][0] for p in ps), default=math.nan)
+            hi = max((p[key][1] for p in ps), default=math.nan)
+            return "-" if math.isnan(lo) else f"{lo:+.2f} .. {hi:+.2f}"
+
+        lines.append(
+            f"| {m} | {span('fresh_logratio')} | {span('replay_logratio')} | "
+            f"{span('weight_lowp_replay')} | {sum(p['dropped_stale'] for p in ps):.0f} | "
+            f"{', '.join(str(int(p['prefilled'])) for p in ps)} |"
         )
     text = "\n".join(lines) + "\n"
     (out / "results.md").write_text(text)
@@ -289,37 +516,37 @@ def plot(out: Path, results: dict[str, Any]) -> Path:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    fig, ax = plt.subplots(1, 2, figsize=(12, 4))
-    for m in ONLINE:
-        curves = [p["curve"] for p in results["methods"][m].values()]
-        if not curves:
-            continue
-        n = min(len(c) for c in curves)
-        a = np.array([[np.nan if x is None else x for x in c[:n]] for c in curves], float)
-        # Each point is 16 episodes: a moving mean over `SMOOTH` iterations per seed.
-        k = min(SMOOTH, n)
-        a = np.array([np.convolve(np.nan_to_num(r), np.ones(k) / k, mode="valid") for r in a])
-        it = np.arange(k, n + 1)
-        ax[0].plot(it, a.mean(axis=0), label=f"{m} (n={len(curves)})")
-        ax[0].fill_between(it, a.min(axis=0), a.max(axis=0), alpha=0.2)
-    ax[0].axhline(
-        results["warm_start"], color="gray", ls="--", lw=1, label="warm start, eval at T=0.6"
-    )
+    seeds = [str(x) for x in results["seeds"]]
+    fig, ax = plt.subplots(1, 3, figsize=(16, 4.2))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, m in enumerate(ONLINE):
+        runs = [v for k, v in results["methods"].get(m, {}).items() if k in seeds]
+        for j, p in enumerate(runs):
+            c = np.array([np.nan if x is None else x for x in p["curve"]], float)
+            k = min(SMOOTH, len(c))
+            y = np.convolve(np.nan_to_num(c), np.ones(k) / k, mode="valid")
+            ax[0].plot(np.arange(k, len(c) + 1), y, color=colors[i % len(colors)], lw=1,
+                       alpha=0.7, label=m if j == 0 else None)  # fmt: skip
     ax[0].set_xlabel("iteration")
-    ax[0].set_ylabel(f"success rate (T=1), mean of {SMOOTH} iterations")
-    ax[0].set_title("training episodes (mean and min-max over seeds)")
+    ax[0].set_ylabel(f"training success (T=1), mean of {SMOOTH} iterations")
+    ax[0].set_title("training episodes, one line per seed")
     ax[0].legend(fontsize=8)
     ax[0].grid(alpha=0.3)
-    names = [m for m in ONLINE + OFFLINE if results["methods"][m]]
-    for i, m in enumerate(names):
-        ys = [p["eval"] for p in results["methods"][m].values()]
-        ax[1].bar(i, statistics.mean(ys), alpha=0.5)
-        ax[1].scatter([i] * len(ys), ys, color="k", s=12, zorder=3)
-    ax[1].axhline(results["warm_start"], color="gray", ls="--", lw=1)
-    ax[1].set_xticks(range(len(names)), names, rotation=20)
-    ax[1].set_ylabel("evaluation success rate")
-    ax[1].set_title("final policy, same environment episodes")
-    ax[1].grid(alpha=0.3, axis="y")
+    names = [m for m in ONLINE + OFFLINE
+             if any(k in seeds for k in results["methods"].get(m, {}))]  # fmt: skip
+    for a, part in ((ax[1], "train"), (ax[2], "heldout")):
+        for i, m in enumerate(names):
+            ys = [v["eval"][part] for k, v in results["methods"][m].items() if k in seeds]
+            a.bar(i, statistics.mean(ys), alpha=0.5, color=colors[i % len(colors)])
+            a.scatter([i] * len(ys), ys, color="k", s=12, zorder=3)
+        a.axhline(results["warm_start"][part], color="gray", ls="--", lw=1,
+                  label="warm start")  # fmt: skip
+        a.set_xticks(range(len(names)), names, rotation=25, fontsize=8)
+        a.set_ylabel("evaluation success rate (T=0.6)")
+        a.set_title(f"final policy, {'training' if part == 'train' else 'held-out'} tasks "
+                    "(dot = seed)")  # fmt: skip
+        a.grid(alpha=0.3, axis="y")
+        a.legend(fontsize=8)
     fig.tight_layout()
     path = out / "curves.png"
     fig.savefig(path, dpi=100)
@@ -329,12 +556,20 @@ def plot(out: Path, results: dict[str, Any]) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", default="runs/experiment", help="Output folder.")
-    p.add_argument("--seeds", default="0,1,2", help="Comma-separated seeds.")
-    p.add_argument("--methods", default=",".join(ONLINE + OFFLINE), help="Methods to run.")
-    p.add_argument("--iterations", type=int, default=16, help="Learner iterations per run.")
+    p.add_argument("--out", default="runs/experiment-r2", help="Output folder.")
+    p.add_argument("--seeds", default="1,2,3,4,5", help="Comma-separated seeds (0: selection).")
+    p.add_argument("--methods", default=",".join(DEFAULT_METHODS), help="Methods to run.")
+    p.add_argument("--families", default="click_button", help="Task families.")
+    p.add_argument("--per-family", type=int, default=16, help="Candidate tasks per family.")
+    p.add_argument("--heldout-per-family", type=int, default=8, help="Held-out per family.")
+    p.add_argument("--select-runs", type=int, default=8, help="select-tasks runs per task.")
+    p.add_argument("--sft-epochs", type=int, default=17, help="Warm-start epochs (at most).")
+    p.add_argument(
+        "--sft-target-nll", type=float, default=0.0, help="Warm-start target NLL (0: all epochs)."
+    )
+    p.add_argument("--iterations", type=int, default=24, help="Learner iterations per run.")
     p.add_argument("--groups", type=int, default=4, help="Groups of 4 episodes per iteration.")
-    p.add_argument("--staleness", type=int, default=3, help="learner.assemble.max_staleness.")
+    p.add_argument("--staleness", type=int, default=4, help="learner.assemble.max_staleness.")
     p.add_argument("--envs", type=int, default=4, help="Simulated desktops of the actor.")
     p.add_argument(
         "--format-weight",
@@ -343,7 +578,8 @@ def main(argv: list[str] | None = None) -> int:
         help="Online reward = checker score + this x format reward (0.5: the reference).",
     )
     p.add_argument("--eval-runs", type=int, default=4, help="Evaluation episodes per task.")
-    p.add_argument("--offline-lr", type=float, default=1e-4, help="arpo offline lr.")
+    p.add_argument("--offline-lr", type=float, default=1e-4, help="arpo offline lr (dpo, rft).")
+    p.add_argument("--kto-lr", type=float, default=1e-5, help="arpo offline lr of kto.")
     p.add_argument("--offline-epochs", type=int, default=2, help="arpo offline epochs.")
     p.add_argument("--report-only", action="store_true", help="Tables and plot from results.")
     p.add_argument(
@@ -356,21 +592,15 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out).resolve()
     args.out = str(out)
     out.mkdir(parents=True, exist_ok=True)
+    seeds = [int(x) for x in args.seeds.split(",") if x]
     res_path = out / "results.json"
     if args.report_only:
         results = json.loads(res_path.read_text())
+        results["seeds"] = seeds
         print(report(out, results))
         plot(out, results)
-        _save_as(out, args.save_as)
+        _save_as(out, args.save_as, results)
         return 0
-
-    from arpo.train import TrainConfig, TrainRun
-
-    base = TrainRun(TrainConfig(run_dir=str(out / "base")))
-    base.run_dir.mkdir(parents=True, exist_ok=True)
-    model = base.policy()
-    tasks = str(Path(base.task_pool()) / "sim")
-    seeds = [int(s) for s in args.seeds.split(",") if s]
     methods = [m for m in args.methods.split(",") if m]
     bad = sorted(set(methods) - set(ONLINE + OFFLINE))
     if bad:
@@ -378,50 +608,48 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = (
         json.loads(res_path.read_text()) if res_path.exists() else {"methods": {}}
     )
-    results.update(
-        seeds=sorted(set(results.get("seeds", [])) | set(seeds)),
-        eval_runs=args.eval_runs,
-        settings={k: v for k, v in vars(args).items() if k != "report_only"},
-    )
-    for m in ONLINE + OFFLINE:
-        results["methods"].setdefault(m, {})
-    results["warm_start"] = _rate(_eval(args, model, tasks, out / "warm_start_eval", 0))
 
     def save() -> None:
         res_path.write_text(json.dumps(results, indent=2))
 
+    s = setup(args, out)
+    results.update(
+        setup=s,
+        settings={k: v for k, v in vars(args).items() if k not in ("report_only", "seeds")},
+    )
+    results["seeds"] = seeds
+    for m in ONLINE + OFFLINE:
+        results["methods"].setdefault(m, {})
+    results["warm_start"] = _eval(args, s["model"], s, out / "warm_start_eval")
+    save()
     for seed in seeds:
         for m in methods:
             if m in ONLINE:
-                results["methods"][m][str(seed)] = _online(args, m, seed, model, tasks)
+                results["methods"][m][str(seed)] = _online(args, m, seed, s)
                 save()
-        if set(methods) & set(OFFLINE):
-            # At least as many episodes as any online method ran with this seed (the
-            # online actors also run the episodes of the last iterations' grants that
-            # are never trained on); the trained count when no online run exists.
+        algos = [m for m in OFFLINE if m in methods]
+        if algos:
             ran = [results["methods"][m][str(seed)]["episodes"] for m in ONLINE
                    if str(seed) in results["methods"][m]]  # fmt: skip
             budget = max(ran, default=args.iterations * args.groups * GROUP_SIZE)
-            for algo, r in _offline(args, seed, model, tasks, budget).items():
-                if algo in methods:
-                    results["methods"][algo][str(seed)] = r
+            for algo, r in _offline(args, seed, s, budget, algos).items():
+                results["methods"][algo][str(seed)] = r
             save()
-    save()
     print(report(out, results))
     print(plot(out, results))
-    _save_as(out, args.save_as)
+    _save_as(out, args.save_as, results)
     return 0
 
 
-def _save_as(out: Path, name: str) -> None:
+def _save_as(out: Path, name: str, results: dict[str, Any]) -> None:
     if not name:
         return
-    import shutil
-
     dest = Path(__file__).resolve().parent / "results"
     dest.mkdir(parents=True, exist_ok=True)
-    for src, ext in (("results.md", "md"), ("results.json", "json"), ("curves.png", "png")):
-        shutil.copyfile(out / src, dest / f"{name}.{ext}")
+    shutil.copyfile(out / "results.md", dest / f"{name}.md")
+    shutil.copyfile(out / "curves.png", dest / f"{name}.png")
+    keep = {**results, "contrasts": contrasts(results)}
+    (dest / f"{name}.json").write_text(json.dumps(keep, indent=2))
     log.info("copied to %s/%s.{md,json,png}", dest, name)
 
 
