@@ -95,9 +95,13 @@ def test_resume_gives_the_same_next_step_and_skips_a_corrupt_checkpoint(
     a = Learner(cfg)
     a.setup()
     put_groups(a, 3, seed=1)
+    saved: list[int] = []
+    save = a.save_checkpoint
+    a.save_checkpoint = lambda: saved.append(a.iteration) or save()  # type: ignore[method-assign]
     a.run()
     assert a.iteration == 3 and a.version == 3
     assert [int(p.name[5:]) for p in list_checkpoints(cfg.run_dir + "/checkpoints")] == [1, 2, 3]
+    assert saved == [1, 2, 3]  # the last iteration's checkpoint is not written again at the end
     uninterrupted = a.history[2]
 
     # Resume from iteration 2 (checkpoint 3 removed): the third step is the same.

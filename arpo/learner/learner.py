@@ -241,6 +241,8 @@ class Learner:
         self.version = 0
         self.task_stats = TaskStats()
         self.last_checkpoint: Path | None = None
+        self._checkpointed_at = -1
+        """The iteration of the newest checkpoint this process wrote (-1: none)."""
         self.trainer: Trainer | None = None
         self.store: Any = None
         self.ingest: Ingest | None = None
@@ -501,9 +503,12 @@ class Learner:
                     ahead = pool.submit(self._next_batch, self.version + 1, True)
                 last = self._iterate(batch) or last
             if self.iteration > 0:
-                self._finish_partial_batch()
-                self._announce("checkpoint")
-                self.save_checkpoint()
+                trained = self._finish_partial_batch()
+                # The last iteration's own checkpoint already holds everything when the
+                # stop found no groups taken for an incomplete batch.
+                if trained or self._checkpointed_at != self.iteration:
+                    self._announce("checkpoint")
+                    self.save_checkpoint()
         finally:
             if ahead is not None:
                 ahead.cancel()
@@ -514,18 +519,20 @@ class Learner:
             D.shutdown(self.info)
         return last
 
-    def _finish_partial_batch(self) -> None:
+    def _finish_partial_batch(self) -> bool:
         """At a stop: train the groups the assembler took for an incomplete batch (and
         record its drops). They are out of the store, so the final checkpoint would not
-        hold them, and its journal segment is past them: they would be lost."""
+        hold them, and its journal segment is past them: they would be lost. Whether
+        there was such a batch."""
         batch = self.assembler.flush(self.version)
         if batch is None:
-            return
+            return False
         if batch.samples:
             log.info("stop: training the %d group(s) of an incomplete batch", batch.groups)
             self._iterate(batch)
         else:
             self._record(batch)
+        return True
 
     def _may_prefetch(self) -> bool:
         """Whether the next batch may be taken out of the store while this step trains:
@@ -732,6 +739,7 @@ class Learner:
             ingest=self.ingest,
             keep=cfg.checkpoint.keep,
         )
+        self._checkpointed_at = self.iteration
         log.info("checkpoint %s", self.last_checkpoint)
         return self.last_checkpoint
 
