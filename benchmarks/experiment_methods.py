@@ -577,7 +577,7 @@ def main(argv: list[str] | None = None) -> int:
         default=0.5,
         help="Online reward = checker score + this x format reward (0.5: the reference).",
     )
-    p.add_argument("--eval-runs", type=int, default=4, help="Evaluation episodes per task.")
+    p.add_argument("--eval-runs", type=int, default=12, help="Evaluation episodes per task.")
     p.add_argument("--offline-lr", type=float, default=1e-4, help="arpo offline lr (dpo, rft).")
     p.add_argument("--kto-lr", type=float, default=1e-5, help="arpo offline lr of kto.")
     p.add_argument("--offline-epochs", type=int, default=2, help="arpo offline epochs.")
