@@ -541,7 +541,7 @@ def account(run_dir: Path, checkpoint: Path | None) -> dict[str, Any]:
     from arpo.actor.spool import SUFFIX, read_ledger
     from arpo.buffer import ReplayStore
     from arpo.learner.checkpoint import load_checkpoint
-    from arpo.service.ingest import list_segments, read_segment, segment_path
+    from arpo.service.journal import list_segments, read_segment, segment_path
 
     finished: dict[str, tuple[str, str]] = {}
     in_spool: set[str] = set()

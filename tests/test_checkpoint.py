@@ -40,7 +40,8 @@ from arpo.learner.checkpoint import (
     verify_checkpoint,
 )
 from arpo.policy.tiny import build_tiny_model
-from arpo.service.ingest import Ingest, IngestConfig, list_segments
+from arpo.service.ingest import Ingest, IngestConfig
+from arpo.service.journal import list_segments
 from arpo.transport import TransportConfig, connect_dealer
 
 TIMEOUT_S = 60.0

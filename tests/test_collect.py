@@ -18,7 +18,7 @@ from arpo.config import load_config, validate
 from arpo.errors import ArpoError, ConfigError
 from arpo.pool.collect import CollectConfig, load_outcomes, run_collect
 from arpo.record import Trajectory
-from arpo.service.ingest import list_segments, read_collection, segment_path
+from arpo.service.journal import list_segments, read_collection, segment_path
 
 FAMILIES = POOL_FAMILIES
 LOOPBACK = loopback()

@@ -29,15 +29,8 @@ from arpo.buffer import ReplayStore
 from arpo.config import validate
 from arpo.errors import ConfigError
 from arpo.record import Status, Trajectory
-from arpo.service.ingest import (
-    Ingest,
-    IngestConfig,
-    Journal,
-    list_segments,
-    read_segment,
-    replay_journal,
-    segment_path,
-)
+from arpo.service.ingest import Ingest, IngestConfig
+from arpo.service.journal import Journal, list_segments, read_segment, replay_journal, segment_path
 from arpo.transport import TransportConfig, connect_dealer
 
 TIMEOUT_S = 30.0

@@ -111,7 +111,7 @@ ONE_WAY = [
     ("arpo.service", "arpo.learner", (), "the services serve the learner and the pool runs"),
     ("arpo.service", "arpo.pool", (), "the services serve the learner and the pool runs"),
     ("arpo.learner", "arpo.pool", (), "training reads task pools, selections and collections "
-     "through arpo.env.task and arpo.service.ingest, not through the runs that write them"),
+     "through arpo.env.task and arpo.service.journal, not through the runs that write them"),
     ("arpo.pool", "arpo.learner", ("arpo.learner.checkpoint",),
      "a pool run reads the checkpoints it evaluates, and nothing of training"),
 ]  # fmt: skip
@@ -124,7 +124,9 @@ def _inside(module: str, package: str) -> bool:
 def test_the_services_the_learner_and_the_pool_runs_import_one_way() -> None:
     g = import_graph()
     # the rules see what they are about
-    assert {"arpo.service.grants", "arpo.service.ingest"} <= g["arpo.learner.learner"]
+    assert {"arpo.service.grants", "arpo.service.ingest", "arpo.service.journal"} <= g[
+        "arpo.learner.learner"
+    ]
     assert {"arpo.service.grants", "arpo.service.ingest"} <= g["arpo.pool.rollouts"]
     assert "arpo.learner.checkpoint" in g["arpo.pool.rollouts"]
     broken = [

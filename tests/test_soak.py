@@ -50,7 +50,7 @@ from arpo.learner.checkpoint import load_checkpoint
 from arpo.learner.learner import LearnerConfig
 from arpo.learner.metrics import read_metrics
 from arpo.policy.tiny import build_tiny_model
-from arpo.service.ingest import list_segments, read_segment, segment_path
+from arpo.service.journal import list_segments, read_segment, segment_path
 from arpo.synthetic import random_response, screenshot_png, synthetic_trajectory
 from arpo.train import TrainRun
 from arpo.transport import connect_dealer

@@ -11,12 +11,17 @@ from arpo.env.runner import EvalResult, RunnerConfig, TaskRunner, unsupported
 from arpo.env.task import (
     Evaluator,
     GetterSpec,
+    PoolTask,
     Step,
     Task,
     load_index,
+    load_pool,
+    load_selection,
     load_task,
+    load_task_pool,
     load_task_set,
     load_tasks,
+    task_domain,
 )
 
 __all__ = [
@@ -26,13 +31,18 @@ __all__ = [
     "Evaluator",
     "ExecResult",
     "GetterSpec",
+    "PoolTask",
     "RunnerConfig",
     "Step",
     "Task",
     "TaskRunner",
     "load_index",
+    "load_pool",
+    "load_selection",
     "load_task",
+    "load_task_pool",
     "load_task_set",
     "load_tasks",
+    "task_domain",
     "unsupported",
 ]

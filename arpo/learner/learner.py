@@ -82,7 +82,8 @@ from arpo.learner.metrics import MetricsConfig, MetricsLogger, ProgressLine, Spa
 from arpo.learner.trainer import Trainer, TrainerConfig
 from arpo.record import Status
 from arpo.service.grants import GrantBook, GrantConfig, GrantServer
-from arpo.service.ingest import Ingest, IngestConfig, read_collection
+from arpo.service.ingest import Ingest, IngestConfig
+from arpo.service.journal import read_collection
 from arpo.transport import TransportConfig
 
 log = logging.getLogger("arpo.learner")

@@ -5,10 +5,10 @@
     split = split_outcomes(trajs, success_score=1.0)
     pairs, report = dpo_pairs(split, mode="all", max_pairs_per_task=16, seed=0)
 
-On disk a folder holds journal segments (`journal-<n>.log`, `arpo.service.ingest.Journal`),
+On disk a folder holds journal segments (`journal-<n>.log`, `arpo.service.journal.Journal`),
 each record one trajectory's wire frames (`arpo.wire.encode`): the format the learner's
 ingest journal and `arpo collect` write, so one reader
-(`arpo.service.ingest.read_collection`) serves demonstrations and collections; it
+(`arpo.service.journal.read_collection`) serves demonstrations and collections; it
 skips, counts and logs torn or corrupt records.
 
 Outcomes: only `ok` trajectories count (environment and checker failures say nothing
@@ -26,7 +26,7 @@ from pathlib import Path
 
 from arpo import wire
 from arpo.record import Status, Trajectory
-from arpo.service.ingest import Journal, read_collection
+from arpo.service.journal import Journal, read_collection
 
 log = logging.getLogger("arpo.offline.data")
 
@@ -46,7 +46,7 @@ def write_trajectories(folder: str | Path, trajs: Iterable[Trajectory]) -> int:
 
 def read_trajectories(folder: str | Path) -> Iterator[Trajectory]:
     """The trajectories of a demonstration or collection folder, in the order stored
-    (`arpo.service.ingest.read_collection`: the folder's segments, or those of its
+    (`arpo.service.journal.read_collection`: the folder's segments, or those of its
     trajectories/ sub-folder)."""
     return read_collection(folder)
 

@@ -8,7 +8,7 @@ rollout sampling (DESIGN: temperature 1.0, top_p 1.0):
         'local_actor_args=["sim_envs=4"]'
     arpo collect model=runs/learner/checkpoints tasks=...    # the newest valid checkpoint
 
-    for traj in read_collection("runs/collect-base"):  # arpo.service.ingest: Trajectory records
+    for traj in read_collection("runs/collect-base"):  # arpo.service.journal: Trajectory records
         ...
     outcomes = load_outcomes("runs/collect-base")
 
@@ -18,7 +18,7 @@ The local actor (on by default) gets `engine.model`, `episode.temperature` and
 Layout of `<out>/`:
 
 - `trajectories/journal-<n:08d>.log`: the ingest's write-ahead journal
-  (`arpo.service.ingest`), one record per stored trajectory: the wire-encoded message
+  (`arpo.service.journal`), one record per stored trajectory: the wire-encoded message
   (`arpo.wire`, the frames it arrived in) framed as
   `b"ARJ1", n_frames u32, payload u64 | frame lengths u64 | frames | crc32`. Only `ok`
   episodes are stored, each once (a resend of the same trajectory id, or a surplus
@@ -66,7 +66,8 @@ from arpo.pool.rollouts import (
     run_pool,
     with_overrides,
 )
-from arpo.service.ingest import TRAJECTORIES, IngestConfig, list_segments, segment_path
+from arpo.service.ingest import IngestConfig
+from arpo.service.journal import TRAJECTORIES, list_segments, segment_path
 
 log = logging.getLogger("arpo.pool.collect")
 

@@ -62,7 +62,8 @@ from arpo.pool.rollouts import (
     run_command,
     run_pool,
 )
-from arpo.service.ingest import IngestConfig, list_segments
+from arpo.service.ingest import IngestConfig
+from arpo.service.journal import list_segments
 
 __all__ = [
     "SelectConfig",

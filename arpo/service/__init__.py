@@ -1,7 +1,9 @@
 """The learner host's network services, used by the training loop and by the pool runs.
 
 - `ingest`: the receiving end of the data link: trajectories in, journaled, stored,
-  acknowledged; the journal format and its readers;
+  acknowledged;
+- `journal`: the write-ahead journal's format, its writer and its readers (also the
+  on-disk form of collections and demonstrations: `read_collection`);
 - `grants`: the server of the control link: task grants (which episode each actor runs
   next, staleness admission), weights and heartbeats.
 
