@@ -71,6 +71,9 @@ def test_a_short_training_run_raises_the_success_rate(tmp_path: Path) -> None:
                               "episode.max_steps=4", "episode.max_new_tokens=48"],
             progress_s=0,
             timeout_s=900,
+            # As arpo train's evaluations: an episode the actor abandons (an engine error)
+            # leaves its grant undelivered; it goes out again after 2 minutes, not 30.
+            grant_timeout_s=120.0,
         )
     )  # fmt: skip
     kept = tmp_path / "kept"
