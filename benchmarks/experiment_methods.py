@@ -467,6 +467,9 @@ def report(out: Path, results: dict[str, Any]) -> str:
         "",
         "Paired differences (same seed), points; 95 % t-interval over the seeds:",
         "",
+        "(The warm start is one evaluation shared by every seed: its own noise, about 5 "
+        "points on the training tasks, is not in the intervals of the `- warm_start` rows.)",
+        "",
         "| difference | tasks | mean | 95 % CI | per seed | seeds |",
         "|---|---|---|---|---|---|",
     ]
@@ -482,10 +485,11 @@ def report(out: Path, results: dict[str, Any]) -> str:
     lines += [
         "",
         "Drift of the online runs (over all their iterations and seeds): per-sequence "
-        "log-ratio pi_prox - mu of fresh and of replayed trajectories (min .. max), the "
-        "replay weight on low-probability tokens (min .. max), stale drops:",
+        "log-ratio pi_prox - mu of fresh and of replayed trajectories (min .. max), "
+        "exp(pi_prox - mu) before truncation on replayed decision tokens (behaviour "
+        "probability < 0.9; the uncorrected run computes it but trains with 1), stale drops:",
         "",
-        "| method | fresh log-ratio | replayed log-ratio | replay weight (p < 0.5 tokens) | "
+        "| method | fresh log-ratio | replayed log-ratio | replay exp(pi_prox - mu), p < 0.9 | "
         "dropped stale | prefilled successes |",
         "|---|---|---|---|---|---|",
     ]
