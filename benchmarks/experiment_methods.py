@@ -1,9 +1,10 @@
 """The learning experiment: does ARPO's replay help? Paired seeds, task selection, held-out tasks.
 
     .venv/bin/python benchmarks/experiment_methods.py --out runs/experiment-r2 \\
-        --save-as experiment-<date>                                # the reported seeds 1-5
-    .venv/bin/python benchmarks/experiment_methods.py --out runs/experiment-r2 --seeds 0 \\
-        --save-as experiment-<date>-selection                     # the selection seed
+        --save-as experiment-<date>                                # seeds 1-5, every method
+    .venv/bin/python benchmarks/experiment_methods.py --out runs/exp-dry --seeds 7 \\
+        --per-family 2 --heldout-per-family 1 --select-runs 2 --iterations 2 --eval-runs 1
+                                                                   # a dry run of every step
     .venv/bin/python benchmarks/experiment_methods.py --out runs/experiment-r2 --report-only
 
 Every step below is skipped when its output exists, so an interrupted experiment

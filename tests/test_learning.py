@@ -13,8 +13,8 @@ points.
 
 Measured: the same pipeline is the learning experiment's `arpo` method
 (benchmarks/experiment_methods.py, README "The learning experiment"), whose selection
-kept 6 tasks (warm start 22.2 %): the trained policies read 81.9, 79.2, 77.8 and 80.6 %
-on seeds 1-4, plain GRPO 12.5-56.9 %. This test's first run kept 6 other tasks (the
+kept 6 tasks (warm start 22.2 %): the trained policies read 81.9, 79.2, 77.8, 80.6 and
+65.3 % on seeds 1-5, plain GRPO 12.5-56.9 %. This test's first run kept 6 other tasks (the
 selection samples): 28.1 % -> 58.3 % (+30.2, standard error 6.8). An earlier version
 trained on 4 generated tasks without selection, two of which the warm start almost never
 solved, and gained +31.2, +15.6 and once +1.6 against its margin of 10.
