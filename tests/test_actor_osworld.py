@@ -113,8 +113,10 @@ def test_actor_with_own_never_asks_osworld(learner_factory, tmp_path, caplog):  
     lr = learner_factory(TASKS, GrantConfig(group_size=2, groups_per_step=2, max_staleness=0))
     caplog.set_level(logging.WARNING, logger="arpo.actor.episode")
     actor, most, _ = run_actor(lr, tmp_path, ActorRunnerConfig(evaluator="own"), 4, 2)
-    assert actor.stats.by_status == {"eval_error": 4}, actor.stats
-    assert lr.stored() == 0 and lr.ingest.stats().get("excluded_eval_error", 0) == 4
+    # max_episodes stops new episodes; one already running on the other desktop may finish.
+    n = actor.stats.by_status.get("eval_error", 0)
+    assert set(actor.stats.by_status) == {"eval_error"} and 4 <= n <= 5, actor.stats
+    assert lr.stored() == 0 and lr.ingest.stats().get("excluded_eval_error", 0) == n
     assert "metric 'check_direct_json_object' is not implemented" in caplog.text
     assert most == 0 and actor.osworld is not None and actor.osworld.starts == 0
 
