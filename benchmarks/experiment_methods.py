@@ -40,7 +40,12 @@ nothing else should run on the machine.
    - `arpo_uncorrected`: replayed successes trained as the reference does (weight 1:
      `learner.trainer.loss.correct_replay=false`);
    - `arpo_nofloor` (not in the default set): the correction without the floor
-     (`replay_w_min=0`, weights in [0, 2]).
+     (`replay_w_min=0`, weights in [0, 2]);
+   - `arpo_stale`, `arpo_uncorrected_stale` (not in the default set): `arpo` and
+     `arpo_uncorrected` under heavy staleness: the actors apply each new policy version
+     `--weights-delay` seconds late (`actor.weights_delay_s`, a slow weight transfer as
+     with a large model over the network), so they sample with policies several
+     versions behind the learner (measured: the drift table's staleness columns).
    Offline, from at least as many environment episodes: one `arpo collect` of the warm
    start per seed on the training tasks at temperature 1 (as many episodes per task as
    the most any online method of that seed ran, counting the episodes its actors ran
@@ -75,7 +80,15 @@ from typing import Any
 
 log = logging.getLogger("experiment")
 
-ONLINE = ("grpo", "arpo", "arpo_prefill", "arpo_uncorrected", "arpo_nofloor")
+ONLINE = (
+    "grpo",
+    "arpo",
+    "arpo_prefill",
+    "arpo_uncorrected",
+    "arpo_nofloor",
+    "arpo_stale",
+    "arpo_uncorrected_stale",
+)
 OFFLINE = ("dpo", "kto", "rft")
 DEFAULT_METHODS = ("grpo", "arpo", "arpo_prefill", "arpo_uncorrected", "dpo", "kto", "rft")
 GROUP_SIZE = 4
@@ -90,6 +103,8 @@ CONTRASTS = (
     ("arpo_prefill", "grpo"),
     ("arpo", "arpo_uncorrected"),
     ("arpo_nofloor", "arpo_uncorrected"),
+    ("arpo_stale", "arpo_uncorrected_stale"),
+    ("arpo_stale", "arpo"),
     ("rft", "grpo"),
     ("rft", "arpo"),
     ("dpo", "warm_start"),
@@ -238,6 +253,9 @@ def _eval(args: argparse.Namespace, policy: str, s: dict[str, Any], out: Path) -
 def _train_config(args: argparse.Namespace, method: str, seed: int, s: dict[str, Any]):
     from arpo.train import TrainConfig
 
+    stale = method.endswith("_stale")
+    base = method.removesuffix("_stale")
+
     cfg = TrainConfig(
         run_dir=str(Path(args.out) / "runs" / f"{method}-s{seed}"),
         model=s["model"],
@@ -252,13 +270,13 @@ def _train_config(args: argparse.Namespace, method: str, seed: int, s: dict[str,
     la = cfg.learner
     replay = replace(
         la.assemble.replay,
-        enabled=method != "grpo",
-        prefill=s["kept"] if method == "arpo_prefill" else "",
+        enabled=base != "grpo",
+        prefill=s["kept"] if base == "arpo_prefill" else "",
     )
     loss = replace(
         la.trainer.loss,
-        correct_replay=method != "arpo_uncorrected",
-        replay_w_min=0.0 if method == "arpo_nofloor" else la.trainer.loss.replay_w_min,
+        correct_replay=base != "arpo_uncorrected",
+        replay_w_min=0.0 if base == "arpo_nofloor" else la.trainer.loss.replay_w_min,
     )
     la = replace(
         la,
@@ -275,7 +293,13 @@ def _train_config(args: argparse.Namespace, method: str, seed: int, s: dict[str,
     )
     # The learner is gone when the actors are stopped: nothing would acknowledge a flush.
     episode = replace(cfg.actor.episode, format_weight=args.format_weight)
-    return replace(cfg, learner=la, actor=replace(cfg.actor, episode=episode, flush_deadline_s=5.0))
+    actor = replace(
+        cfg.actor,
+        episode=episode,
+        flush_deadline_s=5.0,
+        weights_delay_s=args.weights_delay if stale else 0.0,
+    )
+    return replace(cfg, learner=la, actor=actor)
 
 
 def _values(rows: list[dict], key: str) -> list[float]:
@@ -417,6 +441,12 @@ def report(out: Path, results: dict[str, Any]) -> str:
     st = results["settings"]
     w = results["warm_start"]
     seeds = [str(x) for x in results["seeds"]]
+    stale = (
+        f" The *_stale methods: each policy version reaches the actors {st['weights_delay']} s "
+        "late."
+        if "weights_delay" in st
+        else ""
+    )
     lines = [
         f"Tasks: {st['families']} x {st['per_family']} candidates (task seed 0); task "
         f"selection (warm start, {st['select_runs']} runs per task at T=1, >= 1 success) kept "
@@ -429,7 +459,7 @@ def report(out: Path, results: dict[str, Any]) -> str:
         f"Online: {st['iterations']} iterations x {st['groups']} groups x {GROUP_SIZE} "
         f"episodes, max staleness {st['staleness']}, {st['envs']} desktops, reward = checker "
         f"score + {st['format_weight']} x format reward. Offline: lr {st['offline_lr']} "
-        f"(KTO {st['kto_lr']}), {st['offline_epochs']} epochs. Seeds: {', '.join(seeds)}.",
+        f"(KTO {st['kto_lr']}), {st['offline_epochs']} epochs. Seeds: {', '.join(seeds)}." + stale,
         "",
         "| method | training tasks, mean (%) | per seed | held-out, mean (%) | per seed | "
         "episodes run (trained) | replay hits / triggered | staleness mean / max |",
@@ -576,6 +606,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--groups", type=int, default=4, help="Groups of 4 episodes per iteration.")
     p.add_argument("--staleness", type=int, default=4, help="learner.assemble.max_staleness.")
     p.add_argument("--envs", type=int, default=4, help="Simulated desktops of the actor.")
+    p.add_argument(
+        "--weights-delay",
+        type=float,
+        default=12.0,
+        help="Seconds each new policy version reaches the actors late in the *_stale methods.",
+    )
     p.add_argument(
         "--format-weight",
         type=float,
