@@ -13,7 +13,9 @@ The loop (the ARPO reference's, asynchronous per environment):
    sampled response (token ids + behaviour log-probs + the policy version that
    produced them + the temperature and top_p they were drawn with: the grant's when it
    carries them, else `EpisodeConfig`'s), parse (`try_parse_response`), execute the commands; the episode
-   ends on DONE / FAIL, on a parse failure (format reward -1) or at the step limit;
+   ends on DONE / FAIL, on a parse failure (format reward -1; a response holding an
+   <|image_pad|> token counts as one, since no next prompt can hold it) or at the step
+   limit;
 3. evaluate with the task's checker; reward = checker score + `format_weight` * format
    reward.
 
@@ -231,8 +233,20 @@ async def run_episode(
             async with asyncio.timeout(cfg.step_timeout_s):
                 comp = await episode.generate(ids, images, params)
             timings["policy"] += time.perf_counter() - t0
-            parsed = A.try_parse_response(comp.text, frame, config=action_cfg)
             response = np.asarray(comp.token_ids, np.int32)
+            if (response == prompt.image_pad).any():
+                # The next turn's prompt would hold an image placeholder without a
+                # screenshot (no engine can run it, no learner can train it): the episode
+                # ends here as on any unparsable response.
+                log.warning(
+                    "grant %s: the response holds <|image_pad|>; ended as a parse failure",
+                    grant.grant_id,
+                )
+                parsed = A.ParsedResponse(
+                    text=comp.text, parsed=False, error="the response holds <|image_pad|>"
+                )
+            else:
+                parsed = A.try_parse_response(comp.text, frame, config=action_cfg)
             turns.append(
                 Turn(
                     prompt_ids=prompt_ids,
