@@ -192,6 +192,16 @@ class TrainConfig:
                     f"log-probs are the ones it scores; set learner.trainer.{name} only",
                 )
 
+    def pool_actor_args(self) -> list[str]:
+        """Options of the local actor of an evaluation, selection or collection of this run's
+        simulated tasks: this run's desktops per actor and episode limits (steps, tokens)."""
+        ep = self.actor.episode
+        return [
+            f"sim_envs={max(1, self.sim_envs_per_actor)}",
+            f"episode.max_steps={ep.max_steps}",
+            f"episode.max_new_tokens={ep.max_new_tokens}",
+        ]
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -441,11 +451,7 @@ class TrainRun:
                 # lost (once seen: one of 128 grants of an evaluation never ran) and goes
                 # to the actor again instead of stalling the run for the default 30 min.
                 grant_timeout_s=120.0,
-                local_actor_args=[
-                    f"sim_envs={max(1, cfg.sim_envs_per_actor)}",
-                    f"episode.max_steps={cfg.actor.episode.max_steps}",
-                    f"episode.max_new_tokens={cfg.actor.episode.max_new_tokens}",
-                ],
+                local_actor_args=cfg.pool_actor_args(),
                 progress_s=0,
                 transport=replace(
                     cfg.learner.transport,

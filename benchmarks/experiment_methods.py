@@ -132,13 +132,7 @@ def _actor_args(args: argparse.Namespace) -> list[str]:
     """The local actor of eval / collect / select: the online runs' episode limits."""
     from arpo.train import TrainConfig
 
-    ep = TrainConfig().actor.episode
-    return [
-        f"sim_envs={args.envs}",
-        f"episode.max_steps={ep.max_steps}",
-        f"episode.max_new_tokens={ep.max_new_tokens}",
-        "progress_s=0",
-    ]
+    return [*TrainConfig(sim_envs_per_actor=args.envs).pool_actor_args(), "progress_s=0"]
 
 
 def _copy_tasks(ids: list[str], src: Path, dest: Path) -> None:

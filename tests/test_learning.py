@@ -64,7 +64,6 @@ def test_a_short_training_run_raises_the_success_rate(tmp_path: Path) -> None:
     base.run_dir.mkdir(parents=True)
     warm = base.policy()
     pool = Path(base.task_pool()) / "sim"
-    ep = base.config.actor.episode
     sel = run_selection(
         SelectConfig(
             tasks=str(pool),
@@ -72,10 +71,9 @@ def test_a_short_training_run_raises_the_success_rate(tmp_path: Path) -> None:
             out=str(tmp_path / "selection.json"),
             transport=loopback(),
             local_actor=True,
-            # The episode limits of arpo train's actors, as its evaluations use.
-            local_actor_args=["sim_envs=4", f"engine.model={warm!r}", "progress_s=0",
-                              f"episode.max_steps={ep.max_steps}",
-                              f"episode.max_new_tokens={ep.max_new_tokens}"],
+            # The desktops and episode limits of arpo train's actors, as its evaluations use.
+            local_actor_args=[*base.config.pool_actor_args(), f"engine.model={warm!r}",
+                              "progress_s=0"],
             progress_s=0,
             timeout_s=900,
             # As arpo train's evaluations: an episode the actor abandons (an engine error)

@@ -309,7 +309,7 @@ class GroupAssembler:
                 log.warning("dropping trajectory %s of task %s: %s", traj.trajectory_id, task,
                             why)  # fmt: skip
                 continue
-            if traj.checker_score > cfg.replay.admit_score_above:
+            if cfg.replay.admits(traj.status, traj.checker_score):
                 successes.append(item)  # enters the buffer below, whatever its age
             if traj.min_version < version - cfg.max_staleness:
                 counts["data/dropped_stale"] += 1

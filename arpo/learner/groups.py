@@ -62,6 +62,11 @@ class ReplayConfig:
         "'' = start empty (the reference).",
     )
 
+    def admits(self, status: str, checker_score: float) -> bool:
+        """Whether an episode enters its task's buffer: `ok` and checker score above
+        `admit_score_above` (the assembler's rule, and the pre-fill's)."""
+        return status == "ok" and checker_score > self.admit_score_above
+
     def validate(self) -> None:
         if self.capacity < 1:
             fail("capacity", "must be at least 1")

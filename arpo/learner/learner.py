@@ -80,7 +80,6 @@ from arpo.learner.distributed import DistConfig
 from arpo.learner.groups import ReplayConfig
 from arpo.learner.metrics import MetricsConfig, MetricsLogger, ProgressLine, Spans, TaskStats
 from arpo.learner.trainer import Trainer, TrainerConfig
-from arpo.record import Status
 from arpo.service.grants import GrantBook, GrantConfig, GrantServer
 from arpo.service.ingest import Ingest, IngestConfig
 from arpo.service.journal import read_collection
@@ -200,7 +199,7 @@ def prefill_replay(store: Any, path: str, tasks: set[str], replay: ReplayConfig)
     order they were kept (FIFO: beyond `replay.capacity` a task keeps its newest); the count.
 
     A success is an `ok` episode with checker score > `replay.admit_score_above`, the
-    assembler's admission rule. Episodes of other tasks are skipped; records that do not
+    assembler's admission rule (`ReplayConfig.admits`). Episodes of other tasks are skipped; records that do not
     decode are skipped by `read_collection` (logged). A picked success the learner cannot
     train (other sampling settings, a bad record) is evicted at its first pick, as any.
     Raises `ConfigError` naming the field when `path` holds no collection.
@@ -211,7 +210,7 @@ def prefill_replay(store: Any, path: str, tasks: set[str], replay: ReplayConfig)
         for traj in read_collection(path, counts):
             if traj.task_id not in tasks:
                 counts["other_task"] += 1
-            elif traj.status != Status.OK or traj.checker_score <= replay.admit_score_above:
+            elif not replay.admits(traj.status, traj.checker_score):
                 counts["not_success"] += 1
             else:
                 store.add_success(traj.task_id, wire.to_item(traj))
