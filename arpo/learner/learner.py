@@ -199,9 +199,10 @@ def prefill_replay(store: Any, path: str, tasks: set[str], replay: ReplayConfig)
     order they were kept (FIFO: beyond `replay.capacity` a task keeps its newest); the count.
 
     A success is an `ok` episode with checker score > `replay.admit_score_above`, the
-    assembler's admission rule (`ReplayConfig.admits`). Episodes of other tasks are skipped; records that do not
-    decode are skipped by `read_collection` (logged). A picked success the learner cannot
-    train (other sampling settings, a bad record) is evicted at its first pick, as any.
+    assembler's admission rule (`ReplayConfig.admits`). Episodes of other tasks are
+    skipped; records that do not decode are skipped by `read_collection` (logged). A picked
+    success the learner cannot train (other sampling settings, a bad record) is evicted at
+    its first pick, as any.
     Raises `ConfigError` naming the field when `path` holds no collection.
     """
     counts: collections.Counter[str] = collections.Counter()
