@@ -42,10 +42,13 @@ nothing else should run on the machine.
    - `arpo_nofloor` (not in the default set): the correction without the floor
      (`replay_w_min=0`, weights in [0, 2]);
    - `arpo_stale`, `arpo_uncorrected_stale` (not in the default set): `arpo` and
-     `arpo_uncorrected` under heavy staleness: the actors apply each new policy version
-     `--weights-delay` seconds late (`actor.weights_delay_s`, a slow weight transfer as
-     with a large model over the network), so they sample with policies several
-     versions behind the learner (measured: the drift table's staleness columns).
+     `arpo_uncorrected` under heavy staleness: the learner takes `--step-delay` seconds
+     longer per step (`learner.step_delay_s`, a slower learner as with a large model),
+     so the actors run ahead to the admission bound and trajectories wait in the store
+     for up to `--staleness` versions before they are trained (measured: the drift
+     table's staleness columns). A slow weight transfer (`actor.weights_delay_s`) does
+     not do it: a grant asks for the learner's version at the time it is issued, and
+     the actor waits for those weights before the episode starts.
    Offline, from at least as many environment episodes: one `arpo collect` of the warm
    start per seed on the training tasks at temperature 1 (as many episodes per task as
    the most any online method of that seed ran, counting the episodes its actors ran
@@ -287,12 +290,9 @@ def _train_config(args: argparse.Namespace, method: str, seed: int, s: dict[str,
     )
     # The learner is gone when the actors are stopped: nothing would acknowledge a flush.
     episode = replace(cfg.actor.episode, format_weight=args.format_weight)
-    actor = replace(
-        cfg.actor,
-        episode=episode,
-        flush_deadline_s=5.0,
-        weights_delay_s=args.weights_delay if stale else 0.0,
-    )
+    if stale:
+        la = replace(la, step_delay_s=args.step_delay)
+    actor = replace(cfg.actor, episode=episode, flush_deadline_s=5.0)
     return replace(cfg, learner=la, actor=actor)
 
 
@@ -436,9 +436,8 @@ def report(out: Path, results: dict[str, Any]) -> str:
     w = results["warm_start"]
     seeds = [str(x) for x in results["seeds"]]
     stale = (
-        f" The *_stale methods: each policy version reaches the actors {st['weights_delay']} s "
-        "late."
-        if "weights_delay" in st
+        f" The *_stale methods: the learner takes {st['step_delay']} s longer per step."
+        if "step_delay" in st
         else ""
     )
     lines = [
@@ -601,10 +600,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--staleness", type=int, default=4, help="learner.assemble.max_staleness.")
     p.add_argument("--envs", type=int, default=4, help="Simulated desktops of the actor.")
     p.add_argument(
-        "--weights-delay",
+        "--step-delay",
         type=float,
-        default=12.0,
-        help="Seconds each new policy version reaches the actors late in the *_stale methods.",
+        default=6.0,
+        help="Extra seconds per learner step in the *_stale methods (learner.step_delay_s).",
     )
     p.add_argument(
         "--format-weight",

@@ -116,6 +116,12 @@ class LearnerConfig:
         "Take the next batch out of the store and make its pixels while the current step "
         "trains (not before a checkpoint or the last step; see Learner._may_prefetch).",
     )
+    step_delay_s: float = option(
+        0.0,
+        "Extra seconds after each step before its weights are published: a slower learner "
+        "(as with a large model), so the actors run ahead up to the staleness bound; for "
+        "staleness experiments and tests, 0 in real runs.",
+    )
     store_max_bytes: int = option(8 << 30, "Byte budget of the replay store.")
     store_fresh_capacity: int = option(
         1024, "Fresh trajectories kept per task before the oldest are evicted."
@@ -149,6 +155,8 @@ class LearnerConfig:
             fail("iterations", "must be >= 0 (0: until stopped)")
         if self.publish_keep < 1:
             fail("publish_keep", "must be >= 1")
+        if not self.step_delay_s >= 0:
+            fail("step_delay_s", "must be >= 0 seconds")
         if self.store_fresh_capacity < self.assemble.group_size:
             fail("store_fresh_capacity", "must be at least assemble.group_size")
         default = GrantConfig()
@@ -582,6 +590,8 @@ class Learner:
         self._announce("step", _pack(batch.samples), ckpt_due)
         with self.spans("step"):
             m = self.trainer.step(batch)
+            if cfg.step_delay_s:
+                time.sleep(cfg.step_delay_s)
         self.version += 1
         self.iteration += 1
         with self.spans("publish"):
