@@ -257,6 +257,34 @@ def test_no_episode_starts_with_weights_older_than_its_grant(tmp_path, tiny_dir,
     assert waits and int(waits.group(1)) >= 3, log_text[-3000:]
 
 
+def test_a_slow_learner_trains_trajectories_up_to_the_staleness_bound(
+    tmp_path, tiny_dir, sim_tasks_file
+):
+    """A learner slower than its actor (here as a large model's is, `step_delay_s` on each
+    step; the tiny model's actor is faster anyway): the actor runs ahead to the admission
+    bound, and the trained trajectories are as stale as max_staleness allows, never staler.
+    The experiment's heavy-staleness arms run this way."""
+    cfg = config(tmp_path, tiny_dir, sim_tasks_file, iterations=5, step_delay_s=1.0,
+                 assemble=AssembleConfig(group_size=2, groups_per_step=2, max_staleness=2))  # fmt: skip
+    learner = Learner(cfg)
+    learner.setup()
+    actor_log = tmp_path / "actor.log"
+    with actor_log.open("wb") as out:
+        actor = subprocess.Popen(
+            actor_args(learner, tiny_dir, tmp_path), stdout=out, stderr=out, env={**os.environ}
+        )
+    try:
+        learner.run()
+    finally:
+        actor.send_signal(signal.SIGTERM)
+        rc = actor.wait(timeout=120)
+    assert rc == 0, actor_log.read_text()[-3000:]
+    rows = read_metrics(Path(cfg.run_dir) / "metrics.jsonl")
+    assert len(rows) == 5 and all(r["time/step_s"] >= 1.0 for r in rows)
+    assert max(r["charts/staleness_max"] for r in rows) == 2
+    assert rows[-1]["charts/staleness_mean"] >= 1.5, [r["charts/staleness_mean"] for r in rows]
+
+
 def test_config_errors_name_the_field(tmp_path, tiny_dir, sim_tasks_file):
     with pytest.raises(ConfigError, match="tasks"):
         Learner(LearnerConfig(trainer=TrainerConfig(model=str(tiny_dir))))
