@@ -10,6 +10,15 @@ warm start and its final checkpoint with the same protocol (`eval_runs_per_task`
 episodes per simulated task at temperature 0.6) and writes both to its summary.json;
 this script collects them with the wall time of the whole run. A finished seed is not
 run again (delete its folder to redo it).
+
+    .venv/bin/python benchmarks/demo_runs.py --seeds 6,7 --out runs/demo-seeds-90 \
+        --extra learner.iterations=90 --eval-at 1.0
+
+`--extra` appends arpo train arguments to the Makefile's (a variant of the demo, named in
+the table's header). `--eval-at T` also evaluates each seed's warm start and final
+checkpoint at temperature T (the rollouts' is 1.0; the demo's own evaluations use 0.6)
+with otherwise the same protocol (`arpo eval`, the run's tasks, `eval_runs_per_task`
+episodes per task, arpo train's actor settings), once per seed (kept in the run folder).
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ import json
 import math
 import re
 import shlex
+import socket
 import statistics
 import subprocess
 import sys
@@ -36,16 +46,54 @@ def demo_args() -> list[str]:
     return [a for a in shlex.split(m.group(1)) if not a.startswith("run_dir=")]
 
 
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def eval_at(run_dir: Path, base: list[str], temperature: float) -> dict[str, dict]:
+    """`arpo eval` of the run's warm start and final checkpoint at `temperature` (cached)."""
+    from arpo.learner.checkpoint import latest_checkpoint
+    from arpo.train import TrainConfig
+
+    runs = next((a.split("=", 1)[1] for a in base if a.startswith("eval_runs_per_task=")), "16")
+    ckpt = latest_checkpoint(run_dir / "learner" / "checkpoints", verify=False)
+    out: dict[str, dict] = {}
+    for name, policy in (("warm", f"model={str(run_dir / 'sft')!r}"),
+                         ("trained", f"checkpoint={str(ckpt)!r}")):  # fmt: skip
+        dest = run_dir / f"eval_T{temperature:g}_{name}"
+        if not (dest / "eval.json").exists():
+            actor = [*TrainConfig().pool_actor_args(), "progress_s=0"]
+            cmd = [sys.executable, "-m", "arpo.cli", "eval", policy,
+                   f"tasks={str(run_dir / 'tasks' / 'sim')!r}", f"runs_per_task={runs}",
+                   f"temperature={temperature}", f"out={str(dest)!r}", "progress_s=0",
+                   "grant_timeout_s=120", f"local_actor_args={json.dumps(actor)}",
+                   f"transport.data='tcp://127.0.0.1:{_free_port()}'",
+                   f"transport.control='tcp://127.0.0.1:{_free_port()}'"]  # fmt: skip
+            print("+", shlex.join(cmd), flush=True)
+            with (run_dir / f"eval_T{temperature:g}_{name}.log").open("wb") as log:
+                rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=log).returncode
+            if rc != 0:
+                raise SystemExit(f"{dest}: arpo eval exited {rc}; see {log.name}")
+        o = json.loads((dest / "eval.json").read_text())["overall"]
+        p, n = o["success_rate_episodes"], o["episodes"]
+        out[name] = {"rate": p, "se": math.sqrt(p * (1 - p) / n) if n else math.nan}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seeds", default="1,2,3,4,5", help="Comma-separated seeds.")
     p.add_argument("--out", default="runs/demo-seeds", help="Folder of the runs.")
     p.add_argument("--save-as", default="", help="Also write benchmarks/results/<name>.{md,json}.")
     p.add_argument("--report-only", action="store_true", help="Only collect finished runs.")
+    p.add_argument("--extra", nargs="*", default=[], help="arpo train arguments appended.")
+    p.add_argument("--eval-at", type=float, default=None, help="Also evaluate at this T.")
     args = p.parse_args(argv)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    base = demo_args()
+    base = demo_args() + list(args.extra)
     rows = []
     for seed in [int(s) for s in args.seeds.split(",") if s]:
         run_dir = out / f"seed-{seed}"
@@ -80,19 +128,33 @@ def main(argv: list[str] | None = None) -> int:
                 "wall_s": s.get("demo_wall_s"),
             }
         )
+        if args.eval_at is not None:
+            rows[-1]["eval_at"] = {"temperature": args.eval_at,
+                                   **eval_at(run_dir, base, args.eval_at)}  # fmt: skip
+    at = f"T={args.eval_at:g}: " if args.eval_at is not None else ""
     lines = [
         f"`make demo` arguments: `{' '.join(base)}` plus `seed=<n>`.",
         "",
-        "| seed | warm start (%) | trained (%) | gain (points) | iterations | wall (min) |",
-        "|---:|---|---|---|---:|---:|",
+        "| seed | warm start (%) | trained (%) | gain (points) | iterations | wall (min) |"
+        + (f" {at}warm start (%) | {at}trained (%) | {at}gain (points) |" if at else ""),
+        "|---:|---|---|---|---:|---:|" + ("---|---|---|" if at else ""),
     ]
     for r in rows:
-        lines.append(
+        line = (
             f"| {r['seed']} | {100 * r['warm']:.1f} ± {100 * r['warm_se']:.1f} | "
             f"{100 * r['trained']:.1f} ± {100 * r['trained_se']:.1f} | "
             f"{r['gain_points']:+.1f} ± {r['gain_se_points']:.1f} | {r['iterations']} | "
             f"{(r['wall_s'] or math.nan) / 60:.1f} |"
         )
+        if at:
+            w, t = r["eval_at"]["warm"], r["eval_at"]["trained"]
+            gse = 100 * math.hypot(w["se"], t["se"])
+            line += (
+                f" {100 * w['rate']:.1f} ± {100 * w['se']:.1f} | "
+                f"{100 * t['rate']:.1f} ± {100 * t['se']:.1f} | "
+                f"{100 * (t['rate'] - w['rate']):+.1f} ± {gse:.1f} |"
+            )
+        lines.append(line)
     if rows:
         gains = [r["gain_points"] for r in rows]
         lines += [
