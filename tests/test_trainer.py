@@ -159,6 +159,20 @@ def test_step_changes_parameters_and_reports_metrics(base_trainer):
     assert t.optimizer_steps_done == 2
 
 
+def test_learning_rate_warms_up_then_decays_linearly(tiny_dir):
+    """`lr_warmup_steps` then `lr_decay_steps` to `lr_min_ratio` x lr, per optimizer step
+    of real training steps (2 optimizer steps each), as the metrics report it."""
+    t = Trainer(TrainerConfig(model=str(tiny_dir), lr=1e-3, lr_warmup_steps=2,
+                              lr_decay_steps=4, lr_min_ratio=0.1))  # fmt: skip
+    # Rates of the 8 optimizer steps: 5e-4, 1e-3 | 1e-3, 7.75e-4, 5.5e-4, 3.25e-4 | 1e-4, 1e-4;
+    # each training step reports the mean of its two.
+    seen = [t.step(make_samples(t, [1, 0], seed=i, turns=1))["losses/lr"] for i in range(4)]
+    assert seen == pytest.approx([7.5e-4, 8.875e-4, 4.375e-4, 1e-4])
+    assert t.scheduler.get_last_lr()[0] == pytest.approx(1e-4)
+    with pytest.raises(ConfigError, match="lr_min_ratio"):
+        Trainer(TrainerConfig(model=str(tiny_dir), lr_decay_steps=4, lr_min_ratio=1.5))
+
+
 def test_repeated_steps_lower_the_surrogate_loss_on_a_fixed_batch(base_trainer):
     """PPO's surrogate against the fixed behaviour policy falls step after step, and the
     log-probs of positive-advantage trajectories rise while negative ones fall."""

@@ -81,7 +81,7 @@ LOSSES: dict[str, str] = {
     "losses/entropy": "Mean entropy of the policy over the trained tokens.",
     "losses/grad_norm": "Gradient norm before clipping, mean over the optimizer steps.",
     "losses/grad_norm_max": "Largest gradient norm of the iteration's optimizer steps.",
-    "losses/lr": "Learning rate.",
+    "losses/lr": "Learning rate of this iteration (the mean over its optimizer steps).",
     "losses/clip_low_frac": "Share of tokens clipped below (A < 0, ratio < 1 - eps_low).",
     "losses/clip_high_frac": "Share of tokens clipped above (A > 0, ratio > 1 + eps_high).",
     "losses/clip_dual_frac": "Share of tokens bounded by the dual clip.",

@@ -26,7 +26,8 @@ A step (the reference's 1 PPO epoch, 2 optimizer steps per iteration):
 Defaults are the reference settings: AdamW lr 1e-6 constant, weight decay 0.01,
 betas (0.9, 0.999), grad clip 1.0, 1 epoch, 2 optimizer steps per iteration,
 rollout temperature 1.0. Deviations: none in the defaults; `lr_warmup_steps` (linear
-warm-up, 0 by default) and `shuffle` are options the reference does not have.
+warm-up, 0 by default), `lr_decay_steps` (linear decay, 0 by default) and `shuffle` are
+options the reference does not have.
 
 Distributed (`arpo.learner.distributed`): under torchrun every rank builds the same
 model and takes its share of every mini-batch; the loss scale uses the global
@@ -35,6 +36,7 @@ trajectory / token counts, so the averaged gradient equals the single-process on
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import random
@@ -73,6 +75,12 @@ class TrainerConfig:
     betas: list[float] = option(doc="AdamW betas.", factory=lambda: [0.9, 0.999])
     adam_eps: float = option(1e-8, "AdamW epsilon.")
     lr_warmup_steps: int = option(0, "Linear warm-up over this many optimizer steps (0: none).")
+    lr_decay_steps: int = option(
+        0,
+        "Linear decay of the learning rate to lr_min_ratio x lr over this many optimizer "
+        "steps after the warm-up, then constant (0: no decay, the reference).",
+    )
+    lr_min_ratio: float = option(0.0, "Where the decay ends, as a fraction of lr.")
     grad_clip: float = option(1.0, "Clip the global gradient norm to this (0: no clipping).")
     epochs: int = option(1, "Passes over each batch (PPO epochs).")
     optimizer_steps: int = option(2, "Mini-batches (optimizer steps) per epoch.")
@@ -137,6 +145,10 @@ class TrainerConfig:
             )
         if self.lr_warmup_steps < 0:
             fail("lr_warmup_steps", "must be >= 0")
+        if self.lr_decay_steps < 0:
+            fail("lr_decay_steps", "must be >= 0 (0: no decay)")
+        if not 0.0 <= self.lr_min_ratio <= 1.0:
+            fail("lr_min_ratio", "must be in [0, 1]")
         self.loss.validate()
 
 
@@ -157,6 +169,17 @@ def _pad(rows: list[torch.Tensor], n: int) -> torch.Tensor:
     for i, r in enumerate(rows):
         out[i, : len(r)] = r
     return out
+
+
+def lr_factor(config: TrainerConfig, step: int) -> float:
+    """The learning rate's multiplier at optimizer step `step` (0-based): linear warm-up
+    over `lr_warmup_steps`, then linear decay to `lr_min_ratio` over `lr_decay_steps`."""
+    warm, decay = config.lr_warmup_steps, config.lr_decay_steps
+    f = min(1.0, (step + 1) / warm) if warm else 1.0
+    if decay:
+        done = min(1.0, max(0, step - warm) / decay)
+        f *= 1.0 - (1.0 - config.lr_min_ratio) * done
+    return f
 
 
 class Trainer:
@@ -203,9 +226,8 @@ class Trainer:
             eps=config.adam_eps,
             weight_decay=config.weight_decay,
         )
-        warm = config.lr_warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0
+            self.optimizer, functools.partial(lr_factor, config)
         )
         self.optimizer_steps_done = 0
 
@@ -300,6 +322,7 @@ class Trainer:
         ratio_min, ratio_max = math.inf, -math.inf
         loss_sum = ent_sum = ent_n = 0.0
         grad_norms: list[float] = []
+        lrs: list[float] = []  # the rate of each optimizer step
         t_fb = t_opt = 0.0
         for pi, plan in enumerate(plans):
             t0 = time.perf_counter()
@@ -351,6 +374,7 @@ class Trainer:
             t_fb += t1 - t0
             clip = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
             grad_norms.append(D.clip_grad_norm(self.model, clip, info))
+            lrs.append(float(self.optimizer.param_groups[0]["lr"]))
             self.optimizer.step()
             self.scheduler.step()
             self.optimizer_steps_done += 1
@@ -383,7 +407,7 @@ class Trainer:
         out["losses/ratio_max"] = ratio_max if math.isfinite(ratio_max) else math.nan
         out["losses/grad_norm"] = float(np.mean(grad_norms))
         out["losses/grad_norm_max"] = float(np.max(grad_norms))
-        out["losses/lr"] = float(self.scheduler.get_last_lr()[0])
+        out["losses/lr"] = float(np.mean(lrs))
         out["data/tokens"] = D.global_count(sum(len(seqs[i].input_ids) for i in mine), info)
         out["data/loss_tokens"] = D.global_count(sum(len(seqs[i].targets) for i in mine), info)
         out.update(drift)  # this rank's share (rank 0's under torchrun)
