@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from arpo_envs.desktop.fleet import orphans
+from arpo_envs.desktop.procs import MARKER
 from test_desktop_common import ESCAPE, Desk, pids_running, require_desktop
 from test_desktop_common import wait_until as until
 
@@ -21,12 +22,18 @@ def _desk(member: dict) -> Desk:
     return Desk(member["url"], member["display"], member["root"], "/home/user", member["pid"], None)
 
 
-def _soffice_pids() -> set[int]:
+def _soffice_pids(roots: list[str]) -> set[int]:
+    """LibreOffice processes of the desktops at `roots` (by the marker in their
+    environment: other desktops on the machine, e.g. a training run's, do not count)."""
+    marks = {f"{MARKER}={r}".encode() for r in roots}
     out = set()
     for entry in os.scandir("/proc"):
         if entry.name.isdigit():
             try:
-                if b"soffice.bin" in Path(f"/proc/{entry.name}/cmdline").read_bytes():
+                if b"soffice.bin" not in Path(f"/proc/{entry.name}/cmdline").read_bytes():
+                    continue
+                env = set(Path(f"/proc/{entry.name}/environ").read_bytes().split(b"\0"))
+                if env & marks:
                     out.add(int(entry.name))
             except OSError:
                 pass
@@ -68,7 +75,8 @@ def test_up_detached_then_down_leaves_no_orphans(tmp_path) -> None:
         members = json.loads(state.read_text())["servers"]
         assert len({m["display"] for m in members}) == 2
         assert len({m["url"] for m in members}) == 2
-        before = _soffice_pids()
+        roots = [m["root"] for m in members]
+        before = _soffice_pids(roots)
         for m in members:
             d = _desk(m)
             assert d.get("/platform").text == "Linux"
@@ -89,7 +97,7 @@ def test_up_detached_then_down_leaves_no_orphans(tmp_path) -> None:
         escaped = [["sleep", str(n)] for n in range(784, 788)]
         until(lambda: all(pids_running(a) for a in escaped))
         time.sleep(1.5)  # the hard-killed server has recorded its tree
-        until(lambda: _soffice_pids() - before)
+        until(lambda: _soffice_pids(roots) - before)
         assert orphans([m["root"] for m in members])
         # a server killed hard cannot clean up after itself
         os.kill(members[1]["pid"], signal.SIGKILL)
@@ -101,7 +109,7 @@ def test_up_detached_then_down_leaves_no_orphans(tmp_path) -> None:
     assert down.returncode == 0, down.stderr
     assert "stopped 2 desktops" in down.stdout
     _assert_nothing_left(members, state)
-    assert not (_soffice_pids() - before)
+    assert not (_soffice_pids(roots) - before)
     assert [p for a in escaped for p in pids_running(a)] == []
 
 
