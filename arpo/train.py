@@ -468,6 +468,10 @@ class TrainRun:
             "episodes": n,
             "se": (p * (1 - p) / n) ** 0.5 if n else float("nan"),
             "report": str(out / "eval.md"),
+            "by_task": {
+                t: {"successes": int(r.get("successes") or 0), "runs": int(r.get("runs") or 0)}
+                for t, r in sorted(ev.get("tasks", {}).items())
+            },
         }
 
     def _restart(self, p: _Proc, why: str) -> None:
@@ -655,6 +659,15 @@ def comparison(out: dict[str, Any]) -> str:
     g = out.get("eval_gain")
     if g:
         rows.append(f"| trained - start | {g['points']:+.1f} points | {g['se_points']:.1f} | |")
+    wt, tt = (w or {}).get("by_task") or {}, (t or {}).get("by_task") or {}
+    if wt and tt:
+        # Per task: a gain overall can hide tasks that were lost while others were learned.
+        rows += ["", "| task | start | trained | change |", "|---|---:|---:|---:|"]
+        for task in sorted(set(wt) | set(tt)):
+            a, b = wt.get(task), tt.get(task)
+            cells = [f"{x['successes']}/{x['runs']}" if x else "-" for x in (a, b)]
+            d = b["successes"] - a["successes"] if a and b and a["runs"] == b["runs"] else None
+            rows.append(f"| {task} | {cells[0]} | {cells[1]} | {'' if d is None else f'{d:+d}'} |")
     return "\n".join(rows)
 
 

@@ -45,7 +45,7 @@ from conftest import loopback
 from arpo.config import load_config
 from arpo.learner.metrics import read_metrics
 from arpo.pool.select import SelectConfig, run_selection
-from arpo.train import TrainConfig, TrainRun
+from arpo.train import TrainConfig, TrainRun, comparison
 
 ITERATIONS = 24
 EVAL_RUNS = 16
@@ -117,6 +117,16 @@ def test_a_short_training_run_raises_the_success_rate(tmp_path: Path) -> None:
     )
     print(report)
     assert trained["episodes"] == before["episodes"] == n * EVAL_RUNS, report
+    # The per-task counts the demo prints add up to the overall rates, one row per task.
+    table = comparison(s)
+    print(table)
+    for ev in (before, trained):
+        assert sorted(ev["by_task"]) == sorted(sel["selected"]), ev["by_task"]
+        assert sum(r["runs"] for r in ev["by_task"].values()) == ev["episodes"]
+        hits = sum(r["successes"] for r in ev["by_task"].values())
+        assert hits == round(ev["success_rate"] * ev["episodes"]), (hits, ev)
+    for task in sel["selected"]:
+        assert f"| {task} | " in table
     assert gain >= MARGIN, report
 
     rows = read_metrics(Path(cfg.run_dir) / "learner" / "metrics.jsonl")
