@@ -470,7 +470,7 @@ class TrainRun:
             "report": str(out / "eval.md"),
             "by_task": {
                 t: {"successes": int(r.get("successes") or 0), "runs": int(r.get("runs") or 0)}
-                for t, r in sorted(ev.get("tasks", {}).items())
+                for t, r in ev.get("tasks", {}).items()
             },
         }
 
