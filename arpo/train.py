@@ -150,6 +150,13 @@ class TrainConfig:
         "Episodes per task in the final evaluation, and in the starting policy's (0: none).",
     )
     eval_temperature: float = option(0.6, "Sampling temperature of the evaluations.")
+    prefill_runs_per_task: int = option(
+        0,
+        "Before training, run the starting policy this many times per simulated task at the "
+        "rollout sampling settings (`arpo collect` into <run_dir>/prefill) and start ARPO's "
+        "replay buffers with its successes (learner.assemble.replay.prefill); 0: the buffers "
+        "start empty (the reference).",
+    )
     eval_warm_start: bool = option(
         True,
         "Also evaluate the starting policy before training, with the same protocol, and "
@@ -179,6 +186,15 @@ class TrainConfig:
             fail("max_restarts", "must be >= 0")
         if self.eval_runs_per_task < 0:
             fail("eval_runs_per_task", "must be >= 0")
+        if self.prefill_runs_per_task < 0:
+            fail("prefill_runs_per_task", "must be >= 0 (0: no pre-fill)")
+        if self.prefill_runs_per_task and self.learner.assemble.replay.prefill:
+            fail(
+                "prefill_runs_per_task",
+                "and learner.assemble.replay.prefill both name the replay pre-fill; give one",
+            )
+        if self.prefill_runs_per_task and not (self.actors and self.sim_envs_per_actor):
+            fail("prefill_runs_per_task", "needs simulated desktops (actors, sim_envs_per_actor)")
         from arpo.actor.episode import EpisodeConfig
 
         default = EpisodeConfig()
@@ -259,6 +275,8 @@ class TrainRun:
         self.summary: dict[str, Any] = {}
         self.warm_eval: dict[str, Any] | None = None
         """The starting policy's evaluation (with `eval_warm_start`)."""
+        self.prefill: dict[str, Any] | None = None
+        """The pre-fill collection's folder and its successes (with `prefill_runs_per_task`)."""
 
     # ---- preparation -------------------------------------------------------------------
 
@@ -316,12 +334,17 @@ class TrainRun:
 
     def _learner_proc(self, model: str, tasks: str, data: str, control: str) -> _Proc:
         cfg = self.config
+        assemble = cfg.learner.assemble
+        if self.prefill is not None:
+            replay = replace(assemble.replay, prefill=self.prefill["trajectories"])
+            assemble = replace(assemble, replay=replay)
         lc = replace(
             cfg.learner,
             run_dir=str(self.run_dir / "learner"),
             tasks=tasks,
             seed=cfg.seed,
             trainer=replace(cfg.learner.trainer, model=model),
+            assemble=assemble,
             transport=replace(cfg.learner.transport, data=data, control=control),
         )
         validate(lc)
@@ -367,6 +390,8 @@ class TrainRun:
         if cfg.eval_warm_start and cfg.eval_runs_per_task and cfg.sim_envs_per_actor:
             log.info("evaluating the starting policy (the same protocol as the final one)")
             self.warm_eval = self._evaluate(tasks, {"model": model}, self.run_dir / "eval_warm")
+        if cfg.prefill_runs_per_task:
+            self.prefill = self._prefill(model, tasks)
         data = f"tcp://127.0.0.1:{_free_port()}"
         control = f"tcp://127.0.0.1:{_free_port()}"
         self.learner = self._learner_proc(model, tasks, data, control)
@@ -432,6 +457,63 @@ class TrainRun:
                     print(f"[{elapsed:5.0f} s] waiting for the first iteration ...",
                           file=sys.stderr)  # fmt: skip
 
+    def _pool_fields(self, tasks: str) -> dict[str, Any]:
+        """The fields an evaluation or the pre-fill collection of this run shares: the
+        simulated tasks of the pool, this run's actor limits, free loopback ports."""
+        cfg = self.config
+        return {
+            "tasks": str(Path(tasks) / "sim") if (Path(tasks) / "sim").is_dir() else tasks,
+            # Simulated episodes take seconds: a grant not delivered in 2 minutes is lost
+            # (once seen: one of 128 grants of an evaluation never ran) and goes to the
+            # actor again instead of stalling the run for the default 30 min.
+            "grant_timeout_s": 120.0,
+            "local_actor_args": cfg.pool_actor_args(),
+            "progress_s": 0,
+            "transport": replace(
+                cfg.learner.transport,
+                data=f"tcp://127.0.0.1:{_free_port()}",
+                control=f"tcp://127.0.0.1:{_free_port()}",
+            ),
+        }
+
+    def _prefill(self, model: str, tasks: str) -> dict[str, Any]:
+        """`arpo collect` of the starting policy on the simulated tasks at the rollout
+        sampling settings (`learner.trainer.temperature`, `top_p`, so the learner can
+        train the kept episodes), `prefill_runs_per_task` per task, into <run_dir>/prefill;
+        the folder and the successes per task. A complete collection already there (a
+        run started again in its run_dir) is used as it is."""
+        from arpo.pool.collect import CollectConfig, load_outcomes, run_collect
+
+        cfg = self.config
+        out = self.run_dir / "prefill"
+        try:
+            res = load_outcomes(out)
+        except ArpoError:
+            res = None
+        if res is None or not res.get("complete"):
+            log.info(
+                "replay pre-fill: the starting policy, %d runs per simulated task at "
+                "temperature %g -> %s", cfg.prefill_runs_per_task,
+                cfg.learner.trainer.temperature, out,
+            )  # fmt: skip
+            res = run_collect(
+                CollectConfig(
+                    model=model,
+                    **self._pool_fields(tasks),
+                    runs_per_task=cfg.prefill_runs_per_task,
+                    temperature=cfg.learner.trainer.temperature,
+                    top_p=cfg.learner.trainer.top_p,
+                    out=str(out),
+                    overwrite=True,
+                )
+            )
+        by_task = {t: int(r.get("successes") or 0) for t, r in res["tasks"].items()}
+        log.info(
+            "replay pre-fill: %d successes in %d of %d tasks",
+            sum(by_task.values()), sum(1 for k in by_task.values() if k), len(by_task),
+        )  # fmt: skip
+        return {"trajectories": str(out), "successes": by_task}
+
     def _evaluate(self, tasks: str, policy: dict[str, str], out: Path) -> dict[str, Any]:
         """`arpo eval` of `policy` ({"checkpoint": ...} or {"model": ...}) on the simulated
         tasks of the pool, `eval_runs_per_task` episodes per task at `eval_temperature`;
@@ -439,25 +521,13 @@ class TrainRun:
         from arpo.pool.evaluate import EvalConfig, run_eval
 
         cfg = self.config
-        sim_tasks = str(Path(tasks) / "sim") if (Path(tasks) / "sim").is_dir() else tasks
         ev = run_eval(
             EvalConfig(
                 **policy,
-                tasks=sim_tasks,
+                **self._pool_fields(tasks),
                 runs_per_task=cfg.eval_runs_per_task,
                 temperature=cfg.eval_temperature,
                 out=str(out),
-                # Simulated episodes take seconds: a grant not delivered in 2 minutes is
-                # lost (once seen: one of 128 grants of an evaluation never ran) and goes
-                # to the actor again instead of stalling the run for the default 30 min.
-                grant_timeout_s=120.0,
-                local_actor_args=cfg.pool_actor_args(),
-                progress_s=0,
-                transport=replace(
-                    cfg.learner.transport,
-                    data=f"tcp://127.0.0.1:{_free_port()}",
-                    control=f"tcp://127.0.0.1:{_free_port()}",
-                ),
             )
         )
         overall = ev.get("overall", {})
@@ -511,6 +581,8 @@ class TrainRun:
         }
         if self.warm_eval is not None:
             out["eval_warm_start"] = self.warm_eval
+        if self.prefill is not None:
+            out["prefill"] = self.prefill
         if ckpt is not None and cfg.eval_runs_per_task and cfg.sim_envs_per_actor:
             ev = self._evaluate(tasks, {"checkpoint": str(ckpt)}, self.run_dir / "eval")
             out["eval"] = str(self.run_dir / "eval" / "eval.md")
