@@ -176,3 +176,20 @@ def test_the_arpo_command_exits_2_naming_the_field_and_the_fix() -> None:
         [sys.executable, "-m", "arpo.cli", "train", "minuts=1"], capture_output=True, text=True
     )
     assert p.returncode == 2 and "'minuts'" in p.stderr and "'minutes'" in p.stderr, p.stderr
+
+
+def test_the_replay_prefill_of_arpo_train_is_named_once() -> None:
+    """`prefill_runs_per_task` and `learner.assemble.replay.prefill` both say where the
+    replay buffers start from: giving both is refused, naming the field."""
+    from arpo.train import TrainConfig
+
+    with pytest.raises(ConfigError, match="prefill_runs_per_task.*must be >= 0"):
+        load_config(TrainConfig, None, ["prefill_runs_per_task=-1"])
+    with pytest.raises(ConfigError, match="prefill_runs_per_task.*give one"):
+        load_config(
+            TrainConfig, None, ["prefill_runs_per_task=4", "learner.assemble.replay.prefill=x"]
+        )
+    with pytest.raises(ConfigError, match="prefill_runs_per_task.*simulated desktops"):
+        load_config(TrainConfig, None, ["prefill_runs_per_task=4", "actors=0",
+                                        "local_desktops=1"])  # fmt: skip
+    assert load_config(TrainConfig, None, ["prefill_runs_per_task=4"]).prefill_runs_per_task == 4
