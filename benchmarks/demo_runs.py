@@ -19,6 +19,11 @@ the table's header). `--eval-at T` also evaluates each seed's warm start and fin
 checkpoint at temperature T (the rollouts' is 1.0; the demo's own evaluations use 0.6)
 with otherwise the same protocol (`arpo eval`, the run's tasks, `eval_runs_per_task`
 episodes per task, arpo train's actor settings), once per seed (kept in the run folder).
+The summary gives the mean gain over seeds with its 95 % t-interval. `--paired-with NAME`
+compares with another variant's saved results (`benchmarks/results/NAME.json`, the same
+seeds): per seed this variant's gain minus that one's (the same tasks and warm start),
+their mean and its 95 % t-interval. A run with `prefill_runs_per_task` shows its pre-fill
+(successes of the starting policy at the rollout temperature, and in how many tasks).
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from _stats import t_interval
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -90,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--report-only", action="store_true", help="Only collect finished runs.")
     p.add_argument("--extra", nargs="*", default=[], help="arpo train arguments appended.")
     p.add_argument("--eval-at", type=float, default=None, help="Also evaluate at this T.")
+    p.add_argument("--paired-with", default="", help="Saved results (NAME) to compare with.")
     args = p.parse_args(argv)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -128,16 +136,22 @@ def main(argv: list[str] | None = None) -> int:
                 "wall_s": s.get("demo_wall_s"),
             }
         )
+        if "prefill" in s:
+            k = s["prefill"]["successes"]
+            rows[-1]["prefill"] = {"successes": sum(k.values()),
+                                   "tasks": sum(1 for v in k.values() if v), "of": len(k)}  # fmt: skip
         if args.eval_at is not None:
             rows[-1]["eval_at"] = {"temperature": args.eval_at,
                                    **eval_at(run_dir, base, args.eval_at)}  # fmt: skip
     at = f"T={args.eval_at:g}: " if args.eval_at is not None else ""
+    pre = any("prefill" in r for r in rows)
     lines = [
         f"`make demo` arguments: `{' '.join(base)}` plus `seed=<n>`.",
         "",
         "| seed | warm start (%) | trained (%) | gain (points) | iterations | wall (min) |"
-        + (f" {at}warm start (%) | {at}trained (%) | {at}gain (points) |" if at else ""),
-        "|---:|---|---|---|---:|---:|" + ("---|---|---|" if at else ""),
+        + (f" {at}warm start (%) | {at}trained (%) | {at}gain (points) |" if at else "")
+        + (" pre-fill: successes (tasks) |" if pre else ""),
+        "|---:|---|---|---|---:|---:|" + ("---|---|---|" if at else "") + ("---|" if pre else ""),
     ]
     for r in rows:
         line = (
@@ -154,15 +168,38 @@ def main(argv: list[str] | None = None) -> int:
                 f"{100 * t['rate']:.1f} ± {100 * t['se']:.1f} | "
                 f"{100 * (t['rate'] - w['rate']):+.1f} ± {gse:.1f} |"
             )
+        if pre:
+            f = r.get("prefill")
+            line += f" {f['successes']} ({f['tasks']} of {f['of']}) |" if f else " - |"
         lines.append(line)
     if rows:
         gains = [r["gain_points"] for r in rows]
+        m, lo, hi = t_interval(gains)
+        sd = statistics.stdev(gains) if len(gains) > 1 else math.nan
         lines += [
             "",
-            f"Gain over seeds: mean {statistics.mean(gains):+.1f} points, min {min(gains):+.1f}, "
-            f"max {max(gains):+.1f}; seeds with at least +15: "
-            f"{sum(g >= 15 for g in gains)} of {len(gains)}.",
+            f"Gain over seeds: mean {m:+.1f} points (95 % CI {lo:+.1f} to {hi:+.1f}, standard "
+            f"deviation {sd:.1f}), min {min(gains):+.1f}, max {max(gains):+.1f}; seeds with "
+            f"at least +15: {sum(g >= 15 for g in gains)} of {len(gains)}.",
         ]
+    paired = None
+    if args.paired_with and rows:
+        other = json.loads((ROOT / "benchmarks" / "results" / f"{args.paired_with}.json")
+                           .read_text())  # fmt: skip
+        theirs = {r["seed"]: r["gain_points"] for r in other["runs"]}
+        diffs = {r["seed"]: r["gain_points"] - theirs[r["seed"]] for r in rows
+                 if r["seed"] in theirs}  # fmt: skip
+        if diffs:
+            m, lo, hi = t_interval(list(diffs.values()))
+            paired = {"with": args.paired_with, "their_args": other["demo_args"],
+                      "diff_points": diffs, "mean": m, "ci95": [lo, hi]}  # fmt: skip
+            per = ", ".join(f"seed {k}: {v:+.1f}" for k, v in diffs.items())
+            lines += [
+                "",
+                f"Paired with `{args.paired_with}` (`{' '.join(other['demo_args'])}`), this "
+                f"variant's gain minus that one's: {per}; mean {m:+.1f} points (95 % CI "
+                f"{lo:+.1f} to {hi:+.1f}, n = {len(diffs)}).",
+            ]
     md = "\n".join(lines)
     print(md)
     (out / "results.md").write_text(md + "\n")
@@ -170,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         dest = ROOT / "benchmarks" / "results"
         (dest / f"{args.save_as}.md").write_text(md + "\n")
         (dest / f"{args.save_as}.json").write_text(
-            json.dumps({"demo_args": base, "runs": rows}, indent=2)
+            json.dumps({"demo_args": base, "runs": rows, "paired": paired}, indent=2)
         )
     return 0
 
