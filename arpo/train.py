@@ -12,6 +12,10 @@ What it does, in order (every stage logs what it starts and where its log goes):
 2. the task pool: `tasks`, or simulated tasks generated into `<run_dir>/tasks`
    (`sim_families` x `sim_tasks_per_family`), plus the local desktop tasks when
    `local_desktops > 0`;
+   then, with `eval_warm_start`, `arpo eval` of the starting policy on the simulated tasks,
+   and with `prefill_runs_per_task`, `arpo collect` of the starting policy on them at the
+   rollout sampling settings (`<run_dir>/prefill`), whose successes start ARPO's replay
+   buffers (the paper's pipeline has this step, the reference code comments it out);
 3. processes: `arpo-learner` (its config written to `<run_dir>/learner.toml`), `actors`
    `arpo-actor` processes with `sim_envs_per_actor` simulated desktops each, and with
    `local_desktops > 0` that many real desktops (`arpo-envs up`) driven by one more actor;
@@ -732,14 +736,21 @@ def comparison(out: dict[str, Any]) -> str:
     if g:
         rows.append(f"| trained - start | {g['points']:+.1f} points | {g['se_points']:.1f} | |")
     wt, tt = (w or {}).get("by_task") or {}, (t or {}).get("by_task") or {}
+    pre = (out.get("prefill") or {}).get("successes")
     if wt and tt:
         # Per task: a gain overall can hide tasks that were lost while others were learned.
-        rows += ["", "| task | start | trained | change |", "|---|---:|---:|---:|"]
+        head, rule = "| task | start | trained | change |", "|---|---:|---:|---:|"
+        if pre is not None:
+            head, rule = head + " replay pre-fill |", rule + "---:|"
+        rows += ["", head, rule]
         for task in sorted(set(wt) | set(tt)):
             a, b = wt.get(task), tt.get(task)
             cells = [f"{x['successes']}/{x['runs']}" if x else "-" for x in (a, b)]
             d = b["successes"] - a["successes"] if a and b and a["runs"] == b["runs"] else None
-            rows.append(f"| {task} | {cells[0]} | {cells[1]} | {'' if d is None else f'{d:+d}'} |")
+            line = f"| {task} | {cells[0]} | {cells[1]} | {'' if d is None else f'{d:+d}'} |"
+            if pre is not None:
+                line += f" {pre.get(task, '-')} |"
+            rows.append(line)
     return "\n".join(rows)
 
 

@@ -4,9 +4,11 @@ The paper's pipeline at the smallest scale. A fixed warm start: the tiny Qwen2.5
 `arpo sft` on oracle demonstrations of 16 simulated `click_button` tasks (seed 0, 17
 epochs: `arpo train`'s own warm start). Task selection: `arpo select-tasks`, 8 runs of
 the warm start per task, keeps the tasks with at least one success. Then `arpo train`
-on the kept tasks runs the learner and one actor process with 4 simulated desktops (real
-ZeroMQ links, the Rust store, published weights) for `ITERATIONS` iterations with the
-project's default learning settings (ARPO's replay on), and evaluates the warm start and
+on the kept tasks starts ARPO's replay buffers with the successes of `PREFILL_RUNS` runs
+per task of the warm start at the rollout temperature (`prefill_runs_per_task`, as `make
+demo`), runs the learner and one actor process with 4 simulated desktops (real ZeroMQ
+links, the Rust store, published weights) for `ITERATIONS` iterations with the project's
+default learning settings (ARPO's replay on), and evaluates the warm start and
 the final checkpoint with the same protocol (`EVAL_RUNS` episodes per kept task at
 temperature 0.6). The trained policy must beat the warm start by at least `MARGIN`
 points.
@@ -44,12 +46,16 @@ from conftest import loopback
 
 from arpo.config import load_config
 from arpo.learner.metrics import read_metrics
+from arpo.pool.collect import load_outcomes
 from arpo.pool.select import SelectConfig, run_selection
 from arpo.train import TrainConfig, TrainRun, comparison
 
 ITERATIONS = 24
 EVAL_RUNS = 16
 SELECT_RUNS = 8
+PREFILL_RUNS = 4
+"""Runs per kept task of the warm start at the rollout temperature whose successes start
+the replay buffers (`prefill_runs_per_task`, as `make demo`)."""
 MARGIN = 5.0
 """Points the trained policy must gain over the warm start. Set from the two runs of this
 test (+30.2 and +12.5 points; the experiment's `arpo` runs of the same pipeline: +43.1 to
@@ -100,6 +106,7 @@ def test_a_short_training_run_raises_the_success_rate(tmp_path: Path) -> None:
             "minutes=0",
             f"learner.iterations={ITERATIONS}",
             f"eval_runs_per_task={EVAL_RUNS}",
+            f"prefill_runs_per_task={PREFILL_RUNS}",
             "restart=false",
             "progress_s=0",
             "actor.flush_deadline_s=5.0",
@@ -131,6 +138,13 @@ def test_a_short_training_run_raises_the_success_rate(tmp_path: Path) -> None:
 
     rows = read_metrics(Path(cfg.run_dir) / "learner" / "metrics.jsonl")
     assert len(rows) == ITERATIONS
+    # The pre-fill ran every kept task PREFILL_RUNS times and its successes (at most 4 per
+    # task: within the buffers' capacity of 8) all started the replay buffers.
+    outcomes = load_outcomes(s["prefill"]["trajectories"])
+    assert sorted(outcomes["tasks"]) == sorted(sel["selected"]), outcomes["tasks"].keys()
+    assert all(t["runs"] == PREFILL_RUNS for t in outcomes["tasks"].values()), outcomes
+    assert outcomes["sampling"] == {"temperature": 1.0, "top_p": 1.0}, outcomes["sampling"]
+    assert rows[0]["replay/prefilled"] == sum(s["prefill"]["successes"].values()), rows[0]
     first = rows[0]
     assert first["charts/staleness_max"] == 0
     assert abs(first["losses/seq_logratio_fresh_min"]) < 1e-3, first
