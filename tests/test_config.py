@@ -183,13 +183,13 @@ def test_the_replay_prefill_of_arpo_train_is_named_once() -> None:
     replay buffers start from: giving both is refused, naming the field."""
     from arpo.train import TrainConfig
 
-    with pytest.raises(ConfigError, match="prefill_runs_per_task.*must be >= 0"):
+    with pytest.raises(ConfigError, match=r"prefill_runs_per_task.*must be >= 0"):
         load_config(TrainConfig, None, ["prefill_runs_per_task=-1"])
-    with pytest.raises(ConfigError, match="prefill_runs_per_task.*give one"):
+    with pytest.raises(ConfigError, match=r"prefill_runs_per_task.*give one"):
         load_config(
             TrainConfig, None, ["prefill_runs_per_task=4", "learner.assemble.replay.prefill=x"]
         )
-    with pytest.raises(ConfigError, match="prefill_runs_per_task.*simulated desktops"):
+    with pytest.raises(ConfigError, match=r"prefill_runs_per_task.*simulated desktops"):
         load_config(TrainConfig, None, ["prefill_runs_per_task=4", "actors=0",
                                         "local_desktops=1"])  # fmt: skip
     assert load_config(TrainConfig, None, ["prefill_runs_per_task=4"]).prefill_runs_per_task == 4
