@@ -19,7 +19,9 @@ kept 6 tasks (warm start 22.2 %): the trained policies read 81.9, 79.2, 77.8, 80
 65.3 % on seeds 1-5, plain GRPO 12.5-56.9 %. This test's first run kept 6 other tasks (the
 selection samples): 28.1 % -> 58.3 % (+30.2, standard error 6.8); its second, in a full
 test run beside other work, kept 8: 22.7 % -> 35.2 % (+12.5, se 5.6; three tasks went to
-81-100 %, five to 0 %); its third, 25.0 % -> 79.5 % (+54.5, 7 kept). An earlier version
+81-100 %, five to 0 %); its third, 25.0 % -> 79.5 % (+54.5, 7 kept); with the pre-fill,
+30.4 % -> 53.6 % (+23.2, 7 kept), and with the advantage sign flipped 32.3 % -> 0.0 %
+(-32.3, 6 kept), which fails. An earlier version
 trained on 4 generated tasks without selection, two of which the warm start almost never
 solved, and gained +31.2, +15.6 and once +1.6 against its margin of 10.
 
