@@ -483,34 +483,28 @@ class TrainRun:
     def _prefill(self, model: str, tasks: str) -> dict[str, Any]:
         """`arpo collect` of the starting policy on the simulated tasks at the rollout
         sampling settings (`learner.trainer.temperature`, `top_p`, so the learner can
-        train the kept episodes), `prefill_runs_per_task` per task, into <run_dir>/prefill;
-        the folder and the successes per task. A complete collection already there (a
-        run started again in its run_dir) is used as it is."""
-        from arpo.pool.collect import CollectConfig, load_outcomes, run_collect
+        train the kept episodes), `prefill_runs_per_task` per task, into <run_dir>/prefill
+        (replacing what is there); the folder and the successes per task."""
+        from arpo.pool.collect import CollectConfig, run_collect
 
         cfg = self.config
         out = self.run_dir / "prefill"
-        try:
-            res = load_outcomes(out)
-        except ArpoError:
-            res = None
-        if res is None or not res.get("complete"):
-            log.info(
-                "replay pre-fill: the starting policy, %d runs per simulated task at "
-                "temperature %g -> %s", cfg.prefill_runs_per_task,
-                cfg.learner.trainer.temperature, out,
-            )  # fmt: skip
-            res = run_collect(
-                CollectConfig(
-                    model=model,
-                    **self._pool_fields(tasks),
-                    runs_per_task=cfg.prefill_runs_per_task,
-                    temperature=cfg.learner.trainer.temperature,
-                    top_p=cfg.learner.trainer.top_p,
-                    out=str(out),
-                    overwrite=True,
-                )
+        log.info(
+            "replay pre-fill: the starting policy, %d runs per simulated task at "
+            "temperature %g -> %s", cfg.prefill_runs_per_task,
+            cfg.learner.trainer.temperature, out,
+        )  # fmt: skip
+        res = run_collect(
+            CollectConfig(
+                model=model,
+                **self._pool_fields(tasks),
+                runs_per_task=cfg.prefill_runs_per_task,
+                temperature=cfg.learner.trainer.temperature,
+                top_p=cfg.learner.trainer.top_p,
+                out=str(out),
+                overwrite=True,
             )
+        )
         by_task = {t: int(r.get("successes") or 0) for t, r in res["tasks"].items()}
         log.info(
             "replay pre-fill: %d successes in %d of %d tasks",

@@ -24,6 +24,8 @@ compares with another variant's saved results (`benchmarks/results/NAME.json`, t
 seeds): per seed this variant's gain minus that one's (the same tasks and warm start),
 their mean and its 95 % t-interval. A run with `prefill_runs_per_task` shows its pre-fill
 (successes of the starting policy at the rollout temperature, and in how many tasks).
+Per seed it also counts tasks lost (solved by the warm start, 0 after training), tasks
+won from 0, and tasks no training episode solved (the per-task counts are in the JSON).
 """
 
 from __future__ import annotations
@@ -89,6 +91,36 @@ def eval_at(run_dir: Path, base: list[str], temperature: float) -> dict[str, dic
     return out
 
 
+def _per_task(run_dir: Path, s: dict) -> dict:
+    """Per simulated task: successes of the warm start and of the trained policy (of
+    `runs`), and whether any training episode succeeded (the task's success rate over its
+    last 32 episodes, `tasks/<id>/success_rate`, above 0 in some iteration)."""
+    from arpo.learner.metrics import read_metrics
+
+    rows = read_metrics(run_dir / "learner" / "metrics.jsonl")
+    w, t = s["eval_warm_start"]["by_task"], s["eval_trained"]["by_task"]
+    return {
+        k: {
+            "warm": w[k]["successes"],
+            "trained": t[k]["successes"],
+            "runs": w[k]["runs"],
+            "trained_ever": any((r.get(f"tasks/{k}/success_rate") or 0) > 0 for r in rows),
+        }
+        for k in w
+    }
+
+
+def _task_cells(tasks: dict) -> str:
+    """Lost (warm start > 0 -> 0), won from 0 (0 -> > 0, with the trained range), and tasks
+    without a successful training episode."""
+    lost = sum(1 for v in tasks.values() if v["warm"] > 0 and v["trained"] == 0)
+    zero = [v for v in tasks.values() if v["warm"] == 0]
+    won = [v["trained"] for v in zero if v["trained"] > 0]
+    rng = f" ({min(won)}-{max(won)})" if won else ""
+    never = sum(1 for v in tasks.values() if not v["trained_ever"])
+    return f" {lost} | {len(won)} of {len(zero)}{rng} | {never} |"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seeds", default="1,2,3,4,5", help="Comma-separated seeds.")
@@ -136,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
                 "wall_s": s.get("demo_wall_s"),
             }
         )
+        rows[-1]["tasks"] = _per_task(run_dir, s)
         if "prefill" in s:
             k = s["prefill"]["successes"]
             rows[-1]["prefill"] = {"successes": sum(k.values()),
@@ -150,8 +183,12 @@ def main(argv: list[str] | None = None) -> int:
         "",
         "| seed | warm start (%) | trained (%) | gain (points) | iterations | wall (min) |"
         + (f" {at}warm start (%) | {at}trained (%) | {at}gain (points) |" if at else "")
-        + (" pre-fill: successes (tasks) |" if pre else ""),
-        "|---:|---|---|---|---:|---:|" + ("---|---|---|" if at else "") + ("---|" if pre else ""),
+        + (" pre-fill: successes (tasks) |" if pre else "")
+        + " tasks lost (start > 0 -> 0) | won from 0 (trained range) | no training success |",
+        "|---:|---|---|---|---:|---:|"
+        + ("---|---|---|" if at else "")
+        + ("---|" if pre else "")
+        + "---:|---|---:|",
     ]
     for r in rows:
         line = (
@@ -171,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         if pre:
             f = r.get("prefill")
             line += f" {f['successes']} ({f['tasks']} of {f['of']}) |" if f else " - |"
-        lines.append(line)
+        lines.append(line + _task_cells(r["tasks"]))
     if rows:
         gains = [r["gain_points"] for r in rows]
         m, lo, hi = t_interval(gains)
