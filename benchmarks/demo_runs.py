@@ -91,14 +91,16 @@ def eval_at(run_dir: Path, base: list[str], temperature: float) -> dict[str, dic
     return out
 
 
-def _per_task(run_dir: Path, s: dict) -> dict:
+def _per_task(run_dir: Path) -> dict:
     """Per simulated task: successes of the warm start and of the trained policy (of
     `runs`), and whether any training episode succeeded (the task's success rate over its
     last 32 episodes, `tasks/<id>/success_rate`, above 0 in some iteration)."""
     from arpo.learner.metrics import read_metrics
 
     rows = read_metrics(run_dir / "learner" / "metrics.jsonl")
-    w, t = s["eval_warm_start"]["by_task"], s["eval_trained"]["by_task"]
+    # The evaluations' own files (summary.json has `by_task` only since it was added).
+    w, t = (json.loads((run_dir / d / "eval.json").read_text())["tasks"]
+            for d in ("eval_warm", "eval"))  # fmt: skip
     return {
         k: {
             "warm": w[k]["successes"],
@@ -168,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
                 "wall_s": s.get("demo_wall_s"),
             }
         )
-        rows[-1]["tasks"] = _per_task(run_dir, s)
+        rows[-1]["tasks"] = _per_task(run_dir)
         if "prefill" in s:
             k = s["prefill"]["successes"]
             rows[-1]["prefill"] = {"successes": sum(k.values()),
