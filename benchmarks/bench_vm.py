@@ -41,7 +41,7 @@ from pathlib import Path
 
 import aiohttp
 from _machine import cpu_model
-from arpo_envs.vm.fleet import FleetConfig, down, screenshot_ok, status, up
+from arpo_envs.vm.fleet import FleetConfig, down, free_port, screenshot_ok, status, up
 from arpo_envs.vm.image import build
 from arpo_envs.vm.qemu import Machine, MachineConfig, QemuVM
 
@@ -65,7 +65,7 @@ async def cold_boots(rounds: int, tmp: Path) -> list[float]:
     machine = Machine.detect(MachineConfig())
     out = []
     for i in range(rounds):
-        port = _free_port()
+        port = free_port()
         vm = QemuVM(f"cold-{i}", tmp / f"cold-{i}", machine, port, base=img.disk,
                     kernel=img.kernel, initrd=img.initrd, append=img.append)  # fmt: skip
         t0 = time.perf_counter()
@@ -151,14 +151,6 @@ def mem_available_gib() -> float:
         if line.startswith("MemAvailable:"):
             return int(line.split()[1]) / 2**20
     return float("nan")
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def run(args: argparse.Namespace) -> dict:

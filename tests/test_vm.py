@@ -208,6 +208,30 @@ def _terminal_task(k: int) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def _collect_on_vms(
+    fleet: FleetConfig, tmp: Path, tasks: Path, runs: int, attempts: int, *actor_args: str
+) -> dict[str, Any]:
+    """`arpo collect` of `tasks` by a real actor on the fleet's VMs with the scripted policy."""
+    cfg = CollectConfig(
+        tasks=str(tasks),
+        model="scripted",
+        runs_per_task=runs,
+        max_attempts=attempts,
+        out=str(tmp / "collect"),
+        transport=loopback(),
+        local_actor_args=[
+            f"vm_fleet='{fleet.state_file}'",
+            "policy='scripted'",
+            "progress_s=0",
+            *actor_args,
+        ],
+        local_actor_log=str(tmp / "actor.log"),
+        timeout_s=900,
+        progress_s=0,
+    )
+    return run_collect(validate(cfg))
+
+
 def _os_tasks(tmp: Path, n: int) -> Path:
     """`n` terminal tasks in <tmp>/tasks/os/."""
     out = tmp / "tasks" / "os"
@@ -256,27 +280,9 @@ def test_oracles_pass_on_a_vm_and_a_killed_qemu_is_replaced(
 
     killer = threading.Thread(target=kill_mid_episode, daemon=True)
     killer.start()
-    cfg = validate(
-        CollectConfig(
-            tasks=str(tasks),
-            model="scripted",
-            runs_per_task=runs,
-            max_attempts=3,
-            out=str(tmp_path / "collect"),
-            transport=loopback(),
-            local_actor_args=[
-                f"vm_fleet='{fleet.state_file}'",
-                "vm_count=1",
-                "policy='scripted'",
-                "progress_s=0",
-                "runner.evaluator='osworld'",
-            ],
-            local_actor_log=str(tmp_path / "actor.log"),
-            timeout_s=900,
-            progress_s=0,
-        )
+    result = _collect_on_vms(
+        fleet, tmp_path, tasks, runs, 3, "vm_count=1", "runner.evaluator='osworld'"
     )
-    result = run_collect(cfg)
     killer.join(timeout=5)
     assert "at" in killed, "the run ended before an episode started"
     assert result["complete"] is True, (tmp_path / "actor.log").read_text()[-3000:]
@@ -309,26 +315,7 @@ def test_a_task_whose_setup_always_fails_is_quarantined(fleet: FleetConfig, tmp_
     }
     (tasks / "os" / "always-fails.json").write_text(json.dumps(bad))
     before = _fleet_status(fleet)
-    cfg = validate(
-        CollectConfig(
-            tasks=str(tasks),
-            model="scripted",
-            runs_per_task=2,
-            max_attempts=4,
-            out=str(tmp_path / "collect"),
-            transport=loopback(),
-            local_actor_args=[
-                f"vm_fleet='{fleet.state_file}'",
-                "policy='scripted'",
-                "progress_s=0",
-                "episode.reset_retries=1",
-            ],
-            local_actor_log=str(tmp_path / "actor.log"),
-            timeout_s=900,
-            progress_s=0,
-        )
-    )
-    result = run_collect(cfg)
+    result = _collect_on_vms(fleet, tmp_path, tasks, 2, 4, "episode.reset_retries=1")
     after = _fleet_status(fleet)
     assert "always-fails" in after["quarantined_tasks"], after
     assert "2 VM" in after["quarantined_tasks"]["always-fails"]

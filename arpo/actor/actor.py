@@ -186,7 +186,7 @@ class Actor:
         if not c.vm_fleet:
             return []
         link = FleetLink.from_state(c.vm_fleet)
-        vms = FleetLink.vms(c.vm_fleet)
+        vms = list(link.vms)
         if c.vm_count:
             if c.vm_count > len(vms):
                 raise ValueError(

@@ -146,7 +146,7 @@ class Environment:
             h = await self.runner.provider.health()
             if h.ok:
                 return True
-            if "failed" in h.reason.split(":", 1)[0] or time.monotonic() > end:
+            if h.final or time.monotonic() > end:
                 log.error("env %d (%s): not serving: %s", self.index, self.url, h.reason)
                 return False
             await asyncio.sleep(max(0.5, h.retry_s))

@@ -25,6 +25,12 @@ from arpo.errors import FileCacheMiss
 INDEX_NAME = "index.json"
 
 
+def cache_name(url: str, file_name: str) -> str:
+    """OSWorld's cache name for `url` saved as `file_name` (its SetupController's key):
+    `<uuid5(NAMESPACE_URL, url)>_<file name>`."""
+    return f"{uuid.uuid5(uuid.NAMESPACE_URL, url)}_{file_name}"
+
+
 class FileCache:
     """Read-only view of a directory of cached task files."""
 
@@ -63,7 +69,7 @@ class FileCache:
         if mapped is not None:
             out.append(self.root / mapped)
         if dest_name:
-            out.append(self.root / f"{uuid.uuid5(uuid.NAMESPACE_URL, url)}_{dest_name}")
+            out.append(self.root / cache_name(url, dest_name))
         rel = self._url_relpath(url)
         if rel:
             out.append(self.root / rel)

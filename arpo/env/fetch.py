@@ -56,7 +56,6 @@ import os
 import shutil
 import sys
 import time
-import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -65,6 +64,7 @@ from urllib.parse import urlparse
 
 import aiohttp
 
+from arpo.env.cache import cache_name
 from arpo.env.task import Task, load_pool, load_task_set
 
 log = logging.getLogger("arpo.env.fetch")
@@ -141,11 +141,6 @@ class Wanted:
     """Ids of the tasks that need it, in the order they were listed."""
     refused: str = ""
     """Why it is not downloaded at all (not an http(s) URL); "" when it can be."""
-
-
-def cache_name(url: str, file_name: str) -> str:
-    """OSWorld's cache name for `url` saved as `file_name` (its SetupController's key)."""
-    return f"{uuid.uuid5(uuid.NAMESPACE_URL, url)}_{file_name}"
 
 
 def _refusal(url: str, file_name: str) -> str:

@@ -42,6 +42,8 @@ class Health:
     reason: str = ""
     retry_s: float = 0.0
     """When not ok: how long to wait before asking again (a VM being replaced)."""
+    final: bool = False
+    """When not ok: it will not serve again (the fleet gave the VM up); stop asking."""
 
 
 class TaskQuarantined(TaskError):
@@ -112,29 +114,28 @@ class DesktopProvider(StaticProvider):
 
 @dataclass(frozen=True, slots=True)
 class FleetLink:
-    """How to reach a fleet's control API (from its state file)."""
+    """How to reach a fleet's control API, and its VMs (from its state file)."""
 
     control: str
     token: str
+    vms: tuple[dict[str, Any], ...] = ()
+    """The VMs the state file lists: name, url, port, chromium_port, vlc_port."""
 
     @classmethod
     def from_state(cls, path: str | Path) -> FleetLink:
+        """Read `<dir>/fleet.json` of `arpo-envs vm up`; ValueError if it is not one, or if the
+        fleet is still starting its VMs."""
         try:
             st = json.loads(Path(path).read_text())
-            return cls(str(st["control"]), str(st["token"]))
-        except (OSError, ValueError, KeyError) as e:
+            link = cls(str(st["control"]), str(st["token"]), tuple(st["vms"]))
+        except (OSError, ValueError, KeyError, TypeError) as e:
             raise ValueError(
                 f"{path}: not a fleet state file ({e}); start one with `arpo-envs vm up` and "
                 "give its <dir>/fleet.json"
             ) from e
-
-    @staticmethod
-    def vms(path: str | Path) -> list[dict[str, Any]]:
-        """The VMs (name, url) the state file lists."""
-        st = json.loads(Path(path).read_text())
         if not st.get("ready"):
             raise ValueError(f"{path}: the fleet is not ready yet (still starting its VMs)")
-        return list(st["vms"])
+        return link
 
 
 class FleetVMProvider:
@@ -204,7 +205,7 @@ class FleetVMProvider:
             return Health(True)
         reason = data.get("error", "") if isinstance(data, dict) else str(data)
         state = data.get("state", "?") if isinstance(data, dict) else "?"
-        return Health(False, f"{state}: {reason}", retry_s=2.0)
+        return Health(False, f"{state}: {reason}", retry_s=2.0, final=state == "failed")
 
     async def report(self, task_id: str, ok: bool, error: str = "") -> None:
         try:

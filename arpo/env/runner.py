@@ -41,13 +41,12 @@ import math
 import shutil
 import tempfile
 import time
-import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from arpo.env.cache import FileCache
+from arpo.env.cache import FileCache, cache_name
 from arpo.env.client import EnvClient, ExecResult
 from arpo.env.getters import GETTERS, GetterContext
 from arpo.env.metrics import METRICS, TABLE_CELL_PROPS, TABLE_RULES
@@ -689,7 +688,7 @@ class TaskRunner:
                 for f in step.parameters.get("files", []):
                     url, path = str(f.get("url", "")), str(f.get("path", ""))
                     name = Path(path).name
-                    wanted.append((url, f"{uuid.uuid5(uuid.NAMESPACE_URL, url)}_{name}", name))
+                    wanted.append((url, cache_name(url, name), name))
         if getters:
             ev = task.evaluator
             for spec in (*ev.result, *ev.expected):
@@ -700,8 +699,8 @@ class TaskRunner:
                 dests = spec.params["dest"] if multi else [spec.params["dest"]]
                 names = [Path(str(d)).name for d in dests]
                 wanted += [(str(u), n, n) for u, n in zip(urls, names, strict=False)]
-        for url, cache_name, name in wanted:
-            target = cache / cache_name
+        for url, their_name, name in wanted:
+            target = cache / their_name
             if not url or not name or target.exists():
                 continue
             if self.cache.root is None:

@@ -118,6 +118,18 @@ class GrantConfig:
             fail("top_p", "must be in (0, 1]")
 
 
+def _grant_id(group_id: str, slot: int, attempt: int) -> str:
+    """A grant's id: its group, slot and attempt (`_slot_of` reads it back)."""
+    return f"{group_id}/{slot}/{attempt}"
+
+
+def _slot_of(grant_id: str) -> tuple[str, int]:
+    """(group id, slot) of a `_grant_id`; slot -1 when it is not one."""
+    head, _, _attempt = grant_id.rpartition("/")
+    group_id, _, slot = head.rpartition("/")
+    return group_id, int(slot) if slot.isdigit() else -1
+
+
 @dataclass
 class _Slot:
     state: str = "open"  # open | granted | done | abandoned
@@ -216,7 +228,7 @@ class GrantBook:
         s = g.slots[i]
         s.attempts += 1
         s.state, s.actor, s.issued = "granted", actor, now
-        s.grant_id = f"{g.group_id}/{i}/{s.attempts}"
+        s.grant_id = _grant_id(g.group_id, i, s.attempts)
         c = self.config
         return wire.Grant(
             s.grant_id,
@@ -291,12 +303,9 @@ class GrantBook:
         filled, or unknown)."""
         given_up = ""
         with self._lock:
-            head, _, _attempt = grant_id.rpartition("/")
-            group_id, _, slot = head.rpartition("/")
+            group_id, slot = _slot_of(grant_id)
             g = self._groups.get(group_id)
-            s = None
-            if g is not None and slot.isdigit() and int(slot) < len(g.slots):
-                s = g.slots[int(slot)]
+            s = g.slots[slot] if g is not None and 0 <= slot < len(g.slots) else None
             if g is None or s is None or s.state != "granted" or s.grant_id != grant_id:
                 self.counts["release_unknown"] += 1
                 return False

@@ -202,12 +202,12 @@ def marked_pids(root: Path | str, exclude: Iterable[int] = ()) -> list[int]:
                 data = f.read() + b"\0"
         except OSError:
             continue  # gone, or not ours to read
-        if needle in data and _alive(int(entry.name)):
+        if needle in data and alive(int(entry.name)):
             found.append(int(entry.name))
     return found
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
     """True unless the process is gone or a zombie (a zombie holds no resources but a pid)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
@@ -233,7 +233,7 @@ def wait_gone(pids: Iterable[int], timeout_s: float) -> list[int]:
     pending = list(pids)
     deadline = time.monotonic() + timeout_s
     while pending:
-        pending = [p for p in pending if _alive(p)]
+        pending = [p for p in pending if alive(p)]
         if not pending or time.monotonic() > deadline:
             break
         time.sleep(0.01)

@@ -60,6 +60,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from arpo_envs.desktop.procs import alive, kill_all, wait_gone
 from arpo_envs.vm.qemu import GUEST_PORTS, Machine, MachineConfig, QemuVM, VMError, qmp_path
 
 log = logging.getLogger("arpo_envs.vm.fleet")
@@ -233,7 +234,7 @@ class Fleet:
     ) -> QemuVM:
         b = self._boot_source()
         if extra is None:
-            extra = {k: _free_port() for k in GUEST_PORTS if k != "server"}
+            extra = {k: free_port() for k in GUEST_PORTS if k != "server"}
         return QemuVM(name, folder, self.machine, port, base=b["base"], kernel=b["kernel"],
                       initrd=b["initrd"], append=b["append"], extra_ports=extra)  # fmt: skip
 
@@ -249,7 +250,7 @@ class Fleet:
             return golden
         log.info("fleet: no golden snapshot for this image and hardware: one cold boot (%s)",
                  self.machine.reason)  # fmt: skip
-        port = _free_port()
+        port = free_port()
         vm = self._vm("golden", port, self.dir / "golden")
         t0 = time.monotonic()
         try:
@@ -443,7 +444,7 @@ class Fleet:
         ports = (
             [self.config.base_port + i for i in range(self.config.n)]
             if self.config.base_port
-            else [_free_port() for _ in range(self.config.n)]
+            else [free_port() for _ in range(self.config.n)]
         )
         for i, port in enumerate(ports):
             name = f"vm-{i}"
@@ -489,7 +490,7 @@ async def screenshot_ok(url: str, timeout_s: float) -> tuple[bool, str]:
         return False, f"no answer within {timeout_s} s"
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -634,7 +635,7 @@ def up(config: FleetConfig, *, detach: bool, announce: Any = print) -> dict[str,
     """Start the fleet. Detached: a background process; returns its state once every VM
     answers (RuntimeError with the fleet's log tail if it dies first). Else runs here."""
     old = read_state(config.state_file)
-    if old and _pid_alive(int(old.get("pid", 0))):
+    if old and alive(int(old.get("pid", 0))):
         raise RuntimeError(
             f"a fleet already runs from {config.folder} (pid {old['pid']}); "
             "`arpo-envs vm down` first, or give another --dir"
@@ -664,7 +665,7 @@ def up(config: FleetConfig, *, detach: bool, announce: Any = print) -> dict[str,
             for v in st["vms"]:
                 announce(f"vm {v['name']} {v['url']} accel {st['accel']}")
             return st
-        dead = st is not None and not _pid_alive(int(st.get("pid", 0)))
+        dead = st is not None and not alive(int(st.get("pid", 0)))
         if dead or (st is None and time.monotonic() - t0 > 60):
             tail = logf.read_text(errors="replace").strip().splitlines()[-8:]
             raise RuntimeError("the fleet did not start:\n  " + "\n  ".join(tail))
@@ -677,7 +678,7 @@ def status(state_file: Path) -> dict[str, Any]:
     st = read_state(state_file)
     if st is None:
         return {"running": False, "state_file": str(state_file)}
-    if not _pid_alive(int(st.get("pid", 0))):
+    if not alive(int(st.get("pid", 0))):
         return {"running": False, "state_file": str(state_file), "stale": True}
     req = urllib.request.Request(
         st["control"] + "/fleet", headers={"Authorization": f"Bearer {st['token']}"}
@@ -691,25 +692,19 @@ def down(folder: Path, grace_s: float = 15.0) -> list[str]:
     done: list[str] = []
     st = read_state(folder / "fleet.json") or {}
     pid = int(st.get("pid", 0))
-    if pid and _pid_alive(pid):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGTERM)
-        end = time.monotonic() + grace_s
-        while _pid_alive(pid) and time.monotonic() < end:
-            time.sleep(0.1)
-        if _pid_alive(pid):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+    if pid and alive(pid):
+        kill_all([pid], signal.SIGTERM)
+        if wait_gone([pid], grace_s):
+            kill_all([pid])
             done.append(f"fleet pid {pid} killed")
         else:
             done.append(f"fleet pid {pid} stopped")
     marker = str(folder.resolve()) if folder.exists() else str(folder)
-    for qpid in set(_qemu_pids(marker)) | {int(v.get("qemu_pid") or 0) for v in st.get("vms", [])}:
-        if qpid and _pid_alive(qpid) and marker in _cmdline(qpid):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(qpid, signal.SIGKILL)
-            _wait_gone(qpid, 10.0)
-            done.append(f"QEMU pid {qpid} killed")
+    listed = {int(v.get("qemu_pid") or 0) for v in st.get("vms", [])}
+    qemus = [q for q in set(_qemu_pids(marker)) | listed if alive(q) and marker in _cmdline(q)]
+    kill_all(qemus)
+    wait_gone(qemus, 10.0)
+    done += [f"QEMU pid {q} killed" for q in qemus]
     for vm in st.get("vms", []):  # sockets kept outside the folder (long paths)
         qmp_path(folder / str(vm.get("name", ""))).unlink(missing_ok=True)
     if folder.exists():
@@ -735,27 +730,6 @@ def _qemu_pids(marker: str) -> list[int]:
             if "qemu-system" in cmd and marker in cmd:
                 out.append(int(p.name))
     return out
-
-
-def _pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie is gone for our purposes
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def _wait_gone(pid: int, timeout_s: float) -> None:
-    end = time.monotonic() + timeout_s
-    while _pid_alive(pid) and time.monotonic() < end:
-        time.sleep(0.05)
 
 
 def config_from_json(raw: str) -> FleetConfig:

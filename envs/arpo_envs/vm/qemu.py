@@ -39,6 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from arpo_envs.desktop.procs import set_parent_death_signal
+
 log = logging.getLogger("arpo_envs.vm.qemu")
 
 QEMU = "qemu-system-x86_64"
@@ -347,7 +349,7 @@ class QemuVM:
                 stdin=subprocess.DEVNULL,
                 stdout=errf,
                 stderr=errf,
-                preexec_fn=_die_with_parent,
+                preexec_fn=set_parent_death_signal,  # dies with the fleet, even by SIGKILL
             )
         self.started_at = time.monotonic()
         self.qmp = QMP(qmp_path(self.folder))
@@ -406,14 +408,6 @@ class QemuVM:
     def remove_files(self) -> None:
         qmp_path(self.folder).unlink(missing_ok=True)
         shutil.rmtree(self.folder, ignore_errors=True)
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGKILL when the fleet process dies (even by SIGKILL)."""
-    import ctypes
-
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _copy_sparse(src: Path, dst: Path) -> None:
