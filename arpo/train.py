@@ -1,10 +1,11 @@
 """`arpo train`: a whole training run on one machine — learner, actors, environments, eval.
 
-    arpo train                                   # the embedded default: tiny model, simulated
-                                                 # desktops, a few minutes on the CPU
+    arpo train                                   # the embedded default (make demo's recipe):
+                                                 # tiny model, simulated desktops, 90 iterations
     arpo train --config run.toml                 # any configuration (`--show-config` lists it)
-    arpo train minutes=30 local_desktops=2       # plus real desktops (Xvfb + LibreOffice ...)
-    arpo train minutes=30 vms=2                  # plus QEMU VMs of the test image (arpo-envs vm)
+    arpo train local_desktops=2                  # plus real desktops (Xvfb + LibreOffice ...)
+    arpo train vms=2                             # plus QEMU VMs of the test image (arpo-envs vm)
+    arpo train minutes=30 learner.iterations=0   # a wall-clock budget instead of iterations
 
 What it does, in order (every stage logs what it starts and where its log goes):
 
@@ -67,7 +68,8 @@ _SET_BY_TRAIN = "(set by arpo train)"
 
 
 def _default_learner() -> LearnerConfig:
-    """The embedded default: small groups and batches that train in minutes on 2 cores.
+    """The embedded default: small groups and batches that train in minutes on 2 cores,
+    90 iterations (the learning rate decays linearly to 0 over them: `decay_lr`).
 
     Two settings differ from the reference's, both measured on the tiny model
     (`benchmarks/ablate_learning.py`, README "Diagnosing online learning"): group
@@ -85,6 +87,7 @@ def _default_learner() -> LearnerConfig:
 
     return LearnerConfig(
         tasks=_SET_BY_TRAIN,
+        iterations=90,
         trainer=TrainerConfig(
             model=_SET_BY_TRAIN,
             lr=1e-4,
@@ -99,12 +102,17 @@ def _default_learner() -> LearnerConfig:
 
 
 def _default_actor() -> ActorConfig:
+    """Episodes fitted to their task (`max_steps = 0`: the task's oracle + 3 turns, at most
+    the reference's 15; 15 for a task without an oracle) and responses of at most 128
+    tokens (the reference allows more; the longest oracle response of the simulated
+    families is 99 tokens, list_select's scrolls, the others at most 37: a policy that has
+    not ended its response by 128 tokens is not writing an action)."""
     from arpo.actor.episode import EpisodeConfig
 
     return ActorConfig(
         sim_envs=1,
         engine=EngineConfig(model=_SET_BY_TRAIN),
-        episode=EpisodeConfig(max_steps=4, max_new_tokens=48),
+        episode=EpisodeConfig(max_steps=0, max_new_tokens=128),
         progress_s=0,
     )
 
@@ -117,22 +125,24 @@ class TrainConfig:
     model: str = option("", "Policy to start from ('' = the tiny model, warm-started).")
     warm_start: bool = option(True, "With model '': `arpo sft` on oracle demonstrations first.")
     sft_epochs: int = option(
-        17,
-        "Warm start: passes over the demonstrations of the generated tasks (17: the tiny "
-        "model then solves about 1 in 5 of them greedily, see arpo.offline.sft).",
+        60,
+        "Warm start: the most passes over the demonstrations of the generated tasks "
+        "(sft_target_nll usually stops it earlier).",
     )
     sft_target_nll: float = option(
-        0.0,
+        0.06,
         "Warm start: stop `arpo sft` after the first epoch whose demonstrations' mean NLL is "
-        "at most this (sft_epochs is then the most it runs; 0: run all sft_epochs). With 8 "
-        "tasks, 22 epochs gave 14 % on one seed and 84 % on another; the NLL tracks it.",
+        "at most this (0: run all sft_epochs). A fixed epoch count gives warm starts of very "
+        "different strength (with 8 tasks, 22 epochs gave 14 % on one seed and 84 % on "
+        "another); the NLL tracks the strength. 0.06 leaves the warm start solving about 40 % "
+        "of 8 click_button tasks at temperature 0.6 (benchmarks/results/demo-runs-*.md).",
     )
     tasks: str = option("", "Task pool ('' = simulated tasks generated into run_dir/tasks).")
     sim_families: list[str] = option(
         doc="Simulated task families of the generated pool (also the warm start's tasks).",
         factory=lambda: ["click_button"],
     )
-    sim_tasks_per_family: int = option(16, "Generated tasks per family.")
+    sim_tasks_per_family: int = option(8, "Generated tasks per family.")
     seed: int = option(0, "Seed of the generated tasks and of the learner.")
     actors: int = option(1, "Actor processes with simulated desktops.")
     sim_envs_per_actor: int = option(4, "Simulated desktops per actor.")
@@ -160,21 +170,34 @@ class TrainConfig:
         factory=list,
     )
     env_urls_pool: str = option("desktop", "The task pool of the env_urls environments.")
-    minutes: float = option(5.0, "Training wall-clock budget (0: until learner.iterations).")
+    minutes: float = option(
+        0.0, "Training wall-clock budget (0: until learner.iterations, 90 by default)."
+    )
+    decay_lr: bool = option(
+        True,
+        "Decay the learning rate linearly to 0 over learner.iterations (when they bound the "
+        "run and learner.trainer.lr_decay_steps is 0): lr_decay_steps = iterations x "
+        "optimizer steps per iteration. The reference keeps it constant; the decay kept the "
+        "last iterations from undoing what was learned (benchmarks/results/"
+        "demo-probe-decay-2026-11-24.md).",
+    )
     restart: bool = option(True, "Start a dead actor again, and a dead learner with --resume.")
     max_restarts: int = option(5, "Restarts per process at most.")
     progress_s: float = option(10.0, "Interval of the progress line (0: none).")
     eval_runs_per_task: int = option(
-        8,
+        16,
         "Episodes per task in the final evaluation, and in the starting policy's (0: none).",
     )
     eval_temperature: float = option(0.6, "Sampling temperature of the evaluations.")
     prefill_runs_per_task: int = option(
-        0,
+        16,
         "Before training, run the starting policy this many times per simulated task at the "
         "rollout sampling settings (`arpo collect` into <run_dir>/prefill) and start ARPO's "
-        "replay buffers with its successes (learner.assemble.replay.prefill); 0: the buffers "
-        "start empty (the reference).",
+        "replay buffers with its successes (learner.assemble.replay.prefill); skipped when "
+        "the run has no simulated desktops or learner.assemble.replay.prefill names "
+        "successes already collected. 0: the buffers start empty (the reference; the "
+        "paper's pipeline has this step). With it, tasks without a successful training "
+        "episode fell from 12 to 3 of 40 (benchmarks/results/demo-runs-prefill-2026-11-24.md).",
     )
     eval_warm_start: bool = option(
         True,
@@ -231,13 +254,6 @@ class TrainConfig:
             fail("eval_runs_per_task", "must be >= 0")
         if self.prefill_runs_per_task < 0:
             fail("prefill_runs_per_task", "must be >= 0 (0: no pre-fill)")
-        if self.prefill_runs_per_task and self.learner.assemble.replay.prefill:
-            fail(
-                "prefill_runs_per_task",
-                "and learner.assemble.replay.prefill both name the replay pre-fill; give one",
-            )
-        if self.prefill_runs_per_task and not (self.actors and self.sim_envs_per_actor):
-            fail("prefill_runs_per_task", "needs simulated desktops (actors, sim_envs_per_actor)")
         from arpo.actor.episode import EpisodeConfig
 
         default = EpisodeConfig()
@@ -354,6 +370,7 @@ class TrainRun:
                     epochs=cfg.sft_epochs,
                     target_nll=cfg.sft_target_nll,
                     max_steps=cfg.actor.episode.max_steps,
+                    max_new_tokens=cfg.actor.episode.max_new_tokens,
                 )
             )
         return str(sft_dir)
@@ -382,12 +399,16 @@ class TrainRun:
         if self.prefill is not None:
             replay = replace(assemble.replay, prefill=self.prefill["trajectories"])
             assemble = replace(assemble, replay=replay)
+        trainer = replace(cfg.learner.trainer, model=model)
+        if cfg.decay_lr and cfg.minutes == 0 and not trainer.lr_decay_steps:
+            steps = cfg.learner.iterations * trainer.optimizer_steps * trainer.epochs
+            trainer = replace(trainer, lr_decay_steps=steps)
         lc = replace(
             cfg.learner,
             run_dir=str(self.run_dir / "learner"),
             tasks=tasks,
             seed=cfg.seed,
-            trainer=replace(cfg.learner.trainer, model=model),
+            trainer=trainer,
             assemble=assemble,
             transport=replace(cfg.learner.transport, data=data, control=control),
         )
@@ -444,8 +465,15 @@ class TrainRun:
         if cfg.eval_warm_start and cfg.eval_runs_per_task and cfg.sim_envs_per_actor:
             log.info("evaluating the starting policy (the same protocol as the final one)")
             self.warm_eval = self._evaluate(tasks, {"model": model}, self.run_dir / "eval_warm")
-        if cfg.prefill_runs_per_task:
+        if cfg.learner.assemble.replay.prefill:
+            log.info(
+                "replay pre-fill: the successes in %s (learner.assemble.replay.prefill); no "
+                "pre-fill collection", cfg.learner.assemble.replay.prefill,
+            )  # fmt: skip
+        elif cfg.prefill_runs_per_task and cfg.actors and cfg.sim_envs_per_actor:
             self.prefill = self._prefill(model, tasks)
+        elif cfg.prefill_runs_per_task:
+            log.info("replay pre-fill skipped: the run has no simulated desktops to run it on")
         data = f"tcp://127.0.0.1:{_free_port()}"
         control = f"tcp://127.0.0.1:{_free_port()}"
         self.learner = self._learner_proc(model, tasks, data, control)

@@ -34,6 +34,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _earlier import EARLIER_DEFAULTS, earlier_config
+
 log = logging.getLogger("ablate")
 
 REFERENCE = ["learner.assemble.norm_std=true", "learner.trainer.loss.replay_w_min=0.0"]
@@ -96,11 +98,10 @@ TRACKED = {
 
 def _eval(policy: str, tasks: str, out: Path, runs: int, envs: int) -> float:
     from arpo.pool.evaluate import EvalConfig, run_eval
-    from arpo.train import TrainConfig
 
     done = out / "eval.json"
     if not done.exists():
-        ep = TrainConfig().actor.episode
+        ep = earlier_config().actor.episode
         run_eval(
             EvalConfig(
                 model=policy,
@@ -130,6 +131,7 @@ def run_variant(args: argparse.Namespace, name: str, seed: int, model: str, task
 
     run_dir = Path(args.out) / "runs" / f"{name}-s{seed}"
     overrides = [
+        *EARLIER_DEFAULTS,
         f"run_dir={str(run_dir)!r}",
         f"model={model!r}",
         f"tasks={tasks!r}",
@@ -241,13 +243,13 @@ def main(argv: list[str] | None = None) -> int:
         json.loads(res_path.read_text()) if res_path.exists() else {"variants": {}}
     )
     if not args.report_only:
-        from arpo.train import TrainConfig, TrainRun
+        from arpo.train import TrainRun
 
         bad = sorted(set(args.variants.split(",")) - set(VARIANTS))
         if bad:
             p.error(f"--variants: unknown {bad}; choose from {', '.join(VARIANTS)}")
         base = TrainRun(
-            TrainConfig(
+            earlier_config(
                 run_dir=str(out / "base"),
                 sim_tasks_per_family=args.tasks,
                 sft_epochs=args.sft_epochs,

@@ -35,6 +35,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from _earlier import EARLIER_DEFAULTS, earlier_config
 from _machine import cpu_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -55,6 +56,7 @@ def one_run(args: argparse.Namespace, name: str, rep: int, model: str, tasks: st
         TrainConfig,
         None,
         [
+            *EARLIER_DEFAULTS,
             f"run_dir={str(run_dir)!r}",
             f"model={model!r}",
             f"tasks={tasks!r}",
@@ -145,9 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out).resolve()
     args.out = str(out)
     out.mkdir(parents=True, exist_ok=True)
-    from arpo.train import TrainConfig, TrainRun
+    from arpo.train import TrainRun
 
-    base = TrainRun(TrainConfig(run_dir=str(out / "base"), sim_tasks_per_family=args.tasks))
+    base = TrainRun(earlier_config(run_dir=str(out / "base"), sim_tasks_per_family=args.tasks))
     base.run_dir.mkdir(parents=True, exist_ok=True)
     model = base.policy()
     tasks = str(Path(base.task_pool()) / "sim")

@@ -81,6 +81,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from _earlier import earlier_config
 from _stats import t_interval
 
 log = logging.getLogger("experiment")
@@ -121,9 +122,8 @@ CONTRASTS = (
 
 def _actor_args(args: argparse.Namespace) -> list[str]:
     """The local actor of eval / collect / select: the online runs' episode limits."""
-    from arpo.train import TrainConfig
 
-    return [*TrainConfig(sim_envs_per_actor=args.envs).pool_actor_args(), "progress_s=0"]
+    return [*earlier_config(sim_envs_per_actor=args.envs).pool_actor_args(), "progress_s=0"]
 
 
 def _copy_tasks(ids: list[str], src: Path, dest: Path) -> None:
@@ -138,11 +138,11 @@ def setup(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     from arpo_envs.sim.tasks import write_tasks
 
     from arpo.pool.select import SelectConfig, run_selection
-    from arpo.train import TrainConfig, TrainRun
+    from arpo.train import TrainRun
 
     families = [f for f in args.families.split(",") if f]
     base = TrainRun(
-        TrainConfig(
+        earlier_config(
             run_dir=str(out / "base"),
             sim_families=families,
             sim_tasks_per_family=args.per_family,
@@ -236,12 +236,11 @@ def _eval(args: argparse.Namespace, policy: str, s: dict[str, Any], out: Path) -
 
 
 def _train_config(args: argparse.Namespace, method: str, seed: int, s: dict[str, Any]):
-    from arpo.train import TrainConfig
 
     stale = method.endswith("_stale")
     base = method.removesuffix("_stale")
 
-    cfg = TrainConfig(
+    cfg = earlier_config(
         run_dir=str(Path(args.out) / "runs" / f"{method}-s{seed}"),
         model=s["model"],
         tasks=s["pool"],

@@ -168,7 +168,7 @@ def test_nested_overrides_change_the_declared_default_not_the_class_default(tmp_
     f.write_text("[actor.episode]\nformat_weight = 0.0\n")
     c = load_config(TrainConfig, f)
     assert c.actor.episode.format_weight == 0.0
-    assert c.actor.episode.max_steps == base.actor.episode.max_steps == 4
+    assert c.actor.episode.max_steps == base.actor.episode.max_steps == 0
     assert c.actor.sim_envs == base.actor.sim_envs
 
 
@@ -179,20 +179,16 @@ def test_the_arpo_command_exits_2_naming_the_field_and_the_fix() -> None:
     assert p.returncode == 2 and "'minuts'" in p.stderr and "'minutes'" in p.stderr, p.stderr
 
 
-def test_the_replay_prefill_of_arpo_train_is_named_once() -> None:
-    """`prefill_runs_per_task` and `learner.assemble.replay.prefill` both say where the
-    replay buffers start from: giving both is refused, naming the field."""
+def test_the_replay_prefill_of_arpo_train_yields_to_a_named_one() -> None:
+    """`prefill_runs_per_task` (16 by default) is checked; successes named by
+    `learner.assemble.replay.prefill` are used instead of a pre-fill collection, so the
+    default does not refuse them."""
     from arpo.train import TrainConfig
 
     with pytest.raises(ConfigError, match=r"prefill_runs_per_task.*must be >= 0"):
         load_config(TrainConfig, None, ["prefill_runs_per_task=-1"])
-    with pytest.raises(ConfigError, match=r"prefill_runs_per_task.*give one"):
-        load_config(
-            TrainConfig, None, ["prefill_runs_per_task=4", "learner.assemble.replay.prefill='/'"]
-        )
-    with pytest.raises(ConfigError, match=r"prefill_runs_per_task.*simulated desktops"):
-        load_config(TrainConfig, None, ["prefill_runs_per_task=4", "actors=0",
-                                        "local_desktops=1"])  # fmt: skip
+    c = load_config(TrainConfig, None, ["learner.assemble.replay.prefill='/'"])
+    assert c.prefill_runs_per_task == TrainConfig().prefill_runs_per_task == 16
     assert load_config(TrainConfig, None, ["prefill_runs_per_task=4"]).prefill_runs_per_task == 4
 
 

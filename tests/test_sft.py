@@ -19,7 +19,7 @@ from transformers import AutoProcessor
 from arpo.actor.episode import EpisodeConfig
 from arpo.cli import main as cli_main
 from arpo.config import load_config
-from arpo.errors import ConfigError
+from arpo.errors import ArpoError, ConfigError
 from arpo.offline.data import read_trajectories, write_trajectories
 from arpo.offline.demos import (
     DEMO_THOUGHT,
@@ -55,8 +55,38 @@ def tasks() -> list[dict]:
 @pytest.fixture(scope="module")
 def demos(tasks, processor) -> list[Trajectory]:
     kept, report = record_demos(tasks, processor, n_envs=2)
-    assert report == {"tasks": 4, "kept": 4}
+    assert report["tasks"] == report["kept"] == 4 and report["dropped"] == {}
+    assert report["longest_episode"] == 3  # menu_pick: two clicks and finished()
+    assert report["longest_response"] == max(len(t.response_ids) for d in kept for t in d.turns)
     return kept
+
+
+def test_the_step_budget_fits_the_task_up_to_the_references_15() -> None:
+    from arpo.actor.episode import MAX_STEPS, step_budget
+
+    one, many = {"oracle": ["a"]}, {"oracle": ["a"] * 13}
+    assert step_budget(one, 0) == 4 and step_budget(many, 0) == MAX_STEPS == 15
+    assert step_budget({"id": "no-oracle"}, 0) == 15 and step_budget(many, 6) == 6
+
+
+def test_dropped_demonstrations_are_reported_with_the_field_to_change(processor) -> None:
+    """A step budget or a response budget too small for the oracles drops their
+    demonstrations, each reason counted with its tasks; when nothing is left the error names
+    the field (and arpo train's name for it) and the value that would do."""
+    forms = sim_task_pool(["fill_form"], per_family=2, seed=1)
+    clicks = sim_task_pool(["click_button"], per_family=1, seed=1)
+    kept, report = record_demos([*forms, *clicks], processor, n_envs=2, max_steps=4)
+    assert len(kept) == report["kept"] == 1 and report["oracle_too_long"] == 2
+    assert sorted(report["dropped"]["oracle_too_long"]) == sorted(t["id"] for t in forms)
+    need = max(len(t["oracle"]) for t in forms) + 1
+    with pytest.raises(
+        ArpoError, match=rf"max_steps to at least {need}.*actor\.episode\.max_steps"
+    ):
+        record_demos(forms, processor, n_envs=2, max_steps=4)
+    with pytest.raises(ArpoError, match=r"response_too_long: 2.*actor\.episode\.max_new_tokens"):
+        record_demos(forms, processor, n_envs=2, max_steps=0, max_new_tokens=8)
+    kept, report = record_demos(forms, processor, n_envs=2, max_steps=0, max_new_tokens=64)
+    assert report["kept"] == 2 and report["longest_episode"] == need
 
 
 class _Replay:

@@ -84,6 +84,7 @@ def fault_run_config(
         max_restarts=base.max_restarts if max_restarts is None else max_restarts,
         progress_s=0,
         eval_runs_per_task=0,
+        prefill_runs_per_task=0,
         learner=replace(
             base.learner,
             iterations=iterations,

@@ -9,7 +9,8 @@ The loop (the ARPO reference's, asynchronous per environment):
    backoff (`reset_retries`); when all tries fail the environment is marked unhealthy
    and the episode is delivered as `env_error` with no turns (the learner grants the
    slot again);
-2. up to `max_steps` turns: screenshot, the turn's prompt ids (`EpisodePrompt`), one
+2. up to `step_budget(task, max_steps)` turns (`max_steps`, or fitted to the task's
+   oracle): screenshot, the turn's prompt ids (`EpisodePrompt`), one
    sampled response (token ids + behaviour log-probs + the policy version that
    produced them + the temperature and top_p they were drawn with: the grant's when it
    carries them, else `EpisodeConfig`'s), parse (`try_parse_response`), execute the commands; the episode
@@ -65,7 +66,13 @@ class EpisodePolicy(Protocol):
 class EpisodeConfig:
     """How one episode runs."""
 
-    max_steps: int = option(15, "Turns per episode (the reference's 15).")
+    max_steps: int = option(
+        15,
+        "Turns per episode (the reference's 15). 0: fit each task: a task that carries an "
+        "oracle (the simulated and local desktop tasks) gets its oracle's length + "
+        "STEP_SLACK turns (finished() and two more), at most MAX_STEPS (15); any other "
+        "task MAX_STEPS. `arpo train` uses 0.",
+    )
     history_images: int = option(15, "Screenshots kept in the model's context.")
     temperature: float = option(
         1.0,
@@ -83,8 +90,8 @@ class EpisodeConfig:
     step_timeout_s: float = option(600.0, "Longest policy call plus action of one turn.")
 
     def validate(self) -> None:
-        if self.max_steps < 1:
-            fail("max_steps", "must be >= 1")
+        if self.max_steps < 0:
+            fail("max_steps", "must be >= 1, or 0 to fit each task's oracle")
         if self.max_new_tokens < 1:
             fail("max_new_tokens", "must be >= 1 (tokens of one response)")
         if self.temperature < 0:
@@ -95,6 +102,24 @@ class EpisodeConfig:
             fail("history_images", "must be >= 1")
         if not 0 < self.top_p <= 1:
             fail("top_p", "must be in (0, 1]")
+
+
+MAX_STEPS = 15
+"""The reference's step budget: the most turns a fitted budget (max_steps = 0) gives."""
+STEP_SLACK = 3
+"""Turns a fitted budget adds to the oracle's steps: finished(), and two to recover from a
+misstep (a click beside its target, a field typed twice)."""
+
+
+def step_budget(task: Task | dict[str, Any], max_steps: int) -> int:
+    """Turns of an episode of `task`: `max_steps`, or when it is 0 the task's oracle length +
+    STEP_SLACK, at most MAX_STEPS (MAX_STEPS for a task without an oracle)."""
+    if max_steps:
+        return max_steps
+    extra = task.get("oracle") if isinstance(task, dict) else task.extra.get("oracle")
+    if isinstance(extra, list) and extra:
+        return min(MAX_STEPS, len(extra) + STEP_SLACK)
+    return MAX_STEPS
 
 
 class Environment:
@@ -278,7 +303,7 @@ async def run_episode(
     fmt = 0.0
     frame: A.Frame | None = None
     try:
-        for _ in range(cfg.max_steps):
+        for _ in range(step_budget(task, cfg.max_steps)):
             t0 = time.perf_counter()
             png = await _timed(env, env.client.screenshot())
             if frame is None:

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from arpo import wire
-from arpo.actor.episode import Environment, EpisodeConfig, run_episode
+from arpo.actor.episode import MAX_STEPS, Environment, EpisodeConfig, run_episode, step_budget
 from arpo.actor.scripted import oracle_to_actions
 from arpo.env.runner import RunnerConfig
 from arpo.errors import ArpoError, EngineError
@@ -173,51 +173,104 @@ def record_demos(
     *,
     n_envs: int = 2,
     max_steps: int = 15,
-) -> tuple[list[Trajectory], dict[str, int]]:
+    max_new_tokens: int = 0,
+) -> tuple[list[Trajectory], dict[str, Any]]:
     """Record one oracle demonstration per task (see the module docstring).
 
     `model` is a model folder (its processor is loaded) or a loaded `AutoProcessor`.
-    Returns the demonstrations scored 1 and counts: tasks, kept, no_oracle, failed
-    (checker score below 1), not_ok (env / eval errors), policy_failed."""
+    `max_steps` is the episode's step budget (0: fitted to each task, `step_budget`);
+    `max_new_tokens` the longest response the policy may sample (0: no bound). Returns the
+    demonstrations scored 1 and a report: counts (tasks, kept, and one count per reason a
+    demonstration was dropped: no_oracle, oracle_too_long (more turns than the step budget),
+    response_too_long (a response longer than max_new_tokens: the policy could never sample
+    it whole), failed (checker score below 1), not_ok (env / eval errors), policy_failed),
+    `dropped` (reason -> the task ids), `longest_response` (tokens, with <|im_end|>) and
+    `longest_episode` (turns) of the kept ones. Every reason is logged with its tasks; a
+    pool of which nothing is kept raises ArpoError naming the field to change."""
     if isinstance(model, str | Path):
         from transformers import AutoProcessor
 
         processor = AutoProcessor.from_pretrained(str(model))
     else:
         processor = model
-    report: collections.Counter[str] = collections.Counter(tasks=len(tasks))
+    counts: collections.Counter[str] = collections.Counter(tasks=len(tasks))
+    dropped: dict[str, list[str]] = collections.defaultdict(list)
+
+    def drop(reason: str, task: dict[str, Any]) -> None:
+        counts[reason] += 1
+        dropped[reason].append(str(task.get("id")))
+
     usable = []
+    need = 0
     for t in tasks:
         oracle = t.get("oracle")
         if not oracle:
-            report["no_oracle"] += 1
+            drop("no_oracle", t)
             continue
-        if len(oracle) + 1 > max_steps:
-            report["oracle_too_long"] += 1
+        need = max(need, len(oracle) + 1)
+        if len(oracle) + 1 > step_budget(t, max_steps):
+            drop("oracle_too_long", t)
             continue
         usable.append(t)
     policy = OraclePolicy(processor)
     cfg = EpisodeConfig(max_steps=max_steps, temperature=0.0, reset_retries=2)
     trajs = asyncio.run(run_on_sim(usable, policy, cfg, n_envs=n_envs, actor_id="oracle-demos"))
     kept: list[Trajectory] = []
+    longest = 0
     for task, traj in zip(usable, trajs, strict=True):
         if traj is None:
-            report["policy_failed"] += 1
+            drop("policy_failed", task)
         elif traj.status != Status.OK:
-            report["not_ok"] += 1
-            log.warning("demo of task %s ended %s", task["id"], traj.status)
+            drop("not_ok", task)
         elif traj.checker_score < 1.0:
-            report["failed"] += 1
-            log.warning("demo of task %s scored %.2f", task["id"], traj.checker_score)
+            drop("failed", task)
+        elif max_new_tokens and max(len(t.response_ids) for t in traj.turns) > max_new_tokens:
+            longest = max(longest, max(len(t.response_ids) for t in traj.turns))
+            drop("response_too_long", task)
         else:
             kept.append(traj)
-    report["kept"] = len(kept)
-    if usable and not kept:
+    counts["kept"] = len(kept)
+    report: dict[str, Any] = dict(counts)
+    report["dropped"] = dict(dropped)
+    report["longest_response"] = max(
+        (len(t.response_ids) for d in kept for t in d.turns), default=0
+    )
+    report["longest_episode"] = max((d.steps for d in kept), default=0)
+    why = {
+        "no_oracle": "the task has no oracle",
+        "oracle_too_long": f"the oracle needs more turns than the step budget (max_steps "
+        f"{max_steps}; the longest needs {need} with finished())",
+        "response_too_long": f"a response is longer than max_new_tokens {max_new_tokens} "
+        f"(the longest: {longest} tokens)",
+        "failed": "the checker scored the oracle below 1",
+        "not_ok": "an environment or checker error",
+        "policy_failed": "the oracle policy failed",
+    }
+    for reason, ids in dropped.items():
+        log.warning(
+            "demonstrations dropped (%s): %d of %d: %s%s",
+            why[reason], len(ids), len(tasks), ", ".join(ids[:5]), " ..." if len(ids) > 5 else "",
+        )  # fmt: skip
+    if tasks and not kept:
+        fixes = []
+        if counts["oracle_too_long"]:
+            fixes.append(
+                f"raise max_steps to at least {need} or set it to 0 to fit every task (at most "
+                f"{MAX_STEPS}); in arpo train the field is actor.episode.max_steps"
+            )
+        if counts["response_too_long"]:
+            fixes.append(
+                f"raise max_new_tokens to at least {longest}; in arpo train the field is "
+                "actor.episode.max_new_tokens (0 fits the demonstrations)"
+            )
+        if not fixes:
+            fixes.append("check the tasks' oracles and the desktop's screen size")
         raise ArpoError(
-            f"no oracle demonstration of {len(usable)} tasks scored 1 ({dict(report)}); "
-            "check the tasks' oracles and the desktop's screen size"
+            f"no oracle demonstration of {len(tasks)} tasks is usable "
+            f"({', '.join(f'{k}: {v}' for k, v in counts.items() if k != 'tasks')}): "
+            + "; ".join(fixes)
         )
-    return kept, dict(report)
+    return kept, report
 
 
 def evaluate_greedy(

@@ -58,7 +58,17 @@ class SFTConfig:
     demos: str = option("", "Folder of demonstrations recorded before ('' records them).")
     max_sequences: int = option(0, "Train on at most this many demonstrations (0: all).")
     n_envs: int = option(4, "Simulated desktops used to record (and evaluate) in parallel.")
-    max_steps: int = option(15, "Turns per episode when recording and evaluating.")
+    max_steps: int = option(
+        15,
+        "Turns per episode when recording and evaluating (0: fitted to each task's oracle, "
+        "arpo.actor.episode.step_budget). A demonstration that needs more is dropped.",
+    )
+    max_new_tokens: int = option(
+        0,
+        "Longest response the policy will be allowed (the actors' episode.max_new_tokens); a "
+        "demonstration with a longer response is dropped, since the policy could never sample "
+        "it whole (0: no bound).",
+    )
     dtype: Literal["float32", "bfloat16"] = option("float32", "Parameter dtype.")
     device: str = option("cpu", "Torch device.")
     lr: float = option(1e-3, "AdamW learning rate (high: the tiny model starts from random).")
@@ -91,8 +101,10 @@ class SFTConfig:
             fail("max_sequences", "must be >= 0 (0: all)")
         if self.n_envs < 1:
             fail("n_envs", "must be >= 1")
-        if self.max_steps < 2:
-            fail("max_steps", "must be >= 2 (an oracle step and finished())")
+        if self.max_steps == 1 or self.max_steps < 0:
+            fail("max_steps", "must be >= 2 (an oracle step and finished()), or 0 to fit")
+        if self.max_new_tokens < 0:
+            fail("max_new_tokens", "must be >= 0 (0: no bound)")
         if self.eval_tasks < 0:
             fail("eval_tasks", "must be >= 0")
         if self.max_steps_train < 0:
@@ -136,7 +148,13 @@ def run(cfg: SFTConfig) -> dict[str, Any]:
         from arpo.offline.demos import record_demos
 
         tasks = task_pool(cfg)
-        demos, report = record_demos(tasks, cfg.model, n_envs=cfg.n_envs, max_steps=cfg.max_steps)
+        demos, report = record_demos(
+            tasks,
+            cfg.model,
+            n_envs=cfg.n_envs,
+            max_steps=cfg.max_steps,
+            max_new_tokens=cfg.max_new_tokens,
+        )
         write_trajectories(Path(cfg.out) / "demos", demos)
     if cfg.max_sequences:
         demos = demos[: cfg.max_sequences]

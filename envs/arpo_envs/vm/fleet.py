@@ -408,7 +408,14 @@ class Fleet:
                 ok, why = await screenshot_ok(m.vm.url, self.config.health_timeout_s)
                 if not ok and m.state == "ready":
                     self.counters["health_failed"] += 1
-                    self.spawn(self.replace(m, f"health check: {why}"))
+                    self.spawn(self.replace(m, self.health_reason(m, why)))
+
+    def health_reason(self, m: Member, why: str) -> str:
+        """Why a failed health check replaces `m`: a QEMU that has exited (the check can see
+        it before the exit watcher does) is named as such."""
+        if m.vm.pid and not alive(m.vm.pid):
+            return f"QEMU exited (seen by the health check: {why})"
+        return f"health check: {why}"
 
     def status(self) -> dict[str, Any]:
         rs = sorted(self.revert_s)
@@ -573,7 +580,7 @@ def make_app(fleet: Fleet) -> Any:
             return web.json_response({"ok": False, "state": m.state, "error": m.last_error})
         ok, why = await screenshot_ok(m.vm.url, fleet.config.health_timeout_s)
         if not ok and m.state == "ready":
-            fleet.spawn(fleet.replace(m, f"health check: {why}"))
+            fleet.spawn(fleet.replace(m, fleet.health_reason(m, why)))
         return web.json_response({"ok": ok, "state": m.state, "error": why})
 
     app = web.Application(middlewares=[auth], client_max_size=1 << 20)
