@@ -24,6 +24,7 @@ from arpo.offline.data import read_trajectories, write_trajectories
 from arpo.offline.demos import (
     DEMO_THOUGHT,
     DONE_THOUGHT,
+    OraclePolicy,
     evaluate_greedy,
     record_demos,
     run_on_sim,
@@ -211,3 +212,50 @@ def test_sft_model_emits_parsable_actions_more_often_than_the_random_one(
     base = evaluate_greedy(tiny, tasks, max_steps=2)
     tuned = evaluate_greedy(out, tasks, max_steps=2)
     assert base["parsed_rate"] < tuned["parsed_rate"]
+
+
+class _Stammering(OraclePolicy):
+    """The oracle, but its first response of every episode is text that does not parse."""
+
+    def episode(self, task):
+        inner = super().episode(task)
+        first = {"done": False}
+        policy = self
+
+        class _Ep:
+            async def generate(self, token_ids, images=(), params=None):
+                if not first["done"]:
+                    first["done"] = True
+                    body = list(
+                        policy.tokenizer.encode("umm, not an action", add_special_tokens=False)
+                    )
+                    ids = np.asarray([*body, policy.im_end], dtype=np.int32)
+                    return Completion(ids, np.zeros(len(ids), np.float32), "umm, not an action",
+                                      "stop", 0)  # fmt: skip
+                return await inner.generate(token_ids, images, params)
+
+        return _Ep()
+
+
+@pytest.mark.parametrize("mode", ["end", "continue"])
+def test_a_parse_failure_ends_the_episode_or_costs_only_its_turn(tasks, processor, mode) -> None:
+    """`on_parse_failure = "end"` (the reference) ends the episode on the unparsable response;
+    "continue" executes nothing for it, keeps it in the context as sampled and goes on: the
+    oracle then solves the task, with the format reward -1 still counted."""
+    import asyncio
+
+    cfg = EpisodeConfig(max_steps=0, temperature=0.0, on_parse_failure=mode)
+    trajs = asyncio.run(run_on_sim(tasks, _Stammering(processor), cfg, n_envs=2))
+    for task, t in zip(tasks, trajs, strict=True):
+        assert t is not None and t.status == Status.OK and t.format_reward == -1.0
+        assert not t.turns[0].parsed
+        if mode == "end":
+            assert len(t.turns) == 1 and t.checker_score == 0.0
+        else:
+            assert len(t.turns) == len(task["oracle"]) + 2 and t.checker_score == 1.0
+            assert all(x.parsed for x in t.turns[1:])
+            # the sequence the learner trains holds the unparsed response where it was sampled
+            ids, mask, _ = t.sequence()
+            p0, r0 = len(t.turns[0].prompt_ids), t.turns[0].response_ids
+            assert np.array_equal(ids[p0 : p0 + len(r0)], r0) and mask[p0 : p0 + len(r0)].all()
+            assert len(ids) == t.num_tokens

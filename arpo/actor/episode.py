@@ -13,10 +13,11 @@ The loop (the ARPO reference's, asynchronous per environment):
    oracle): screenshot, the turn's prompt ids (`EpisodePrompt`), one
    sampled response (token ids + behaviour log-probs + the policy version that
    produced them + the temperature and top_p they were drawn with: the grant's when it
-   carries them, else `EpisodeConfig`'s), parse (`try_parse_response`), execute the commands; the episode
-   ends on DONE / FAIL, on a parse failure (format reward -1; a response holding an
-   <|image_pad|> token counts as one, since no next prompt can hold it) or at the step
-   limit;
+   carries them, else `EpisodeConfig`'s), parse (`try_parse_response`), execute the
+   commands; the episode ends on DONE / FAIL, at the step limit, or on a parse failure
+   (format reward -1; a response holding an <|image_pad|> token counts as one, since no
+   next prompt can hold it), unless `on_parse_failure = "continue"`: then that turn does
+   nothing and the next one starts;
 3. evaluate with the task's checker; reward = checker score + `format_weight` * format
    reward.
 
@@ -36,7 +37,7 @@ import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import numpy as np
 
@@ -84,6 +85,13 @@ class EpisodeConfig:
     )
     max_new_tokens: int = option(512, "Longest response per turn.")
     format_weight: float = option(0.5, "reward = checker score + format_weight * format reward.")
+    on_parse_failure: Literal["end", "continue"] = option(
+        "end",
+        "A response that does not parse: 'end' ends the episode (the reference); 'continue' "
+        "costs only that turn: nothing is executed, the response stays in the context as "
+        "sampled and the next turn starts from a new screenshot (the step budget still "
+        "counts it). Either way the format reward is -1.",
+    )
     scroll_clicks: int = option(5, "Wheel clicks per scroll action (the reference's 5).")
     reset_retries: int = option(3, "Tries of reset + setup before the environment is unhealthy.")
     reset_backoff_s: float = option(1.0, "Delay before the second try; doubles, capped at 30 s.")
@@ -348,7 +356,15 @@ async def run_episode(
                 on_step()
             if not parsed.parsed or len(response) == 0:
                 fmt = -1.0
-                break
+                # An empty response or one holding <|image_pad|> cannot go into the context.
+                if (
+                    cfg.on_parse_failure == "end"
+                    or len(response) == 0
+                    or (response == prompt.image_pad).any()
+                ):
+                    break
+                prompt.add_response(response)
+                continue
             prompt.add_response(response)
             t0 = time.perf_counter()
             terminal = False
