@@ -89,6 +89,12 @@ _I32 = np.dtype(np.int32)
 _F32 = np.dtype(np.float32)
 
 
+MAX_VERSION = (1 << 63) - 1
+"""Largest policy version a record may carry: the replay store keeps versions as i64."""
+MAX_SLOT = 1 << 31
+"""Largest slot in a group (the grants' bound)."""
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class Turn:
     """One step of an episode: what the model saw, what it sampled, what it did."""
@@ -136,8 +142,11 @@ class Turn:
             raise RecordError(
                 f"turn.policy_version must be an int, got {type(self.policy_version).__name__}"
             )
-        if self.policy_version < 0:
-            raise RecordError(f"turn.policy_version must be >= 0, got {self.policy_version}")
+        if not 0 <= self.policy_version <= MAX_VERSION:
+            raise RecordError(
+                f"turn.policy_version must be in [0, {MAX_VERSION}] (the replay store keeps "
+                f"versions as signed 64-bit integers), got {self.policy_version}"
+            )
         if not isinstance(self.action, str):
             raise RecordError(f"turn.action must be a str, got {type(self.action).__name__}")
         if not isinstance(self.parsed, bool):
@@ -217,7 +226,10 @@ def sampling_values(temperature: Any, top_p: Any, prefix: str = "") -> tuple[flo
 def _finite(value: Any, name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise RecordError(f"{name} must be a number, got {type(value).__name__}")
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:
+        raise RecordError(f"{name} must be finite, got an integer too large for a float") from None
     if not math.isfinite(value):
         raise RecordError(f"{name} must be finite, got {value}")
     return value
@@ -304,8 +316,14 @@ class Trajectory:
         except ValueError:
             known = ", ".join(s.value for s in Status)
             raise RecordError(f"trajectory.status {self.status!r} is not one of {known}") from None
-        if isinstance(self.slot, bool) or not isinstance(self.slot, int) or self.slot < 0:
-            raise RecordError(f"trajectory.slot must be an int >= 0, got {self.slot!r}")
+        if (
+            isinstance(self.slot, bool)
+            or not isinstance(self.slot, int)
+            or not 0 <= self.slot <= MAX_SLOT
+        ):
+            raise RecordError(
+                f"trajectory.slot must be an int in [0, {MAX_SLOT}], got {self.slot!r}"
+            )
         if not isinstance(self.timings, Mapping):
             raise RecordError(
                 f"trajectory.timings must be a mapping, got {type(self.timings).__name__}"

@@ -69,7 +69,16 @@ import msgpack
 import numpy as np
 
 from arpo.errors import RecordError, WireError
-from arpo.record import PNG_SIGNATURE, Status, Trajectory, Turn, ident_problem, sampling_values
+from arpo.record import (
+    MAX_SLOT,
+    MAX_VERSION,
+    PNG_SIGNATURE,
+    Status,
+    Trajectory,
+    Turn,
+    ident_problem,
+    sampling_values,
+)
 
 WIRE_VERSION = 1
 MAGIC = b"ARPO"
@@ -689,15 +698,15 @@ def _turn_specs(header: dict[str, Any]) -> list[list[Any]]:
             or type(t[3]) is not int
             or type(t[4]) is not bool
             or type(t[5]) is not str
-            or t[0] < 0
-            or t[1] < 0
-            or t[2] < 0
-            or t[3] < 0
+            or not 0 <= t[0] <= MAX_VERSION
+            or not 0 <= t[1] <= MAX_VERSION
+            or not 0 <= t[2] <= MAX_VERSION
+            or not 0 <= t[3] <= MAX_VERSION
         ):
             raise WireError(
                 f"turns[{i}] must be [n_prompt, n_response, n_png, version, parsed, action, "
-                f"temperature, top_p] with ints >= 0, a bool, a str and two numbers; "
-                f"got {t!r:.200}"
+                f"temperature, top_p] with ints in [0, 2^63 - 1], a bool, a str and two "
+                f"numbers; got {t!r:.200}"
             )
         if len(t) == 6:
             t.extend((math.nan, math.nan))  # a record from before the sampling fields
@@ -775,7 +784,7 @@ def _assemble(
             status=Status(status),
             trajectory_id=_get(header, "tid", str, "a string"),
             group_id=_get(header, "group", str, "a string"),
-            slot=_get(header, "slot", int, "an int"),
+            slot=_check_int(_get(header, "slot", int, "an int"), "trajectory slot", 0, MAX_SLOT),
             actor_id=_get(header, "actor", str, "a string"),
             timings=timings,
         )

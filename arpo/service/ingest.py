@@ -414,6 +414,9 @@ class Ingest:
                     return False
                 except BufferError as e:  # can never fit (larger than the store's budget)
                     self._reject("store", f"{tid}: {e}")
+                except Exception as e:  # the store refused it: never acknowledged as stored
+                    self._reject("store_error", f"{tid}: {type(e).__name__}: {e}")
+                    return False
                 else:
                     with self._lock:
                         self.counts["stored"] += 1
