@@ -108,7 +108,20 @@ class IngestConfig:
         "acknowledged trajectories (a crash of the process alone loses none).",
     )
 
+    max_senders: int = option(
+        1024,
+        "Actors whose last heartbeat is tracked (their counters feed the learner's metrics); "
+        "past this, the one heard from longest ago is dropped and counted (senders_dropped).",
+    )
+    sender_expiry_s: float = option(
+        600.0, "An actor not heard from this long is dropped from the tracked ones (counted)."
+    )
+
     def validate(self) -> None:
+        if self.max_senders < 1:
+            fail("max_senders", "must be >= 1")
+        if not self.sender_expiry_s > 0:
+            fail("sender_expiry_s", "must be > 0 seconds")
         if self.seen_capacity < 1:
             fail("seen_capacity", "must be >= 1")
         if self.seen_fsync_every < 1:
@@ -226,7 +239,7 @@ class Ingest:
         self.excluded: collections.deque[Trajectory] = collections.deque(
             maxlen=self.config.excluded_keep
         )
-        self.actors: dict[str, float] = {}
+        self.actors: collections.OrderedDict[str, float] = collections.OrderedDict()
         """Actor id -> time.monotonic() of its last heartbeat."""
         self.actor_stats: dict[str, dict[str, float]] = {}
         """Actor id -> the numeric counters of its last heartbeat (time split, episodes)."""
@@ -362,7 +375,17 @@ class Ingest:
         with self._lock:
             self.counts["heartbeats"] += 1
             if hb.role == "actor":
-                self.actors[hb.sender] = time.monotonic()
+                now = time.monotonic()
+                self.actors[hb.sender] = now
+                self.actors.move_to_end(hb.sender)
+                # Bounded: the senders heard from longest ago go first (oldest at the front).
+                while self.actors and (
+                    len(self.actors) > self.config.max_senders
+                    or next(iter(self.actors.values())) < now - self.config.sender_expiry_s
+                ):
+                    gone, _ = self.actors.popitem(last=False)
+                    self.actor_stats.pop(gone, None)
+                    self.counts["senders_dropped"] += 1
                 self.actor_stats[hb.sender] = {
                     k: float(v)
                     for k, v in hb.stats.items()
