@@ -199,6 +199,14 @@ class TrainConfig:
         "paper's pipeline has this step). With it, tasks without a successful training "
         "episode fell from 12 to 3 of 40 (benchmarks/results/demo-runs-prefill-2026-11-24.md).",
     )
+    prefill_demos: bool = option(
+        False,
+        "Also start the replay buffers with the warm start's oracle demonstrations, scored "
+        "by the warm-start model at the rollout sampling settings (their behaviour "
+        "log-probs are the warm start's, so replaying them is off-policy data the "
+        "importance weight corrects): every task then has a success to replay from the "
+        "first iteration, also where the starting policy never succeeds (long tasks).",
+    )
     eval_warm_start: bool = option(
         True,
         "Also evaluate the starting policy before training, with the same protocol, and "
@@ -474,6 +482,8 @@ class TrainRun:
             self.prefill = self._prefill(model, tasks)
         elif cfg.prefill_runs_per_task:
             log.info("replay pre-fill skipped: the run has no simulated desktops to run it on")
+        if cfg.prefill_demos and not cfg.learner.assemble.replay.prefill:
+            self.prefill = self._prefill_demos(model, self.prefill)
         data = f"tcp://127.0.0.1:{_free_port()}"
         control = f"tcp://127.0.0.1:{_free_port()}"
         self.learner = self._learner_proc(model, tasks, data, control)
@@ -594,6 +604,39 @@ class TrainRun:
             sum(by_task.values()), sum(1 for k in by_task.values() if k), len(by_task),
         )  # fmt: skip
         return {"trajectories": str(out), "successes": by_task}
+
+    def _prefill_demos(self, model: str, prefill: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The warm start's demonstrations (<model>/demos, written by `arpo sft`) scored by
+        `model` at the rollout sampling settings, with the pre-fill collection's
+        trajectories, in <run_dir>/prefill-replay: what the learner's buffers start with."""
+        import shutil
+
+        from arpo.offline.data import read_trajectories, write_trajectories
+        from arpo.offline.demos import score_demos
+
+        cfg = self.config
+        src = Path(model) / "demos"
+        if not src.is_dir():
+            log.info("replay pre-fill of demonstrations skipped: %s has no demos folder", model)
+            return prefill
+        demos = list(read_trajectories(src))
+        scored = score_demos(
+            demos, model, temperature=cfg.learner.trainer.temperature,
+            top_p=cfg.learner.trainer.top_p,
+        )  # fmt: skip
+        out = self.run_dir / "prefill-replay"
+        shutil.rmtree(out, ignore_errors=True)
+        collected = list(read_trajectories(prefill["trajectories"])) if prefill else []
+        write_trajectories(out, [*collected, *scored])
+        successes = dict(prefill["successes"]) if prefill else {}
+        for d in scored:
+            successes[d.task_id] = successes.get(d.task_id, 0) + 1
+        log.info(
+            "replay pre-fill: %d oracle demonstrations scored by the starting policy at "
+            "temperature %g, with %d collected trajectories -> %s",
+            len(scored), cfg.learner.trainer.temperature, len(collected), out,
+        )  # fmt: skip
+        return {"trajectories": str(out), "successes": successes, "demos": len(scored)}
 
     def _evaluate(self, tasks: str, policy: dict[str, str], out: Path) -> dict[str, Any]:
         """`arpo eval` of `policy` ({"checkpoint": ...} or {"model": ...}) on the simulated

@@ -259,3 +259,22 @@ def test_a_parse_failure_ends_the_episode_or_costs_only_its_turn(tasks, processo
             p0, r0 = len(t.turns[0].prompt_ids), t.turns[0].response_ids
             assert np.array_equal(ids[p0 : p0 + len(r0)], r0) and mask[p0 : p0 + len(r0)].all()
             assert len(ids) == t.num_tokens
+
+
+def test_demonstrations_scored_by_a_model_are_replayable_at_its_settings(demos, tiny) -> None:
+    """`score_demos`: the warm start's log-probs of each demonstrated token at the rollout
+    temperature, and that temperature on every turn, so the learner's sampling check
+    accepts them for replay (a demonstration recorded at temperature 0 is refused)."""
+    from arpo.learner.assemble import sampling_mismatch
+    from arpo.offline.demos import score_demos
+
+    scored = score_demos(demos[:2], tiny, temperature=1.0)
+    for d, s in zip(demos[:2], scored, strict=True):
+        assert sampling_mismatch(d, 1.0, 1.0) is not None  # as recorded: temperature 0
+        assert sampling_mismatch(s, 1.0, 1.0) is None
+        assert [t.response_ids.tolist() for t in s.turns] == [
+            t.response_ids.tolist() for t in d.turns
+        ]
+        lps = np.concatenate([t.logprobs for t in s.turns])
+        assert np.isfinite(lps).all() and (lps <= 0).all() and lps.sum() < -1.0
+        assert s.checker_score == 1.0 and s.trajectory_id != d.trajectory_id

@@ -312,3 +312,41 @@ def evaluate_greedy(
         "parsed_rate": sum(t.parsed for t in turns) / len(turns) if turns else float("nan"),
         "steps_mean": sum(t.steps for t in ok) / n if n else float("nan"),
     }
+
+
+def score_demos(
+    demos: Sequence[Trajectory],
+    model: str | Path,
+    *,
+    temperature: float,
+    top_p: float = 1.0,
+    device: str = "cpu",
+) -> list[Trajectory]:
+    """The demonstrations as if `model` had sampled them at `temperature`, `top_p`: every
+    response token's behaviour log-prob is the model's (teacher-forced, one forward pass per
+    demonstration, the learner's own scoring code), and every turn carries those sampling
+    settings. The learner can then replay them as off-policy successes: their importance
+    weight pi_now / pi_model corrects for how far the policy has moved from `model`.
+    Only top_p = 1 is supported (a nucleus would need the token's rank under the model)."""
+    from dataclasses import replace
+
+    from arpo.learner.batch import build_sequence
+    from arpo.learner.trainer import Trainer, TrainerConfig
+
+    if top_p != 1.0:
+        raise ArpoError(f"scoring demonstrations needs top_p = 1, got {top_p}")
+    trainer = Trainer(TrainerConfig(model=str(model), device=device, temperature=temperature))
+    out: list[Trajectory] = []
+    for d in demos:
+        item = wire.to_item(d)
+        (lp,) = trainer.proximal([build_sequence(item, trainer.processor, trainer.image_token_id)])
+        lp = lp.numpy().astype(np.float32)
+        turns, pos = [], 0
+        for t in d.turns:
+            n = len(t.response_ids)
+            turns.append(
+                replace(t, logprobs=lp[pos : pos + n], temperature=temperature, top_p=top_p)
+            )
+            pos += n
+        out.append(replace(d, turns=tuple(turns), trajectory_id=uuid.uuid4().hex))
+    return out
