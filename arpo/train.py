@@ -300,6 +300,7 @@ class _Proc:
     popen: subprocess.Popen | None = None
     restarts: int = 0
     extra_on_restart: list[str] = field(default_factory=list)
+    signalled: bool = False
 
     def start(self, restarted: bool = False) -> None:
         self.log.parent.mkdir(parents=True, exist_ok=True)
@@ -313,12 +314,18 @@ class _Proc:
     def alive(self) -> bool:
         return self.popen is not None and self.popen.poll() is None
 
+    def terminate(self) -> None:
+        """Ask the process to stop (SIGTERM, once); `stop` then waits for it."""
+        if self.popen is not None and self.popen.poll() is None and not self.signalled:
+            self.popen.send_signal(signal.SIGTERM)
+            self.signalled = True
+
     def stop(self, timeout: float) -> int | None:
         p = self.popen
         if p is None:
             return None
         if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
+            self.terminate()
             try:
                 p.wait(timeout)
             except subprocess.TimeoutExpired:
@@ -413,6 +420,7 @@ class TrainRun:
             trainer = replace(trainer, lr_decay_steps=steps)
         lc = replace(
             cfg.learner,
+            hold_after_iterations=True,  # _shutdown stops the actors first, then the learner
             run_dir=str(self.run_dir / "learner"),
             tasks=tasks,
             seed=cfg.seed,
@@ -526,7 +534,7 @@ class TrainRun:
         cfg = self.config
         assert self.learner is not None
         start = time.monotonic()
-        last_progress = 0.0
+        last_progress = last_check = 0.0
         metrics = self.run_dir / "learner" / "metrics.jsonl"
         while not stop["flag"]:
             time.sleep(0.5)
@@ -539,6 +547,12 @@ class TrainRun:
                     log.info("the learner finished its iterations")
                     break
                 self._restart(self.learner, f"the learner exited with code {code}")
+            elif cfg.learner.iterations and time.monotonic() - last_check >= 1.0:
+                last_check = time.monotonic()
+                rows = read_metrics(metrics) if metrics.exists() else []
+                if rows and rows[-1]["step"] >= cfg.learner.iterations:
+                    log.info("the learner finished its iterations: stopping the actors, then it")
+                    break
             for p in self.procs:
                 if not p.alive():
                     self._restart(p, f"{p.name} exited with code {p.popen.returncode}")
@@ -677,10 +691,16 @@ class TrainRun:
         p.start(restarted=True)
 
     def _shutdown(self) -> None:
-        # Actors first: they finish or abandon their episodes and flush their spools to
-        # the learner while it still runs; then the learner checkpoints what it holds.
+        # Actors first, all at once: they finish or abandon their episodes and flush their
+        # spools to the learner while it still runs (it holds after its iterations: no new
+        # grants, every delivery acknowledged); then the learner checkpoints what it holds.
+        t0 = time.monotonic()
+        for p in self.procs:
+            p.terminate()
         for p in self.procs:
             p.stop(timeout=180)
+        if self.procs:
+            log.info("actors stopped in %.1f s", time.monotonic() - t0)
         if self.learner is not None:
             code = self.learner.stop(timeout=600)
             log.info("learner stopped (code %s)", code)

@@ -118,6 +118,13 @@ class LearnerConfig:
         "", "Task selection file written by `arpo select-tasks`: train on its selected tasks."
     )
     iterations: int = option(0, "Training iterations to run (0: until stopped).")
+    hold_after_iterations: bool = option(
+        False,
+        "After `iterations` and their checkpoint, issue no more grants but keep storing and "
+        "acknowledging what the actors still deliver until stopped (SIGTERM): `arpo train` "
+        "stops its actors first, so they hand in what they hold to a learner that is there, "
+        "then stops the learner. False: leave at once.",
+    )
     resume: bool = option(False, "Continue from the newest valid checkpoint in checkpoint.dir.")
     success_score: float = option(1.0, "Checker score at which an episode counts as a success.")
     publish_dir: str = option(
@@ -571,6 +578,13 @@ class Learner:
                 if trained or self._checkpointed_at != self.iteration:
                     self._announce("checkpoint")
                     self.save_checkpoint()
+            if cfg.hold_after_iterations and not self._stop.is_set():
+                self.grants.book.close()
+                log.info(
+                    "finished its iterations (%d): no more grants; storing what the actors "
+                    "still deliver until stopped", self.iteration,
+                )  # fmt: skip
+                self._stop.wait()
         finally:
             if ahead is not None:
                 ahead.cancel()

@@ -195,9 +195,18 @@ class GrantBook:
         """Groups the learner took out of the store and dropped whole (`set_dropped`)."""
         self.counts: collections.Counter[str] = collections.Counter()
 
+        self.closed = False
+        """No more grants (`close`)."""
+
     def set_version(self, version: int) -> None:
         with self._lock:
             self.version = max(self.version, version)
+
+    def close(self) -> None:
+        """Issue no more grants (the learner has run its iterations): requests are answered
+        with none, so the actors finish what they hold and then idle."""
+        with self._lock:
+            self.closed = True
 
     def set_dropped(self, groups: int) -> None:
         """The learner has dropped `groups` whole groups so far (taken out of the store and
@@ -250,6 +259,9 @@ class GrantBook:
         now = time.monotonic() if now is None else now
         out: list[wire.Grant] = []
         with self._lock:
+            if self.closed:
+                self.counts["refused_closed"] += 1
+                return out
             if pool not in self._order:
                 self.counts["unknown_pool"] += 1
                 self.counts["refused"] += 1
