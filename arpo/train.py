@@ -536,6 +536,14 @@ class TrainRun:
         start = time.monotonic()
         last_progress = last_check = 0.0
         metrics = self.run_dir / "learner" / "metrics.jsonl"
+        from arpo.progress import Progress
+
+        # Training with an estimate of the time left when the iterations bound the run.
+        bar = (
+            Progress("training", cfg.learner.iterations, unit="iteration", every_s=cfg.progress_s)
+            if cfg.learner.iterations and cfg.progress_s
+            else None
+        )
         while not stop["flag"]:
             time.sleep(0.5)
             if cfg.minutes and time.monotonic() - start > cfg.minutes * 60:
@@ -559,7 +567,11 @@ class TrainRun:
             if cfg.progress_s and time.monotonic() - last_progress >= cfg.progress_s:
                 last_progress = time.monotonic()
                 rows = read_metrics(metrics) if metrics.exists() else []
-                if rows:
+                if rows and bar is not None:
+                    from arpo.learner.metrics import ProgressLine
+
+                    bar.update_to(rows[-1]["step"], ProgressLine.format(rows[-1]["step"], rows[-1]))
+                elif rows:
                     from arpo.learner.metrics import ProgressLine
 
                     print(ProgressLine.format(rows[-1]["step"], rows[-1]), file=sys.stderr)
@@ -567,6 +579,26 @@ class TrainRun:
                     elapsed = time.monotonic() - start
                     print(f"[{elapsed:5.0f} s] waiting for the first iteration ...",
                           file=sys.stderr)  # fmt: skip
+        if bar is not None:
+            bar.close()
+
+    def _pool_progress(self, desc: str) -> tuple[Any, Any]:
+        """(on_progress callback for a pool run, close): a bar with the time left on a
+        terminal, plain lines every `progress_s` otherwise (none when it is 0)."""
+        from arpo.progress import Progress
+
+        holder: dict[str, Progress] = {}
+
+        def on_progress(done: int, total: int) -> None:
+            if "p" not in holder:
+                holder["p"] = Progress(desc, total, unit="episode", every_s=self.config.progress_s)
+            holder["p"].update_to(done)
+
+        def close() -> None:
+            if "p" in holder:
+                holder["p"].close()
+
+        return on_progress, close
 
     def _pool_fields(self, tasks: str) -> dict[str, Any]:
         """The fields an evaluation or the pre-fill collection of this run shares: the
@@ -601,17 +633,22 @@ class TrainRun:
             "temperature %g -> %s", cfg.prefill_runs_per_task,
             cfg.learner.trainer.temperature, out,
         )  # fmt: skip
-        res = run_collect(
-            CollectConfig(
-                model=model,
-                **self._pool_fields(tasks),
-                runs_per_task=cfg.prefill_runs_per_task,
-                temperature=cfg.learner.trainer.temperature,
-                top_p=cfg.learner.trainer.top_p,
-                out=str(out),
-                overwrite=True,
+        on_progress, close = self._pool_progress("replay pre-fill")
+        try:
+            res = run_collect(
+                CollectConfig(
+                    model=model,
+                    **self._pool_fields(tasks),
+                    runs_per_task=cfg.prefill_runs_per_task,
+                    temperature=cfg.learner.trainer.temperature,
+                    top_p=cfg.learner.trainer.top_p,
+                    out=str(out),
+                    overwrite=True,
+                ),
+                on_progress=on_progress,
             )
-        )
+        finally:
+            close()
         by_task = {t: int(r.get("successes") or 0) for t, r in res["tasks"].items()}
         log.info(
             "replay pre-fill: %d successes in %d of %d tasks",
@@ -659,15 +696,20 @@ class TrainRun:
         from arpo.pool.evaluate import EvalConfig, run_eval
 
         cfg = self.config
-        ev = run_eval(
-            EvalConfig(
-                **policy,
-                **self._pool_fields(tasks),
-                runs_per_task=cfg.eval_runs_per_task,
-                temperature=cfg.eval_temperature,
-                out=str(out),
+        on_progress, close = self._pool_progress(f"evaluation ({out.name})")
+        try:
+            ev = run_eval(
+                EvalConfig(
+                    **policy,
+                    **self._pool_fields(tasks),
+                    runs_per_task=cfg.eval_runs_per_task,
+                    temperature=cfg.eval_temperature,
+                    out=str(out),
+                ),
+                on_progress=on_progress,
             )
-        )
+        finally:
+            close()
         overall = ev.get("overall", {})
         p = float(overall.get("success_rate_episodes") or 0.0)
         n = int(overall.get("episodes") or 0)
@@ -740,9 +782,11 @@ class TrainRun:
             if self.warm_eval is not None:
                 out["eval_gain"] = _gain(self.warm_eval, ev)
         if rows:
-            warm = self.warm_eval["success_rate"] if self.warm_eval else None
-            out["plot"] = str(plot_curves(rows, self.run_dir / "curve.png", warm_start=warm,
-                                          eval_temperature=cfg.eval_temperature))  # fmt: skip
+            out["plot"] = str(plot_curves(
+                rows, self.run_dir / "curve.png", warm_start=self.warm_eval,
+                eval_temperature=cfg.eval_temperature, trained=out.get("eval_trained"),
+                rollout_temperature=cfg.learner.trainer.temperature,
+            ))  # fmt: skip
         out["accounting"] = account(self.run_dir, ckpt)
         (self.run_dir / "summary.json").write_text(json.dumps(out, indent=2))
         self.summary = out
@@ -831,34 +875,59 @@ def _local_suite() -> Path:
     return Path(t.__file__).parent / "local"
 
 
+def _ema(values: list[float], alpha: float = 0.15) -> list[float]:
+    out, m = [], None
+    for v in values:
+        m = v if m is None else alpha * v + (1 - alpha) * m
+        out.append(m)
+    return out
+
+
 def plot_curves(
     rows: list[dict[str, Any]],
     path: Path,
-    warm_start: float | None = None,
+    warm_start: dict[str, Any] | float | None = None,
     eval_temperature: float = 0.6,
+    trained: dict[str, Any] | None = None,
+    rollout_temperature: float | None = None,
 ) -> Path:
-    """Success rate and reward of the trained episodes against iteration, as a PNG; with
-    `warm_start`, the starting policy's evaluated success rate as a line (evaluated at
-    `eval_temperature`, the training episodes sample at the rollout temperature)."""
+    """Training success and mean reward against iteration, as a PNG: each training
+    iteration's value faint, its exponential moving average (alpha 0.15) solid, labelled
+    with the rollout temperature; the warm start's evaluation (`warm_start`: an evaluation
+    dict, or a success rate) at iteration 0 and the trained policy's (`trained`) at the last
+    iteration as points with 95 % error bars (1.96 standard errors), at `eval_temperature`."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     steps = [r["step"] for r in rows]
-    fig, ax = plt.subplots(1, 2, figsize=(10, 3.6))
+    t_roll = "" if rollout_temperature is None else f", T={rollout_temperature:g}"
+    fig, ax = plt.subplots(1, 2, figsize=(10, 3.8))
     for a, key, label in (
         (ax[0], "charts/success_rate", "success rate"),
         (ax[1], "charts/reward_mean", "mean reward"),
     ):
-        ys = [r.get(key) for r in rows]
-        pts = [(s, y) for s, y in zip(steps, ys, strict=True) if y is not None]
+        pts = [(s, r.get(key)) for s, r in zip(steps, rows, strict=True) if r.get(key) is not None]
         if pts:
-            a.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", label="training")
-        if warm_start is not None and key == "charts/success_rate":
-            a.axhline(warm_start, color="grey", linestyle="--",
-                      label=f"start, evaluated (T={eval_temperature:g})")  # fmt: skip
-            a.legend(fontsize=8)
+            xs, ys = [p[0] for p in pts], [float(p[1]) for p in pts]
+            a.plot(xs, ys, color="tab:blue", alpha=0.25, linewidth=0.8,
+                   label=f"training episodes{t_roll}")  # fmt: skip
+            a.plot(xs, _ema(ys), color="tab:blue", linewidth=2, label="training, smoothed (EMA)")
+        if key == "charts/success_rate":
+            last = steps[-1] if steps else 1
+            for x, ev, name, color in ((0, warm_start, "warm start", "grey"),
+                                       (last, trained, "trained", "tab:green")):  # fmt: skip
+                if ev is None:
+                    continue
+                p = ev if isinstance(ev, float | int) else ev.get("success_rate")
+                se = 0.0 if isinstance(ev, float | int) else float(ev.get("se") or 0.0)
+                if p is None:
+                    continue
+                a.errorbar([x], [p], yerr=[1.96 * se], fmt="o", color=color, capsize=4,
+                           label=f"{name}, evaluated (T={eval_temperature:g}, 95 % CI)")  # fmt: skip
+            a.set_ylim(-0.02, 1.02)
+        a.legend(fontsize=7, loc="best")
         a.set_xlabel("iteration")
         a.set_ylabel(label)
         a.grid(alpha=0.3)
@@ -867,6 +936,18 @@ def plot_curves(
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def verdict(gain: dict[str, float]) -> str:
+    """Whether training helped, in words: the difference and its 95 % interval."""
+    lo = gain["points"] - 1.96 * gain["se_points"]
+    hi = gain["points"] + 1.96 * gain["se_points"]
+    ci = f"{gain['points']:+.1f} points, 95 % CI {lo:+.1f} to {hi:+.1f}"
+    if lo > 0:
+        return f"Training helped: {ci} (the interval excludes 0)."
+    if hi < 0:
+        return f"Training made the policy worse: {ci} (the interval excludes 0)."
+    return f"No measurable effect: {ci} (the interval includes 0)."
 
 
 def comparison(out: dict[str, Any]) -> str:
@@ -880,6 +961,7 @@ def comparison(out: dict[str, Any]) -> str:
     g = out.get("eval_gain")
     if g:
         rows.append(f"| trained - start | {g['points']:+.1f} points | {g['se_points']:.1f} | |")
+        rows += ["", verdict(g)]
     wt, tt = (w or {}).get("by_task") or {}, (t or {}).get("by_task") or {}
     pre = (out.get("prefill") or {}).get("successes")
     if wt and tt:
