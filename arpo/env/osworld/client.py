@@ -28,6 +28,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import signal
 import tempfile
 import time
@@ -46,6 +47,28 @@ REPO_VENV = Path(__file__).resolve().parents[3] / ".venv-osworld"
 PYTHON_ENV_VAR = "ARPO_OSWORLD_PYTHON"
 """Names the evaluator environment's python when it is not the repository's `.venv-osworld`."""
 KINDS = ("env", "eval", "request", "worker")
+MAX_REPLY_BYTES = 64 << 20
+"""Longest reply line read from a worker; a longer one is a protocol error (worker replaced)."""
+STDERR_TAIL_BYTES = 16 << 10
+"""What is kept of a worker's stderr for error messages (it is drained continuously)."""
+MARKER_ENV = "ARPO_OSWORLD_WORKER"
+"""Set to a per-worker token in the worker's environment (its children inherit it): a kill
+also finds the descendants that left its session."""
+
+
+def _marked(marker: str) -> list[int]:
+    """Pids of this user's processes whose environment holds MARKER_ENV=marker."""
+    needle = f"{MARKER_ENV}={marker}".encode()
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            if needle in (d / "environ").read_bytes().split(b"\0"):
+                out.append(int(d.name))
+        except OSError:
+            continue
+    return out
 
 
 class OSWorldError(EvalError):
@@ -98,8 +121,8 @@ class _Worker:
         self.proc: asyncio.subprocess.Process | None = None
         self.names: dict[str, Any] = {}
         self.stderr_tail: collections.deque[str] = collections.deque(maxlen=40)
+        self.marker = os.urandom(16).hex()
         self._drain: asyncio.Task[None] | None = None
-        self._next_id = 0
         self._killed = False
         self._cwd = tempfile.mkdtemp(prefix="arpo-osworld-worker-")
         self.started_s = 0.0
@@ -122,11 +145,16 @@ class _Worker:
             stderr=asyncio.subprocess.PIPE,
             cwd=self._cwd,
             start_new_session=True,
-            limit=64 << 20,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore"},
-        )
+            limit=MAX_REPLY_BYTES,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore",
+                 MARKER_ENV: self.marker},
+        )  # fmt: skip
         self._drain = asyncio.create_task(self._drain_stderr(self.proc))
-        self.names = await self.request({"op": "hello"}, self.start_timeout_s, what="start-up")
+        names = await self.request({"op": "hello"}, self.start_timeout_s, what="start-up")
+        if not isinstance(names, dict):
+            self.kill()
+            raise OSWorldError("worker", f"OSWorld worker answered hello with {names!r:.200}")
+        self.names = names
         self.started_s = time.perf_counter() - t0
         log.info(
             "OSWorld worker %d up in %.1f s (%s %s)",
@@ -137,11 +165,18 @@ class _Worker:
         )
 
     async def _drain_stderr(self, proc: asyncio.subprocess.Process) -> None:
+        """Read stderr as it comes, in chunks (a flood or a line without end never blocks the
+        worker or raises here); the last lines are kept, bounded, for error messages."""
         assert proc.stderr is not None
-        while line := await proc.stderr.readline():
-            text = line.decode("utf-8", "replace").rstrip()
-            self.stderr_tail.append(text)
-            log.debug("osworld worker %d: %s", proc.pid, text)
+        pending = b""
+        with contextlib.suppress(Exception):
+            while chunk := await proc.stderr.read(65536):
+                pending = (pending + chunk)[-STDERR_TAIL_BYTES:]
+                *lines, pending = pending.split(b"\n")
+                for line in lines:
+                    text = line.decode("utf-8", "replace").rstrip()[:500]
+                    self.stderr_tail.append(text)
+                    log.debug("osworld worker %d: %s", proc.pid, text)
 
     def _tail(self) -> str:
         lines = [ln for ln in self.stderr_tail if ln.strip()][-5:]
@@ -152,15 +187,21 @@ class _Worker:
             raise OSWorldError("worker", "OSWorld worker is not running")
         proc = self.proc
         assert proc is not None and proc.stdin is not None and proc.stdout is not None
-        self._next_id += 1
-        rid = self._next_id
+        # A fresh random id per request: a reply nobody asked for cannot match the next one.
+        rid = os.urandom(12).hex()
         line = json.dumps({**msg, "id": rid}, allow_nan=False) + "\n"
-        what = what or str(msg.get("op"))
+        what = what or _describe(msg)
         try:
             async with asyncio.timeout(timeout_s):
                 proc.stdin.write(line.encode())
                 await proc.stdin.drain()
                 raw = await proc.stdout.readline()
+        except (ValueError, asyncio.LimitOverrunError):  # a line longer than MAX_REPLY_BYTES
+            self.kill()
+            raise OSWorldError(
+                "worker",
+                f"OSWorld worker's reply to {what} is longer than {MAX_REPLY_BYTES} bytes; killed",
+            ) from None
         except TimeoutError:
             self.kill()
             raise OSWorldError(
@@ -176,15 +217,22 @@ class _Worker:
             )
         try:
             reply = json.loads(raw)
-            ok, got_id = reply["ok"], reply["id"]
-        except (ValueError, KeyError, TypeError):
+            if not isinstance(reply, dict) or not isinstance(reply.get("ok"), bool):
+                raise TypeError("not a reply object")
+            got_id = reply["id"]
+        except (ValueError, KeyError, TypeError, RecursionError):
             self.kill()
             raise OSWorldError(
-                "worker", f"OSWorld worker wrote {raw[:200]!r} instead of a reply; killed"
+                "worker", f"OSWorld worker wrote {raw[:200]!r} instead of a reply to {what}; killed"
             ) from None
         if got_id != rid:
             self.kill()
-            raise OSWorldError("worker", f"OSWorld worker answered request {got_id}, not {rid}")
+            raise OSWorldError(
+                "worker",
+                f"OSWorld worker answered request {got_id!r:.40}, not {what} ({rid}): a reply "
+                "nobody asked for; killed",
+            )
+        ok = reply["ok"]
         if not ok:
             kind = reply.get("kind") if reply.get("kind") in KINDS else "eval"
             raise OSWorldError(kind, str(reply.get("error", "unknown error")))
@@ -200,11 +248,15 @@ class _Worker:
         return self.proc.returncode
 
     def kill(self) -> None:
-        """SIGKILL the worker's process group (no waiting; the loop reaps it)."""
+        """SIGKILL the worker's process group and every process that carries its marker (a
+        descendant that started its own session); no waiting, the loop reaps the worker."""
         self._killed = True
         if self.proc is not None and self.proc.returncode is None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
+        for pid in _marked(self.marker):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
 
     async def aclose(self) -> None:
         self.kill()
@@ -217,6 +269,7 @@ class _Worker:
                 async with asyncio.timeout(5):
                     await self._drain
         self.proc = None
+        shutil.rmtree(self._cwd, ignore_errors=True)
 
 
 class OSWorldEvaluator:
@@ -327,6 +380,13 @@ class OSWorldEvaluator:
 
     def worker_pids(self) -> list[int]:
         return [w.proc.pid for w in self._all if w.proc is not None and w.alive]
+
+
+def _describe(msg: dict[str, Any]) -> str:
+    """The request as an error message names it: its op and, when it has one, the task id."""
+    task = msg.get("task")
+    tid = task.get("id") if isinstance(task, dict) else None
+    return f"{msg.get('op')} of task {tid}" if tid else f"{msg.get('op')} request"
 
 
 def _score(result: Any) -> float:
