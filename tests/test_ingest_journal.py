@@ -253,8 +253,8 @@ def test_journal_records_round_trip_and_bad_bytes_are_skipped(
     assert counts["replayed"] == 4 and counts["malformed"] == 1 and counts["segments"] == 2
     assert store.stats()["total"]["items"] == 4
 
-    # A flipped byte in the third record's payload: its framing still locates the fourth,
-    # so only the third is lost (and counted).
+    # A flipped byte in the third record's payload: its CRC fails, the reader finds the
+    # fourth (the next whole record that validates), so only the third is lost (counted).
     clean = seg0.read_bytes()
     data = bytearray(clean)
     data[recs[2].offset + 5000] ^= 0xFF
@@ -262,15 +262,15 @@ def test_journal_records_round_trip_and_bad_bytes_are_skipped(
     counts = collections.Counter()
     got = [wire.decode(r.frames) for r in read_segment(seg0, counts)]
     assert got == [trajs[0], trajs[1], trajs[3]]
-    assert counts["corrupt_skipped_records"] == 1 and counts["skipped_bytes"] == 0
-    # A flipped byte in its frame-length table: the next record cannot be located, so the
-    # rest of the file is skipped.
+    assert counts["corrupt"] == 1 and counts["resynced"] == 1
+    assert counts["skipped_bytes"] == recs[3].offset - recs[2].offset
+    # A flipped byte in its frame-length table: the same, the fourth is found again.
     data = bytearray(clean)
     data[recs[2].offset + 16 + 1] ^= 0xFF
     seg0.write_bytes(bytes(data))
     counts = collections.Counter()
-    assert len(list(read_segment(seg0, counts))) == 2
-    assert counts["corrupt"] == 1 and counts["skipped_bytes"] == len(data) - recs[2].offset
+    got = [wire.decode(r.frames) for r in read_segment(seg0, counts)]
+    assert got == [trajs[0], trajs[1], trajs[3]] and counts["corrupt"] == 1
 
     # A prefix that declares an enormous record: torn, nothing allocated from the claim.
     seg0.write_bytes(bytes(data[: recs[1].offset]) + b"ARJ1" + (3).to_bytes(4, "little") * 3)

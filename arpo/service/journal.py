@@ -30,8 +30,10 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import mmap
 import os
 import re
+import stat
 import struct
 import zlib
 from collections.abc import Container, Iterator, Sequence
@@ -184,17 +186,47 @@ class JournalRecord:
     frames: list[bytes]
 
 
-def _record_starts(f: Any, at: int, size: int) -> bool:
-    """Whether a record prefix with the journal's magic starts at `at` (or the file ends
-    there); leaves the file positioned at `at`."""
-    if at == size:
-        return True
-    f.seek(at)
-    prefix = f.read(_RECORD_PREFIX.size)
-    f.seek(at)
-    return len(prefix) == _RECORD_PREFIX.size and _RECORD_PREFIX.unpack(prefix)[0] == (
-        JOURNAL_MAGIC
-    )
+def _record_at(buf: Any, at: int, size: int) -> tuple[list[bytes], int] | str:
+    """The frames of the record starting at `at` and where it ends, or why none is there
+    ("torn": cut short by the end of the file; anything else: damaged)."""
+    if size - at < _RECORD_PREFIX.size:
+        return "torn"
+    magic, n_frames, payload = _RECORD_PREFIX.unpack_from(buf, at)
+    if magic != JOURNAL_MAGIC or n_frames > _MAX_FRAMES:
+        return "no record starts here (bad magic or frame count)"
+    head_end = at + _RECORD_PREFIX.size + 8 * n_frames
+    end = head_end + payload + _CRC.size
+    if end > size:
+        return "torn"
+    lengths = struct.unpack_from(f"<{n_frames}Q", buf, at + _RECORD_PREFIX.size)
+    if sum(lengths) != payload:
+        return "frame lengths disagree with the record's size"
+    crc = zlib.crc32(buf[at:head_end])
+    frames, pos = [], head_end
+    for k in lengths:
+        frames.append(bytes(buf[pos : pos + k]))
+        crc = zlib.crc32(frames[-1], crc)
+        pos += k
+    (stored,) = _CRC.unpack_from(buf, pos)
+    if stored != crc:
+        return "CRC mismatch"
+    return frames, end
+
+
+def _regular(path: Path, counts: collections.Counter[str]) -> bool:
+    """Whether `path` is a regular file (a directory, FIFO, socket or device named like a
+    segment is refused by name, counted as not_a_file, and never opened)."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        counts["not_a_file"] += 1
+        log.warning("journal %s: cannot be read (%s); skipped", path, e)
+        return False
+    if not stat.S_ISREG(st.st_mode):
+        counts["not_a_file"] += 1
+        log.warning("journal %s: not a regular file; skipped", path)
+        return False
+    return True
 
 
 def read_segment(
@@ -202,77 +234,65 @@ def read_segment(
 ) -> Iterator[JournalRecord]:
     """The intact records of one segment file, in order.
 
-    Reading stops at the first record that is cut short (`counts["torn"]`: a crash during
-    the write) or fails its checks (`counts["corrupt"]`: bad magic or lengths), since the
-    records after it cannot be located. A record whose framing is intact but whose CRC
-    fails (a flipped bit in its payload) is skipped alone when the next record starts where
-    its framing says (or the file ends there): `counts["corrupt_skipped_records"]`. It
-    never raises for the file's contents.
-    Nothing is allocated beyond the file's own size, whatever a record declares.
+    Every record carries its own CRC, so damage never costs more than the damaged bytes:
+    after a record that fails its checks (a flipped bit in its magic, frame count, lengths or
+    payload: `counts["corrupt"]`), the reader searches forward for the next position where
+    a whole record validates (magic, framing and CRC) and goes on from there
+    (`counts["resynced"]`, `counts["skipped_bytes"]`). A record cut short by the end of the
+    file is a torn tail (`counts["torn"]`: a crash during the write). A path that is not a
+    regular file (a directory, a FIFO) is skipped by name without being opened. It never
+    raises for the file's contents, and allocates nothing beyond the records it returns.
     """
     counts = counts if counts is not None else collections.Counter()
     path = Path(path)
     n = int(m.group(1)) if (m := _SEGMENT.match(path.name)) else -1
-    with path.open("rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        while True:
-            offset = f.tell()
-            prefix = f.read(_RECORD_PREFIX.size)
-            if not prefix:
-                return
-            bad = ""
-            if len(prefix) < _RECORD_PREFIX.size:
-                counts["torn"] += 1
-                bad = "a record prefix cut short"
-            else:
-                magic, n_frames, payload = _RECORD_PREFIX.unpack(prefix)
-                end = offset + _RECORD_PREFIX.size + 8 * n_frames + payload + _CRC.size
-                if magic != JOURNAL_MAGIC or n_frames > _MAX_FRAMES:
-                    counts["corrupt"] += 1
-                    bad = "no record starts here (bad magic or frame count)"
-                elif end > size:
-                    counts["torn"] += 1
-                    bad = f"a record of {end - offset} bytes cut short at the end of the file"
-                else:
-                    raw = f.read(8 * n_frames)
-                    lengths = struct.unpack(f"<{n_frames}Q", raw)
-                    crc = zlib.crc32(raw, zlib.crc32(prefix))
-                    if sum(lengths) != payload:
-                        counts["corrupt"] += 1
-                        bad = "frame lengths disagree with the record's size"
-                    else:
-                        frames = [f.read(k) for k in lengths]
-                        for fr in frames:
-                            crc = zlib.crc32(fr, crc)
-                        (stored,) = _CRC.unpack(f.read(_CRC.size))
-                        if stored != crc and _record_starts(f, end, size):
-                            # The framing is intact and locates the next record: only
-                            # this one is lost (a flipped bit in its payload).
-                            counts["corrupt"] += 1
-                            counts["corrupt_skipped_records"] += 1
-                            log.warning(
-                                "journal %s: CRC mismatch in the record at offset %d; that "
-                                "record is skipped, the next one is read",
-                                path,
-                                offset,
-                            )
-                            continue
-                        if stored != crc:
-                            counts["corrupt"] += 1
-                            bad = "CRC mismatch"
-                        else:
-                            counts["records"] += 1
-                            yield JournalRecord(n, offset, frames)
-                            continue
-            log.warning(
-                "journal %s: %s at offset %d; the rest of the segment (%d bytes) is skipped",
-                path,
-                bad,
-                offset,
-                size - offset,
-            )
-            counts["skipped_bytes"] += size - offset
+    if not _regular(path, counts):
+        return
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as e:
+        counts["not_a_file"] += 1
+        log.warning("journal %s: cannot be opened (%s); skipped", path, e)
+        return
+    with open(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):  # replaced since the check
+            counts["not_a_file"] += 1
             return
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            return
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            at = 0
+            while at < size:
+                got = _record_at(buf, at, size)
+                if not isinstance(got, str):
+                    frames, at_next = got
+                    counts["records"] += 1
+                    yield JournalRecord(n, at, frames)
+                    at = at_next
+                    continue
+                # Damaged or torn here: the next position where a whole record validates.
+                nxt = buf.find(JOURNAL_MAGIC, at + 1)
+                while nxt != -1 and isinstance(_record_at(buf, nxt, size), str):
+                    nxt = buf.find(JOURNAL_MAGIC, nxt + 1)
+                stop = size if nxt == -1 else nxt
+                if got == "torn" and nxt == -1:
+                    counts["torn"] += 1
+                else:
+                    counts["corrupt"] += 1
+                counts["skipped_bytes"] += stop - at
+                if nxt == -1:
+                    log.warning(
+                        "journal %s: %s at offset %d; no intact record after it (%d bytes "
+                        "skipped)", path, got, at, size - at,
+                    )  # fmt: skip
+                    return
+                counts["resynced"] += 1
+                log.warning(
+                    "journal %s: %s at offset %d; %d bytes skipped, reading again at offset "
+                    "%d", path, got, at, nxt - at, nxt,
+                )  # fmt: skip
+                at = nxt
 
 
 def replay_journal(
