@@ -30,6 +30,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from dataclasses import asdict, dataclass, field
@@ -132,9 +133,10 @@ def up(cfg: FleetConfig, announce=print) -> list[Member]:
             "(or set ARPO_DESKTOP_STATE for a second set)"
         )
     libreoffice_template()  # once here, not raced by N servers
-    env = dict(os.environ)
-    if cfg.token:
-        env["ARPO_ENV_TOKEN"] = cfg.token
+    # The token never goes into a server's environment or command line (a program on the
+    # desktop could read /proc/<server>/environ or cmdline): a 0600 file the server reads
+    # once and removes before it runs anything.
+    env = {k: v for k, v in os.environ.items() if k != "ARPO_ENV_TOKEN"}
     members: list[Member] = []
     procs: list[subprocess.Popen] = []
     sel = selectors.DefaultSelector()
@@ -146,8 +148,15 @@ def up(cfg: FleetConfig, announce=print) -> list[Member]:
             os.makedirs(root)
             # stderr to a file: an inherited terminal or pipe would outlive a detached `up`
             with open(os.path.join(root, "server.log"), "ab") as log:
+                cmd = _server_cmd(cfg, i, root)
+                if cfg.token:
+                    cfg.state_file.parent.mkdir(parents=True, exist_ok=True)
+                    fd, token_file = tempfile.mkstemp(prefix=".token-", dir=cfg.state_file.parent)
+                    with os.fdopen(fd, "w") as f:
+                        f.write(cfg.token)
+                    cmd += ["--token-file", token_file]
                 p = subprocess.Popen(
-                    _server_cmd(cfg, i, root),
+                    cmd,
                     env=env,
                     stdin=subprocess.DEVNULL,
                     stdout=subprocess.PIPE,

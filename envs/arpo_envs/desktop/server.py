@@ -901,6 +901,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=5000, help="0: any free port")
     p.add_argument("--token", default=None, help="bearer token (default: $ARPO_ENV_TOKEN)")
+    p.add_argument(
+        "--token-file",
+        default=None,
+        help="read the bearer token from this file and remove it (the token then sits in no "
+        "environment or command line a program on the desktop can read)",
+    )
     p.add_argument("--width", type=int, default=1280)
     p.add_argument("--height", type=int, default=720)
     p.add_argument("--display", type=int, default=None, help="X display number (default: free)")
@@ -922,6 +928,32 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _token(args: argparse.Namespace) -> str | None:
+    """The bearer token: from --token-file (read, then the file removed), else --token, else
+    $ARPO_ENV_TOKEN (taken out of this process's environment, which its children inherit).
+    The last two stay readable by programs on this desktop in /proc/<server pid>/cmdline or
+    environ, which is logged."""
+    if args.token_file:
+        path = Path(args.token_file)
+        try:
+            token = path.read_text().strip()
+        finally:
+            path.unlink(missing_ok=True)
+        if not token:
+            raise ValueError(f"--token-file {args.token_file}: the file holds no token")
+        os.environ.pop("ARPO_ENV_TOKEN", None)
+        return token
+    token = args.token or os.environ.pop("ARPO_ENV_TOKEN", None) or None
+    if token:
+        log.warning(
+            "the bearer token came from %s: programs on this desktop can read it in "
+            "/proc/%d/%s; pass it with --token-file instead",
+            "--token" if args.token else "$ARPO_ENV_TOKEN", os.getpid(),
+            "cmdline" if args.token else "environ",
+        )  # fmt: skip
+    return token
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
@@ -931,8 +963,7 @@ def main(argv: list[str] | None = None) -> int:
             height=args.height,
             host=args.host,
             port=args.port,
-            # Taken out of this process's environment: in-process actions read os.environ.
-            token=args.token or os.environ.pop("ARPO_ENV_TOKEN", None) or None,
+            token=_token(args),
             display=args.display,
             root=args.root,
             files_template=args.files_template,
