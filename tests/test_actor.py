@@ -424,3 +424,41 @@ def test_config_rejects_an_empty_pool(field: str) -> None:
 
     with pytest.raises(ConfigError, match=field):
         load_config(ActorConfig, None, ["sim_envs=1", "policy='scripted'", f"{field}=''"])
+
+
+def test_a_grant_for_unpublished_weights_does_not_poll_the_learner_hot(
+    learner_factory, tmp_path: Path
+) -> None:
+    """A grant asks for policy v5 while the learner has published only v1: the actor asks for
+    weights with a capped backoff (before: about 90 requests a second), and once v5 is
+    published it takes it and runs the episode."""
+    tasks = sim_tasks(per_family=1)
+    lr = learner_factory(tasks, GrantConfig(group_size=1, groups_per_step=1, max_staleness=0))
+    lr.grants.publish_weights(1, b"weights-v1" * 10)
+    lr.book.set_version(5)  # grants now carry min_version 5; no such weights yet
+    cfg = ActorConfig(
+        actor_id="waiter",
+        sim_envs=1,
+        policy="scripted",
+        spool_dir=str(tmp_path / "spool"),
+        transport=lr.transport(heartbeat_s=0.2),
+        progress_s=0,
+    )
+
+    async def go() -> Actor:
+        actor = Actor(cfg)
+        run = asyncio.create_task(actor.run())
+        await async_wait_for(lambda: actor.stats.weight_waits >= 1, "a grant waiting for v5")
+        before = lr.grants.weight_requests
+        await asyncio.sleep(4.0)
+        polled = lr.grants.weight_requests - before
+        assert polled <= 20, f"{polled} weights requests in 4 s"
+        assert lr.stored() == 0 and actor.version == 1
+        await asyncio.to_thread(lr.grants.publish_weights, 5, b"weights-v5" * 10)
+        await async_wait_for(lambda: lr.stored() >= 1, "the episode with v5", timeout=60)
+        actor.stop()
+        await asyncio.wait_for(run, 120)
+        return actor
+
+    actor = asyncio.run(go())
+    assert actor.version == 5

@@ -37,6 +37,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import random
 import signal
 import sys
 import time
@@ -606,6 +607,10 @@ class Actor:
 
     async def _weights(self) -> None:
         assert self.link is not None
+        # A fetch that brought nothing newer (the version a grant wants is not published yet,
+        # or the learner did not answer) waits before the next: 0.1 s doubling to 5 s, with
+        # jitter; a new version applied resets it.
+        backoff = 0.1
         while True:
             await wait_event(self._weights_wanted, self.config.transport.heartbeat_s)
             self._weights_wanted.clear()
@@ -615,11 +620,17 @@ class Actor:
             ):
                 continue
             got = await fetch_weights(self.link)
-            if got is None:
+            if got is None or got[0].version <= self.version:
+                if backoff >= 2.5:
+                    log.info(
+                        "actor %s: the learner has no weights newer than v%d yet (v%d wanted); "
+                        "asking again in %.1f s", self.actor_id, self.version, newest, backoff,
+                    )  # fmt: skip
+                await wait_event(self._stopping, backoff * (0.5 + random.random() / 2))
+                backoff = min(5.0, backoff * 2)
                 continue
+            backoff = 0.1
             ann, data = got
-            if ann.version <= self.version:
-                continue
             t0 = time.perf_counter()
             if self.config.weights_delay_s:
                 await asyncio.sleep(self.config.weights_delay_s)

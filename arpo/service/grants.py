@@ -423,6 +423,8 @@ class GrantServer:
         self.learner_id = learner_id
         self.rejected: collections.Counter[str] = collections.Counter()
         self.actors: dict[str, float] = {}
+        self.weight_requests = 0
+        """Weights requests served (announcements and chunks)."""
         self._seq = 0
         self.server = RouterServer(
             self.transport.control,
@@ -466,6 +468,7 @@ class GrantServer:
             self.book.release(msg.grant_id, msg.actor, msg.reason)
             return [wire.encode(wire.GrantReply(msg.req, (), 0.0))]
         if isinstance(msg, wire.WeightsRequest):
+            self.weight_requests += 1
             return self.weights.handle(msg)
         if isinstance(msg, wire.Heartbeat):
             self.actors[msg.sender] = time.monotonic()
