@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 from arpo.errors import EngineError  # noqa: E402
 from arpo.policy.engine import EngineConfig, SamplingParams, process_logits  # noqa: E402
 from arpo.policy.engines import make_engine  # noqa: E402
-from arpo.policy.prompt import EpisodePrompt  # noqa: E402
+from arpo.policy.prompt import EpisodePrompt, forbidden_token_ids  # noqa: E402
 from arpo.policy.tiny import build_tiny_model  # noqa: E402
 
 # Float32 on CPU: batched KV-cache decoding vs one teacher-forced pass differ by
@@ -65,7 +65,11 @@ def teacher_forced(model, proc, ids, images, out_ids, params: SamplingParams) ->
         ).logits[0]
     resp = logits[len(ids) - 1 : -1]
     n = len(out_ids)
-    lp = process_logits(resp, torch.full((n,), params.temperature), torch.full((n,), params.top_p))
+    # The engine samples from the distribution with the vision tokens masked.
+    masked = torch.tensor(forbidden_token_ids(proc.tokenizer), dtype=torch.long)
+    lp = process_logits(
+        resp, torch.full((n,), params.temperature), torch.full((n,), params.top_p), masked
+    )
     return lp.gather(1, torch.as_tensor(out_ids, dtype=torch.long)[:, None])[:, 0].numpy()
 
 

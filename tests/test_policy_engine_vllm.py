@@ -151,6 +151,7 @@ def teacher_forced(model, ids, images, out_ids, params: SamplingParams) -> np.nd
     from transformers import AutoProcessor
 
     from arpo.policy.engine import process_logits, to_pil
+    from arpo.policy.prompt import forbidden_token_ids
 
     proc = AutoProcessor.from_pretrained(model.name_or_path)
     full = torch.tensor([ids.tolist() + out_ids.tolist()])
@@ -163,10 +164,14 @@ def teacher_forced(model, ids, images, out_ids, params: SamplingParams) -> np.nd
             mm_token_type_ids=(full == model.config.image_token_id).int(),
         ).logits[0]
     n = len(out_ids)
+    # vLLM samples with the vision tokens biased away (FORBIDDEN_LOGIT_BIAS): the masked
+    # distribution, to within e^-100.
+    masked = torch.tensor(forbidden_token_ids(proc.tokenizer), dtype=torch.long)
     lp = process_logits(
         logits[len(ids) - 1 : -1],
         torch.full((n,), params.temperature),
         torch.full((n,), params.top_p),
+        masked,
     )
     return lp.gather(1, torch.as_tensor(out_ids, dtype=torch.long)[:, None])[:, 0].numpy()
 

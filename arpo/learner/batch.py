@@ -243,9 +243,17 @@ def collate(seqs: list[TrainSequence], model: Any, pad_id: int, device: str | to
 
 
 def token_logprobs(
-    model: Any, mb: MicroBatch, temperature: float = 1.0, with_entropy: bool = False
+    model: Any,
+    mb: MicroBatch,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    forbidden: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """[B, N] log-probs of the targets (float32) and optionally the entropy per token.
+
+    `forbidden` ids get logit -inf first, as the engines mask them when sampling
+    (`arpo.policy.prompt.forbidden_token_ids`): the log-probs are those of the masked
+    distribution the actor sampled from.
 
     Logits are divided by the rollout temperature first, so that the log-probs are those
     of the distribution the actor sampled from (top-p is not applied: with the reference's
@@ -255,6 +263,8 @@ def token_logprobs(
     b = logits.shape[0]
     sel = logits[torch.arange(b, device=logits.device)[:, None], mb.rows]  # [B, N, V]
     sel = sel.float()
+    if forbidden is not None and forbidden.numel():
+        sel = sel.index_fill(-1, forbidden.to(sel.device), float("-inf"))
     if temperature != 1.0:
         sel = sel / temperature
     logp_all = torch.log_softmax(sel, dim=-1)

@@ -54,6 +54,7 @@ from arpo.learner.assemble import Batch, Sample
 from arpo.learner.batch import TrainSequence, build_sequence, collate, token_logprobs
 from arpo.learner.distributed import DistConfig, DistInfo
 from arpo.learner.loss import LossConfig, arpo_loss, behaviour_drift
+from arpo.policy.prompt import forbidden_token_ids
 
 log = logging.getLogger("arpo.learner.trainer")
 
@@ -219,6 +220,11 @@ class Trainer:
             ).to(self.device)
             self.ref_model.eval().requires_grad_(False)
         self.image_token_id = int(model.config.image_token_id)
+        self.forbidden = torch.tensor(
+            forbidden_token_ids(self.processor.tokenizer), dtype=torch.long
+        )
+        """Token ids no response may hold (vision placeholders): -inf when scoring, as the
+        engines mask them when sampling."""
         tok = self.processor.tokenizer
         self.pad_id = int(tok.pad_token_id if tok.pad_token_id is not None else 0)
         self.optimizer = torch.optim.AdamW(
@@ -249,7 +255,9 @@ class Trainer:
         base = self.base_model if model is self.model else model
         mb = collate(seqs, base, self.pad_id, self.device)
         with torch.set_grad_enabled(grad):
-            logp, ent = token_logprobs(model, mb, self.config.temperature, entropy)
+            logp, ent = token_logprobs(
+                model, mb, self.config.temperature, entropy, forbidden=self.forbidden
+            )
         return logp, ent, mb
 
     def _micro(self, idx: list[int]) -> list[list[int]]:

@@ -178,9 +178,16 @@ def collapse_image_pads(ids: Sequence[int], image_pad: int) -> list[int]:
 
 
 def process_logits(
-    logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor,
+    forbidden: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Log-probs of the sampling distribution for rows of float32 logits (B, V).
+
+    `forbidden` ids (`arpo.policy.prompt.forbidden_token_ids`) get logit -inf first, in
+    every row: they can never be sampled, and the others' log-probs are the masked
+    distribution's (as the learner scores them).
 
     Matches vLLM's `processed_logprobs`: rows with temperature 0 (greedy) get
     log_softmax(logits); the others log_softmax(logits / T) after vLLM's top-p
@@ -190,6 +197,8 @@ def process_logits(
     import torch
 
     logits = logits.float()
+    if forbidden is not None and forbidden.numel():
+        logits = logits.index_fill(-1, forbidden.to(logits.device), float("-inf"))
     greedy = temperature <= 0
     t = torch.where(greedy, torch.ones_like(temperature), temperature).to(logits)
     scaled = logits / t.unsqueeze(1)

@@ -29,6 +29,7 @@ from typing import Any
 
 from arpo.errors import EngineError
 from arpo.policy.engine import Engine, EngineConfig, SamplingParams, process_logits, to_pil
+from arpo.policy.prompt import forbidden_token_ids
 
 
 @dataclass
@@ -71,6 +72,7 @@ class HFEngine(Engine):
         ).to(self.config.device)
         self.model.eval()
         self._tokenizer = self.processor.tokenizer
+        self._forbidden = torch.tensor(forbidden_token_ids(self._tokenizer), dtype=torch.long)
         self._stop_default = (int(self._tokenizer.convert_tokens_to_ids("<|im_end|>")),)
         self.image_token_id = int(self.model.config.image_token_id)
 
@@ -209,7 +211,7 @@ class HFEngine(Engine):
             cache = DynamicCache(config=self.model.config)
             out = self.model(**inputs, past_key_values=cache, use_cache=True, logits_to_keep=1)
             while True:
-                logprobs = process_logits(out.logits[:, -1, :], temps, top_p)
+                logprobs = process_logits(out.logits[:, -1, :], temps, top_p, self._forbidden)
                 step = torch.empty(n, dtype=torch.long, device=dev)
                 for i in range(n):
                     if done[i]:

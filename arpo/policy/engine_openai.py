@@ -47,6 +47,7 @@ from arpo.policy.engine import (
     collapse_image_pads,
     to_png,
 )
+from arpo.policy.prompt import FORBIDDEN_LOGIT_BIAS, forbidden_token_ids
 
 RETRIES = 4
 
@@ -99,6 +100,7 @@ class OpenAIEngine(Engine):
         self._tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, self.config.model)
         self._stop_default = (int(self._tokenizer.convert_tokens_to_ids("<|im_end|>")),)
         self._image_pad = int(self._tokenizer.convert_tokens_to_ids("<|image_pad|>"))
+        self._forbidden = forbidden_token_ids(self._tokenizer)
         self._ensure_async()
 
     async def close(self) -> None:
@@ -153,6 +155,8 @@ class OpenAIEngine(Engine):
             "stop_token_ids": list(params.stop_token_ids),
             "logprobs": 0,
         }
+        if self._forbidden:
+            sp["logit_bias"] = {str(i): FORBIDDEN_LOGIT_BIAS for i in self._forbidden}
         if params.seed is not None:
             sp["seed"] = params.seed
         body: dict[str, Any] = {

@@ -41,6 +41,7 @@ from arpo.policy.engine import (
     collapse_image_pads,
     to_pil,
 )
+from arpo.policy.prompt import FORBIDDEN_LOGIT_BIAS, forbidden_token_ids
 
 
 def vllm_available() -> str | None:
@@ -68,10 +69,12 @@ def save_state_dict(state: Mapping[str, Any], folder: Path) -> Path:
     return folder
 
 
-def to_vllm_sampling(params: SamplingParams) -> Any:
+def to_vllm_sampling(params: SamplingParams, forbidden: Sequence[int] = ()) -> Any:
+    """vLLM's sampling parameters; `forbidden` ids get FORBIDDEN_LOGIT_BIAS (never sampled)."""
     from vllm import SamplingParams as VSamplingParams
 
     return VSamplingParams(
+        logit_bias={int(i): FORBIDDEN_LOGIT_BIAS for i in forbidden} or None,
         temperature=params.temperature,
         top_p=params.top_p,
         max_tokens=params.max_new_tokens,
@@ -117,6 +120,7 @@ class VLLMEngine(Engine):
         self._tokenizer = AutoTokenizer.from_pretrained(self.config.model)
         self._stop_default = (int(self._tokenizer.convert_tokens_to_ids("<|im_end|>")),)
         self._image_pad = int(self._tokenizer.convert_tokens_to_ids("<|image_pad|>"))
+        self._forbidden = forbidden_token_ids(self._tokenizer)
         self._ensure_async()
 
     async def close(self) -> None:
@@ -136,7 +140,9 @@ class VLLMEngine(Engine):
             pil = await asyncio.to_thread(lambda: [to_pil(im) for im in images])
             prompt["multi_modal_data"] = {"image": pil}
         final = None
-        async for out in self.llm.generate(prompt, to_vllm_sampling(params), uuid.uuid4().hex):
+        async for out in self.llm.generate(
+            prompt, to_vllm_sampling(params, self._forbidden), uuid.uuid4().hex
+        ):
             final = out
         if final is None or not final.outputs:
             raise EngineError("vLLM returned no output")

@@ -117,6 +117,33 @@ class _TurnPieces:
     closed: bool = False
 
 
+VISION_TOKENS = (
+    "<|image_pad|>",
+    "<|video_pad|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+)
+"""Tokens no response may hold: they stand for pixels the next prompt would have to supply."""
+FORBIDDEN_LOGIT_BIAS = -100.0
+"""The logit bias an engine that takes no mask (vLLM, an OpenAI-compatible server) gets for
+them: the tokens' probability is then below e^-100 of what it was, and the log-probs of
+everything else match the learner's masked distribution to within that."""
+
+
+def forbidden_token_ids(tokenizer: Any) -> list[int]:
+    """The ids of VISION_TOKENS in `tokenizer` (names it does not have are left out): masked
+    (logit -inf) by every engine before sampling and by the learner when scoring, so no
+    response can hold one and the behaviour log-probs stay those of the masked distribution."""
+    unk = getattr(tokenizer, "unk_token_id", None)
+    out = []
+    for name in VISION_TOKENS:
+        i = tokenizer.convert_tokens_to_ids(name)
+        if isinstance(i, int) and i >= 0 and i != unk:
+            out.append(int(i))
+    return sorted(set(out))
+
+
 class EpisodePrompt:
     """The token ids of one episode's conversation, built incrementally (see module doc)."""
 
