@@ -115,3 +115,45 @@ def test_engines_without_a_mask_get_a_logit_bias_for_exactly_those_ids(tiny_dir)
     sp = to_vllm_sampling(SamplingParams(1.0, 1.0, 8), ids)
     assert sp.logit_bias == dict.fromkeys(ids, FORBIDDEN_LOGIT_BIAS)
     assert to_vllm_sampling(SamplingParams(1.0, 1.0, 8)).logit_bias is None
+
+
+def test_the_openai_engine_sends_a_logit_bias_for_exactly_those_ids(tiny_dir) -> None:
+    from aiohttp import web
+    from transformers import AutoTokenizer
+
+    from arpo.policy.engine_openai import OpenAIEngine
+
+    forbidden = forbidden_token_ids(AutoTokenizer.from_pretrained(tiny_dir))
+    seen: list[dict] = []
+
+    async def generate(request: web.Request) -> web.Response:
+        body = await request.json()
+        seen.append(body)
+        out = {
+            "prompt_token_ids": body["token_ids"],
+            "choices": [{"token_ids": [11], "logprobs": {"content": [{"logprob": -0.5}]}}],
+        }
+        return web.json_response(out)
+
+    async def run() -> None:
+        app = web.Application()
+        app.router.add_post("/inference/v1/generate", generate)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        try:
+            cfg = EngineConfig(
+                kind="openai", model=str(tiny_dir), base_url=f"http://127.0.0.1:{port}"
+            )
+            async with OpenAIEngine(cfg) as engine:
+                out = await engine.generate(np.array([1, 2, 3]), [], SamplingParams(1.0, 1.0, 4))
+            assert list(out.token_ids) == [11]
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(run())
+    (body,) = seen
+    bias = body["sampling_params"]["logit_bias"]
+    assert bias == {str(i): FORBIDDEN_LOGIT_BIAS for i in forbidden}
