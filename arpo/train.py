@@ -461,15 +461,17 @@ class TrainRun:
         up(cfg, detach=True, announce=lambda s: log.info("fleet: %s", s))
         return str(cfg.state_file)
 
-    def _desktops(self) -> list[str]:
+    def _desktops(self) -> tuple[list[str], list[str]]:
+        """The run's local desktops: their URLs and each one's own bearer token."""
         from arpo_envs.desktop.fleet import FleetConfig, up
 
         self.desktop_state = self.run_dir / "desktops.json"
         members = up(
-            FleetConfig(n=self.config.local_desktops, base_port=0, state_file=self.desktop_state),
+            FleetConfig(n=self.config.local_desktops, base_port=0, state_file=self.desktop_state,
+                        tokens=True),
             announce=lambda *a: log.info("desktop: %s", " ".join(map(str, a))),
-        )
-        return [m.url for m in members]
+        )  # fmt: skip
+        return [m.url for m in members], [m.token for m in members]
 
     # ---- the run -----------------------------------------------------------------------
 
@@ -508,9 +510,10 @@ class TrainRun:
         old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
             if cfg.local_desktops:
-                urls = self._desktops()
+                urls, tokens = self._desktops()
                 self.procs.append(self._actor_proc(len(self.procs), model, data, control,
-                                                   envs=urls, sim_envs=0))  # fmt: skip
+                                                   envs=urls, env_tokens=tokens,
+                                                   sim_envs=0))  # fmt: skip
             fleet = self._vm_fleet() if cfg.vms else cfg.vm_fleet
             if fleet:
                 self.procs.append(self._actor_proc(len(self.procs), model, data, control,

@@ -227,9 +227,10 @@ class Actor:
         # task needs OSWorld's code.
         self.osworld = OSWorldEvaluator(c.runner.evaluator_config(len(envs)))
         self.quarantined: dict[str, str] = {}
+        tokens = dict(zip(c.envs, c.env_tokens, strict=False))
         self.envs = [
-            Environment(i, u, cfg, token=c.env_token or None, osworld=self.osworld,
-                        provider=prov, quarantine=self.quarantined)
+            Environment(i, u, cfg, token=tokens.get(u) or c.env_token or None,
+                        osworld=self.osworld, provider=prov, quarantine=self.quarantined)
             for i, (u, _, cfg, prov) in enumerate(envs)
         ]  # fmt: skip
         self.env_pools = {i: pool for i, (_, pool, _, _) in enumerate(envs)}

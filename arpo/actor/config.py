@@ -104,6 +104,11 @@ class ActorConfig:
         factory=list,
     )
     env_token: str = option("", "Bearer token for the environment servers (local desktops).")
+    env_tokens: list[str] = option(
+        doc="Bearer token of each `envs` URL, in order (`arpo-envs up --tokens` gives every "
+        "desktop its own, listed in its state file); empty = env_token for all.",
+        factory=list,
+    )
     env_pool: str = option(
         "desktop",
         "Pool of the `envs` URLs: they are granted only tasks of this pool "
@@ -181,6 +186,9 @@ class ActorConfig:
         for u in self.envs:
             if not u.startswith(("http://", "https://")):
                 fail("envs", f"{u!r} must start with http:// or https://")
+        if self.env_tokens and len(self.env_tokens) != len(self.envs):
+            fail("env_tokens", f"{len(self.env_tokens)} tokens for {len(self.envs)} `envs` URLs: "
+                 "give one per URL, in the same order, or none")  # fmt: skip
         if self.sim_envs < 0:
             fail("sim_envs", "must be >= 0")
         for name in ("env_pool", "sim_pool", "vm_pool"):

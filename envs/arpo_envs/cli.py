@@ -7,6 +7,7 @@
     arpo-envs sim-bench -n 8                             # step latency and throughput
     arpo-envs up -n 8 --base-port 5200                   # 8 real Xvfb desktops (5200..5207)
     arpo-envs up -n 8 --detach; arpo-envs down           # in the background; stop from any shell
+    arpo-envs up -n 8 --tokens                           # each desktop its own token (state file)
     arpo-envs vm build                                   # the test VM image (Debian packages)
     arpo-envs vm up -n 2 --detach                        # QEMU VMs, reverted before each episode
     arpo-envs vm status; arpo-envs vm down               # counters; stop, leaving nothing behind
@@ -95,14 +96,20 @@ def _sim_bench(args: argparse.Namespace) -> int:
 def _up(args: argparse.Namespace) -> int:
     from arpo_envs.desktop.fleet import FleetConfig, up, wait_foreground
 
-    token = args.token or os.environ.get("ARPO_ENV_TOKEN") or None
+    if os.environ.get("ARPO_ENV_TOKEN"):
+        print(
+            "arpo-envs up: ARPO_ENV_TOKEN is not used (one token for every desktop would let "
+            "code on one drive all); --tokens gives each desktop its own, listed in the state "
+            "file",
+            file=sys.stderr,
+        )
     try:
         kwargs = {"state_file": Path(args.state)} if args.state else {}
         cfg = FleetConfig(
             n=args.n,
             base_port=args.base_port,
             host=args.host,
-            token=token,
+            tokens=args.tokens,
             width=args.width,
             height=args.height,
             files_template=args.files_template,
@@ -298,7 +305,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--base-port", type=int, default=5200, help="desktop i on base-port + i (0: any free)"
     )
     u.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    u.add_argument("--token", default=None, help="bearer token (default: $ARPO_ENV_TOKEN)")
+    u.add_argument(
+        "--tokens",
+        action="store_true",
+        help="each desktop its own random bearer token, listed in the state file (mode 0600)",
+    )
     u.add_argument("--width", type=int, default=1280)
     u.add_argument("--height", type=int, default=720)
     u.add_argument("--files-template", default=None, help="directory copied to home on reset")

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import selectors
 import shutil
 import signal
@@ -65,8 +66,10 @@ class FleetConfig:
     """Desktop i listens on base_port + i (0: any free port each)."""
     host: str = "127.0.0.1"
     """Address to bind; anything but loopback needs a token."""
-    token: str | None = None
-    """Bearer token of every server."""
+    tokens: bool = False
+    """Give every desktop its own random bearer token, listed in the state file (mode 0600)
+    as each server's `token` (clients read it from there: `read_tokens`): code on one
+    desktop cannot drive another. Required for a host other than loopback."""
     width: int = 1280
     """Screen width of every desktop."""
     height: int = 720
@@ -85,6 +88,11 @@ class FleetConfig:
             raise ValueError(f"n must be at least 1, got {self.n}")
         if self.base_port and not 0 < self.base_port + self.n <= 65536:
             raise ValueError(f"ports {self.base_port}..{self.base_port + self.n - 1} out of range")
+        if not self.tokens and self.host not in ("127.0.0.1", "localhost", "::1"):
+            raise ValueError(
+                f"host {self.host!r} is exposed: set tokens=True (`arpo-envs up --tokens`) so "
+                "that every desktop needs its own bearer token"
+            )
 
 
 @dataclass
@@ -94,6 +102,8 @@ class Member:
     url: str = ""
     display: str = ""
     root: str = ""
+    token: str = ""
+    """This desktop's bearer token ('' = none)."""
 
 
 def _server_cmd(cfg: FleetConfig, i: int, root: str) -> list[str]:
@@ -118,9 +128,19 @@ def _health(url: str, token: str | None, timeout_s: float = 5.0) -> bool:
 
 
 def write_state(path: Path, members: list[Member], up_pid: int | None) -> None:
+    """The state file, mode 0600 (it holds the desktops' tokens)."""
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"up_pid": up_pid, "servers": [asdict(m) for m in members]}))
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(f.fileno(), 0o600)
+        f.write(json.dumps({"up_pid": up_pid, "servers": [asdict(m) for m in members]}))
     os.replace(tmp, path)
+
+
+def read_tokens(state_file: Path) -> dict[str, str]:
+    """URL -> bearer token of every desktop of a state file written by `up`."""
+    servers = json.loads(Path(state_file).read_text()).get("servers", [])
+    return {s["url"]: s.get("token", "") for s in servers if s.get("url")}
 
 
 def up(cfg: FleetConfig, announce=print) -> list[Member]:
@@ -149,11 +169,12 @@ def up(cfg: FleetConfig, announce=print) -> list[Member]:
             # stderr to a file: an inherited terminal or pipe would outlive a detached `up`
             with open(os.path.join(root, "server.log"), "ab") as log:
                 cmd = _server_cmd(cfg, i, root)
-                if cfg.token:
+                token = secrets.token_urlsafe(24) if cfg.tokens else ""
+                if token:
                     cfg.state_file.parent.mkdir(parents=True, exist_ok=True)
                     fd, token_file = tempfile.mkstemp(prefix=".token-", dir=cfg.state_file.parent)
                     with os.fdopen(fd, "w") as f:
-                        f.write(cfg.token)
+                        f.write(token)
                     cmd += ["--token-file", token_file]
                 p = subprocess.Popen(
                     cmd,
@@ -165,7 +186,7 @@ def up(cfg: FleetConfig, announce=print) -> list[Member]:
                     text=True,
                 )
             procs.append(p)
-            members.append(Member(i, p.pid, root=root))
+            members.append(Member(i, p.pid, root=root, token=token))
             assert p.stdout is not None
             sel.register(p.stdout, selectors.EVENT_READ, i)
         write_state(cfg.state_file, members, os.getpid())
@@ -195,7 +216,7 @@ def up(cfg: FleetConfig, announce=print) -> list[Member]:
                         f"desktop {i} exited with code {code}: {_log_tail(members[i])}"
                     )
         for m in members:
-            if not _health(m.url, cfg.token):
+            if not _health(m.url, m.token or None):
                 raise RuntimeError(f"desktop {m.index} at {m.url} does not answer GET /platform")
         write_state(cfg.state_file, members, os.getpid())
     except BaseException:
