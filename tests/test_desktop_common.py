@@ -129,9 +129,12 @@ def start_desk(root: Path, *args: str, token: str | None = None, timeout: float 
     cmd += list(args)
     env = dict(os.environ)
     env.pop("ARPO_ENV_TOKEN", None)
-    if token:  # the environment, as `arpo-envs up` passes it (argv is visible to `ps`)
-        env["ARPO_ENV_TOKEN"] = token
     root.mkdir(parents=True, exist_ok=True)
+    if token:  # a 0600 file the server reads and removes, as `arpo-envs up --tokens` does
+        fd = os.open(root / ".token", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(token)
+        cmd += ["--token-file", str(root / ".token")]
     log = root / "server.log"
     with open(log, "ab") as err:
         proc = subprocess.Popen(

@@ -17,7 +17,7 @@ import subprocess
 import sys
 
 from arpo_envs.desktop.fleet import read_tokens
-from test_desktop_common import Desk, require_desktop
+from test_desktop_common import Desk, require_desktop, running_desk
 
 CLI = [sys.executable, "-m", "arpo_envs.cli"]
 SECRET = "tok-" + os.urandom(8).hex()
@@ -60,3 +60,14 @@ def test_no_program_on_the_desktop_can_read_its_token_and_each_has_its_own(tmp_p
         assert not list(state.parent.glob(".token-*")), "a token file was left behind"
     finally:
         subprocess.run([*CLI, "down", "--state", str(state)], capture_output=True, timeout=60)
+
+
+def test_a_token_given_by_hand_still_works_and_the_log_says_programs_can_read_it(
+    tmp_path,
+) -> None:
+    require_desktop()
+    with running_desk(tmp_path / "d", "--token", SECRET) as d:
+        assert d.get("/platform", token=False).status == 401
+        assert d.get("/platform", token=SECRET).status == 200
+    log = (tmp_path / "d" / "server.log").read_text()
+    assert "programs on this desktop can read it" in log
