@@ -256,6 +256,12 @@ impl<B: Blob> Store<B> {
         let path = path.as_ref();
         let fail =
             |reason: String| Error::Snapshot(format!("snapshot {}: {reason}", path.display()));
+        // Only a regular file: a FIFO would block the open (or the read) forever.
+        match std::fs::metadata(path) {
+            Ok(m) if !m.is_file() => return Err(fail("not a regular file".into())),
+            Err(e) => return Err(fail(format!("cannot open: {e}"))),
+            Ok(_) => {}
+        }
         let file = File::open(path).map_err(|e| fail(format!("cannot open: {e}")))?;
         let file_len = file
             .metadata()

@@ -486,11 +486,16 @@ enum Removal {
 /// Most items one `sample` call returns (it allocates the list up front).
 pub const MAX_SAMPLE: usize = 1 << 24;
 
+type TaskMap<B> = imbl::HashMap<Arc<str>, Arc<Task<B>>>;
+
 /// The replay store keyed by task. See the crate docs for an example and the
 /// module docs of `store` for the concurrency invariants.
 pub struct Store<B: Blob = Vec<u8>> {
     config: Config,
-    tasks: ArcSwap<HashMap<Arc<str>, Arc<Task<B>>>>,
+    /// Task name -> task, replaced whole on a new task (copy-on-write). A persistent map:
+    /// the copy shares all but O(log n) of its nodes, so adding the n-th task costs
+    /// O(log n), not a copy of the n - 1 before it.
+    tasks: ArcSwap<TaskMap<B>>,
     bytes: AtomicU64,
     order: SkipMap<u64, OrderEntry<B>>,
     next_seq: AtomicU64,
@@ -506,7 +511,7 @@ impl<B: Blob> Store<B> {
         let seed = config.seed.unwrap_or_else(entropy_seed);
         Ok(Store {
             config,
-            tasks: ArcSwap::from_pointee(HashMap::new()),
+            tasks: ArcSwap::from_pointee(TaskMap::new()),
             bytes: AtomicU64::new(0),
             order: SkipMap::new(),
             next_seq: AtomicU64::new(0),
@@ -559,7 +564,7 @@ impl<B: Blob> Store<B> {
             if let Some(existing) = current.get(&task.name) {
                 return Arc::clone(existing);
             }
-            let mut next = HashMap::clone(&current);
+            let mut next = TaskMap::clone(&current);
             next.insert(Arc::clone(&task.name), Arc::clone(&task));
             let previous = self.tasks.compare_and_swap(&*current, Arc::new(next));
             if Arc::ptr_eq(&*previous, &*current) {

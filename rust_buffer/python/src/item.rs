@@ -416,10 +416,23 @@ impl PyItem {
         } else {
             copy()
         };
+        let (tokens, offsets) = (tokens.finish(copies.0), offsets.finish(copies.2));
+        if let Some((i, &o)) = offsets
+            .iter()
+            .enumerate()
+            .find(|&(_, &o)| o < 0 || o as usize > tokens.len())
+        {
+            return Err(value_error(format!(
+                "offsets[{i}] = {o} is outside [0, {}] (the item has {} tokens): offsets \
+                 index or count the item's own tokens",
+                tokens.len(),
+                tokens.len()
+            )));
+        }
         let item = Item::new(
-            tokens.finish(copies.0),
+            tokens,
             logprobs.finish(copies.1),
-            offsets.finish(copies.2),
+            offsets,
             rewards.finish(copies.3),
             version,
             blobs,
