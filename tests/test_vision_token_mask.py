@@ -1,11 +1,12 @@
 """Vision special tokens cannot be sampled, and the learner scores the same masked distribution.
 
-The tiny model's logits get +30 on <|image_pad|> (a forward hook on its output layer, in the
-engine and in the learner alike), so unmasked it would sample nothing else. The transformers
-engine never emits any of the vision tokens, the learner's log-probs of such a turn equal the
-engine's, and the engines that take no mask (vLLM, an OpenAI-compatible server) are given a
-logit bias for exactly those ids. Before: a sampled <|image_pad|> ended the episode as a
-parse failure and dropped it from training.
+The tiny model's weights are edited so that <|image_pad|> leads every other token by about 37
+in logit at every position (a large bias on the last layer's values makes the final hidden
+state nearly constant; <|image_pad|>'s output row points along it), so unmasked it would
+sample nothing else. The transformers engine and vLLM never emit any vision token, the
+learner's log-probs of such a turn equal the engine's, and the OpenAI-compatible server is
+sent a logit bias for exactly those ids. Before: a sampled <|image_pad|> ended the episode as
+a parse failure and dropped it from training.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from arpo.policy.tiny import build_tiny_model  # noqa: E402
 from arpo.synthetic import screenshot_png, synthetic_trajectory  # noqa: E402
 
 LOGPROB_TOL = 1e-4
+SHOT = screenshot_png(np.random.default_rng(0), 640, 400)
 
 
 @pytest.fixture(scope="module")
@@ -39,13 +41,65 @@ def tiny_dir(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "m", seed=0)
 
 
-def _favour_image_pad(model, image_pad: int) -> None:
-    def hook(_module, _inputs, out):
-        out = out.clone()
-        out[..., image_pad] += 30.0
-        return out
+@pytest.fixture(scope="module")
+def favoured_dir(tiny_dir, tmp_path_factory):
+    """The tiny model with <|image_pad|> favoured at every position (see module doc)."""
+    from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
 
-    model.get_output_embeddings().register_forward_hook(hook)
+    proc = AutoProcessor.from_pretrained(tiny_dir)
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(tiny_dir, dtype=torch.float32)
+    image_pad = proc.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    attn = model.model.language_model.layers[-1].self_attn
+    gen = torch.Generator().manual_seed(0)
+    ids, images = _prompt(proc)
+    full = torch.tensor([[*ids.tolist(), 11, 22, 33, 44]])
+    seen = {}
+    hook = model.get_output_embeddings().register_forward_hook(
+        lambda _m, inputs, _o: seen.__setitem__("h", inputs[0])
+    )
+    with torch.no_grad():
+        attn.v_proj.bias.copy_(torch.randn(attn.v_proj.bias.shape, generator=gen) * 50)
+        model(**_inputs(proc, full, images, image_pad))
+        h = seen["h"][0, -5:].mean(0)
+        model.get_output_embeddings().weight[image_pad] = h * (40 / h.norm() ** 2)
+    hook.remove()
+    out = tmp_path_factory.mktemp("favoured") / "m"
+    model.save_pretrained(out)
+    proc.save_pretrained(out)
+    return out
+
+
+def _prompt(proc):
+    ep = EpisodePrompt.from_processor(proc, "click the button")
+    ep.add_screenshot(SHOT)
+    return ep.model_input()
+
+
+def _inputs(proc, full, images, image_pad) -> dict:
+    from arpo.policy.engine import to_pil
+
+    enc = proc.image_processor(images=[to_pil(i) for i in images], return_tensors="pt")
+    return dict(input_ids=full, pixel_values=enc["pixel_values"],
+                image_grid_thw=enc["image_grid_thw"], mm_token_type_ids=(full == image_pad).int())  # fmt: skip
+
+
+def _unmasked_top(model, proc, ids, images, image_pad) -> int:
+    """The token the unmasked model favours after the prompt."""
+    full = torch.tensor([ids.tolist()])
+    with torch.no_grad():
+        logits = model(**_inputs(proc, full, images, image_pad)).logits[0, -1]
+    return int(process_logits(logits[None], torch.ones(1), torch.ones(1)).argmax())
+
+
+def _learner_logprobs(model_dir, proc, out) -> np.ndarray:
+    """The learner's log-probs of the response `out`, sampled at temperature 1."""
+    traj = synthetic_trajectory(proc, "click the button", screenshots=[SHOT],
+                                responses=[np.asarray(out.token_ids, np.int32)],
+                                logprobs=[np.asarray(out.logprobs, np.float32)])  # fmt: skip
+    trainer = Trainer(TrainerConfig(model=str(model_dir), micro_batch=1, temperature=1.0))
+    seq = build_sequence(wire.to_item(traj), trainer.processor, trainer.image_token_id)
+    (lp,) = trainer.proximal([seq])
+    return lp.numpy()
 
 
 def test_forbidden_ids_are_the_vision_tokens(tiny_dir) -> None:
@@ -58,51 +112,55 @@ def test_forbidden_ids_are_the_vision_tokens(tiny_dir) -> None:
     assert "<|box_start|>" not in names and "<|im_end|>" not in names  # actions need these
 
 
-def test_an_engine_favouring_image_pad_never_emits_it_and_the_learner_agrees(tiny_dir) -> None:
-    from transformers import AutoProcessor
+def _check_engine(engine, model_dir) -> None:
+    """`engine` (not started, serving `model_dir`) never emits a vision token, though unmasked
+    the model favours <|image_pad|>, and its log-probs are the learner's."""
+    from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
 
-    proc = AutoProcessor.from_pretrained(tiny_dir)
-    tok = proc.tokenizer
-    forbidden = forbidden_token_ids(tok)
-    image_pad = tok.convert_tokens_to_ids("<|image_pad|>")
-    shot = screenshot_png(np.random.default_rng(0), 640, 400)
-    ep = EpisodePrompt.from_processor(proc, "click the button")
-    ep.add_screenshot(shot)
-    ids, images = ep.model_input()
+    proc = AutoProcessor.from_pretrained(model_dir)
+    forbidden = forbidden_token_ids(proc.tokenizer)
+    image_pad = proc.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    ids, images = _prompt(proc)
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32)
+    assert _unmasked_top(model.eval(), proc, ids, images, image_pad) == image_pad
 
     async def sample():
-        engine = HFEngine(EngineConfig(model=str(tiny_dir), device="cpu", max_batch_size=4))
+        runs = [SamplingParams(1.0, 1.0, 16, seed=s) for s in range(8)]
         async with engine:
-            _favour_image_pad(engine.model, image_pad)
-            runs = [SamplingParams(1.0, 1.0, 16, seed=s) for s in range(8)]
-            outs = await asyncio.gather(*(engine.generate(ids, images, p) for p in runs))
-            # The hook works: without the mask the first token would be <|image_pad|>.
-            from arpo.policy.engine import to_pil
+            return await asyncio.gather(*(engine.generate(ids, images, p) for p in runs))
 
-            enc = proc.image_processor(images=[to_pil(i) for i in images], return_tensors="pt")
-            full = torch.tensor([ids.tolist()])
-            with torch.no_grad():
-                logits = engine.model(input_ids=full, pixel_values=enc["pixel_values"],
-                                      image_grid_thw=enc["image_grid_thw"],
-                                      mm_token_type_ids=(full == image_pad).int()).logits[0, -1]  # fmt: skip
-            unmasked = process_logits(logits[None], torch.ones(1), torch.ones(1))
-            return outs, int(unmasked.argmax())
-
-    outs, top = asyncio.run(sample())
-    assert top == image_pad
+    outs = asyncio.run(sample())
     for out in outs:
         assert not set(np.asarray(out.token_ids).tolist()) & set(forbidden), out.token_ids
+    lp = _learner_logprobs(model_dir, proc, outs[0])
+    np.testing.assert_allclose(lp, np.asarray(outs[0].logprobs), atol=LOGPROB_TOL)
 
-    # The learner scores the same turn under the same masked distribution.
-    out = outs[0]
-    traj = synthetic_trajectory(proc, "click the button", screenshots=[shot],
-                                responses=[np.asarray(out.token_ids, np.int32)],
-                                logprobs=[np.asarray(out.logprobs, np.float32)])  # fmt: skip
-    trainer = Trainer(TrainerConfig(model=str(tiny_dir), micro_batch=1, temperature=1.0))
-    _favour_image_pad(trainer.model, image_pad)
-    seq = build_sequence(wire.to_item(traj), trainer.processor, trainer.image_token_id)
-    (lp,) = trainer.proximal([seq])
-    np.testing.assert_allclose(lp.numpy(), np.asarray(out.logprobs), atol=LOGPROB_TOL)
+
+def test_the_transformers_engine_never_emits_a_favoured_image_pad_and_the_learner_agrees(
+    favoured_dir,
+) -> None:
+    engine = HFEngine(EngineConfig(model=str(favoured_dir), device="cpu", max_batch_size=4))
+    _check_engine(engine, favoured_dir)
+
+
+# vLLM and its dependencies warn about their own deprecated calls and leave a ZeroMQ context.
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.filterwarnings("ignore::ResourceWarning")
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_vllm_never_emits_a_favoured_image_pad_and_the_learner_agrees(favoured_dir) -> None:
+    from arpo.policy.engine_vllm import vllm_available
+
+    reason = vllm_available()
+    if reason is not None:
+        pytest.skip(f"vLLM is not installed here: {reason}")
+    from arpo.policy.engine_vllm import VLLMEngine
+
+    engine = VLLMEngine(
+        EngineConfig(kind="vllm", model=str(favoured_dir), max_model_len=4096, max_concurrency=8)
+    )
+    _check_engine(engine, favoured_dir)
 
 
 def test_engines_without_a_mask_get_a_logit_bias_for_exactly_those_ids(tiny_dir) -> None:
