@@ -900,7 +900,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=5000, help="0: any free port")
-    p.add_argument("--token", default=None, help="bearer token (default: $ARPO_ENV_TOKEN)")
+    p.add_argument(
+        "--token",
+        default=None,
+        help="bearer token (default: $ARPO_ENV_TOKEN); programs on this desktop can read either "
+        "in /proc (this server's cmdline or environ): prefer --token-file",
+    )
     p.add_argument(
         "--token-file",
         default=None,
