@@ -22,6 +22,7 @@ from arpo.env.task import load_pool, task_domain
 from arpo.errors import ArpoError, ConfigError
 from arpo.learner.batch import build_sequence, collate, token_logprobs
 from arpo.learner.checkpoint import save_checkpoint
+from arpo.policy.prompt import forbidden_token_ids
 from arpo.policy.tiny import build_tiny_model
 from arpo.pool.evaluate import EvalConfig, run_eval
 from arpo.record import Status
@@ -156,9 +157,11 @@ def test_engine_eval_of_a_checkpoint_samples_from_its_model_at_the_eval_temperat
         seq = build_sequence(item, processor, image_token)
         assert len(seq.targets) > 0
         mb = collate([seq], model, pad)
+        # the engine samples with the vision tokens masked; the learner scores the same
+        masked = torch.tensor(forbidden_token_ids(processor.tokenizer), dtype=torch.long)
         with torch.no_grad():
-            at_06, _ = token_logprobs(model, mb, temperature=0.6)
-            at_10, _ = token_logprobs(model, mb, temperature=1.0)
+            at_06, _ = token_logprobs(model, mb, temperature=0.6, forbidden=masked)
+            at_10, _ = token_logprobs(model, mb, temperature=1.0, forbidden=masked)
         behaviour = torch.tensor(np.array(item.logprobs))
         assert torch.allclose(at_06[0], behaviour, atol=2e-3)
         assert (at_10[0] - behaviour).abs().max() > 1e-2
