@@ -418,6 +418,23 @@ def test_reset_restores_a_clean_desktop_quickly(clean: Desk) -> None:
     assert median < 1.5
 
 
+def test_no_window_of_the_last_episode_is_listed_once_reset_answers(clean: Desk) -> None:
+    """An `open_file` right after a reset matched the killed editor's window, still listed
+    for some ms, and answered before the new editor had a window: the episode's first keys
+    went nowhere. Reset now waits until the window manager lists nothing. Checked at once
+    (through the server itself, no process started in between) after 30 resets; before the
+    wait, 10 of 80 such resets still listed the editor."""
+    stale = []
+    for i in range(30):
+        clean.sh(f"echo milk > ~/list{i}.txt")
+        opened = clean.post("/setup/open_file", {"path": f"/home/user/list{i}.txt"})
+        assert opened.status == 200, opened.body
+        assert clean.post("/reset").status == 200
+        if titles := clean.windows():
+            stale.append((i, titles))
+    assert not stale, f"windows of killed programs still listed after reset: {stale}"
+
+
 def test_reset_kills_children_that_dropped_the_marker_and_left_the_session(clean: Desk) -> None:
     """`env -u ARPO_DESKTOP_ROOT setsid sleep &` through every way of running a command:
     the child has neither the marker nor the command's session, and survived reset."""
