@@ -346,7 +346,7 @@ class Desktop:
         text-editor task)."""
         try:
             wl = WindowList(self.display.name)
-        except Exception as e:  # noqa: BLE001  (reported by the caller's warning)
+        except Exception as e:  # reported by the caller's warning
             return [f"(the window list could not be read: {e})"]
         try:
             deadline = time.monotonic() + timeout
