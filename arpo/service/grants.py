@@ -123,6 +123,11 @@ def _grant_id(group_id: str, slot: int, attempt: int) -> str:
     return f"{group_id}/{slot}/{attempt}"
 
 
+RELEASE_REASONS = frozenset({"policy_error", "stopping"})
+"""Reasons an actor gives a grant back for (GrantRelease.reason), each counted as
+`released_<reason>`; any other is counted as `released_other`."""
+
+
 def _slot_of(grant_id: str) -> tuple[str, int]:
     """(group id, slot) of a `_grant_id`; slot -1 when it is not one."""
     head, _, _attempt = grant_id.rpartition("/")
@@ -321,8 +326,14 @@ class GrantBook:
             if g is None or s is None or s.state != "granted" or s.grant_id != grant_id:
                 self.counts["release_unknown"] += 1
                 return False
+            if s.actor != actor:  # only the actor holding a grant gives it back
+                self.counts["release_not_holder"] += 1
+                log.warning("grant %s (held by %s): a release by %s refused",
+                            grant_id, s.actor, actor)  # fmt: skip
+                return False
             self.counts["released"] += 1
-            self.counts[f"released_{reason or 'unknown'}"[:80]] += 1
+            # one counter per known reason; a sender's own words do not make new counters
+            self.counts[f"released_{reason if reason in RELEASE_REASONS else 'other'}"] += 1
             if s.attempts >= self.config.max_attempts:
                 s.state = "abandoned"
                 self.counts["abandoned"] += 1
@@ -422,7 +433,6 @@ class GrantServer:
         self.weights = weights or WeightsServer()
         self.learner_id = learner_id
         self.rejected: collections.Counter[str] = collections.Counter()
-        self.actors: dict[str, float] = {}
         self.weight_requests = 0
         """Weights requests served (announcements and chunks)."""
         self._seq = 0
@@ -470,8 +480,7 @@ class GrantServer:
         if isinstance(msg, wire.WeightsRequest):
             self.weight_requests += 1
             return self.weights.handle(msg)
-        if isinstance(msg, wire.Heartbeat):
-            self.actors[msg.sender] = time.monotonic()
+        if isinstance(msg, wire.Heartbeat):  # nothing is kept per sender: answered only
             self._seq += 1
             hb = wire.Heartbeat(
                 self.learner_id, "learner", self._seq, self.version, time.time(), {}
