@@ -224,6 +224,19 @@ class TrainConfig:
     def validate(self) -> None:
         if not self.run_dir:
             fail("run_dir", "must name a folder")
+        for name, (most, why) in LIMITS.items():
+            if getattr(self, name) > most:
+                fail(name, f"is {getattr(self, name)}, at most {most}: {why}")
+        if self.vms:
+            from arpo_envs.vm.qemu import MachineConfig
+
+            need = self.vms * MachineConfig().memory_mb * 2**20
+            if need > _memory_total():
+                fail(
+                    "vms",
+                    f"{self.vms} VMs of {MachineConfig().memory_mb} MB need {need / 2**30:.1f} GiB; "
+                    f"this machine has {_memory_total() / 2**30:.1f} GiB",
+                )
         if self.actors < 0 or self.sim_envs_per_actor < 0 or self.local_desktops < 0:
             fail("actors", "actors, sim_envs_per_actor and local_desktops must be >= 0")
         if self.vms < 0:
@@ -284,6 +297,32 @@ class TrainConfig:
             f"episode.max_steps={ep.max_steps}",
             f"episode.max_new_tokens={ep.max_new_tokens}",
         ]
+
+
+_ONE_MACHINE = (
+    "`arpo train` starts every process and environment on this machine (for more, start "
+    "`arpo-actor` on other machines: docs/guides/scaling.md)"
+)
+LIMITS = {
+    "actors": (256, _ONE_MACHINE),
+    "sim_envs_per_actor": (1024, _ONE_MACHINE),
+    "local_desktops": (64, _ONE_MACHINE),
+    "vms": (64, _ONE_MACHINE),
+    "sim_tasks_per_family": (10_000, "tasks generated per family"),
+    "eval_runs_per_task": (10_000, "evaluation episodes per task"),
+    "prefill_runs_per_task": (10_000, "pre-fill episodes per task"),
+    "sft_epochs": (10_000, "warm-start epochs (sft_target_nll usually stops them earlier)"),
+}
+"""Largest accepted value of these TrainConfig fields, and what they count: a typo of a few
+zeros started a hundred thousand processes, or a run that never ends."""
+
+
+def _memory_total() -> int:
+    """Bytes of memory of this machine (MemTotal)."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemTotal:"):
+            return int(line.split()[1]) * 1024
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def _free_port() -> int:

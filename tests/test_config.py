@@ -211,6 +211,18 @@ def test_the_replay_prefill_of_arpo_train_yields_to_a_named_one() -> None:
         ("learner.assemble.replay.prefill='/no/such/folder'", "learner.assemble.replay.prefill"),
         ("sim_families=['no_such_family']", "sim_families"),
         ("learner.iterations=99999999999999999999", "learner.iterations"),
+        # absurd sizes: a few zeros too many would start 100,000 processes or never end
+        ("actors=100000", "actors"),
+        ("sim_envs_per_actor=1000000", "sim_envs_per_actor"),
+        ("local_desktops=500", "local_desktops"),
+        ("vms=300", "vms"),
+        ("sim_tasks_per_family=1000000000", "sim_tasks_per_family"),
+        ("eval_runs_per_task=1000000000", "eval_runs_per_task"),
+        ("prefill_runs_per_task=100000000", "prefill_runs_per_task"),
+        ("sft_epochs=100000000", "sft_epochs"),
+        ("learner.assemble.groups_per_step=100000000", "learner.assemble.groups_per_step"),
+        ("actor.episode.max_new_tokens=1000000000", "actor.episode.max_new_tokens"),
+        ("actor.episode.max_steps=100000000", "actor.episode.max_steps"),
     ],
 )
 def test_train_refuses_insane_values_naming_the_field(override: str, field: str) -> None:
@@ -218,3 +230,12 @@ def test_train_refuses_insane_values_naming_the_field(override: str, field: str)
 
     with pytest.raises(ConfigError, match=re.escape(field)):
         load_config(TrainConfig, overrides=[override])
+
+
+def test_train_refuses_more_vm_memory_than_the_machine_has(monkeypatch) -> None:
+    import arpo.train as T
+
+    monkeypatch.setattr(T, "_memory_total", lambda: 4 * 2**30)
+    with pytest.raises(ConfigError, match=r"vms: 4 VMs of 1536 MB need 6.0 GiB; .* has 4.0 GiB"):
+        load_config(T.TrainConfig, overrides=["vms=4"])
+    assert load_config(T.TrainConfig, overrides=["vms=2"]).vms == 2

@@ -98,10 +98,14 @@ class EpisodeConfig:
     step_timeout_s: float = option(600.0, "Longest policy call plus action of one turn.")
 
     def validate(self) -> None:
-        if self.max_steps < 0:
-            fail("max_steps", "must be >= 1, or 0 to fit each task's oracle")
-        if self.max_new_tokens < 1:
-            fail("max_new_tokens", "must be >= 1 (tokens of one response)")
+        if not 0 <= self.max_steps <= MAX_STEPS_LIMIT:
+            fail("max_steps", f"must be in [1, {MAX_STEPS_LIMIT}], or 0 to fit each task's oracle")
+        if not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS_LIMIT:
+            fail(
+                "max_new_tokens",
+                f"must be in [1, {MAX_NEW_TOKENS_LIMIT}] (tokens of one response; the "
+                "paper's agent writes about 100)",
+            )
         if self.temperature < 0:
             fail("temperature", "must be >= 0")
         if self.reset_retries < 1:
@@ -112,6 +116,10 @@ class EpisodeConfig:
             fail("top_p", "must be in (0, 1]")
 
 
+MAX_STEPS_LIMIT = 1000
+"""Largest `max_steps` accepted (OSWorld's own runs go to 100)."""
+MAX_NEW_TOKENS_LIMIT = 1 << 17
+"""Largest `max_new_tokens` accepted (a long-context model's whole window)."""
 MAX_STEPS = 15
 """The reference's step budget: the most turns a fitted budget (max_steps = 0) gives."""
 STEP_SLACK = 3

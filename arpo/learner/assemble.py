@@ -69,6 +69,10 @@ from arpo.record import Status, Trajectory
 log = logging.getLogger("arpo.learner.assemble")
 
 
+MAX_STEP_TRAJECTORIES = 1 << 16
+"""Most trajectories one learner step may need (group_size x groups_per_step)."""
+
+
 @dataclass
 class AssembleConfig:
     """How groups are formed from the store."""
@@ -101,6 +105,12 @@ class AssembleConfig:
             fail("group_size", "must be >= 1")
         if self.groups_per_step < 1:
             fail("groups_per_step", "must be >= 1")
+        if self.group_size * self.groups_per_step > MAX_STEP_TRAJECTORIES:
+            fail(
+                "groups_per_step",
+                f"x group_size is {self.group_size * self.groups_per_step} trajectories per "
+                f"step; at most {MAX_STEP_TRAJECTORIES} (the paper's step is 32 x 8)",
+            )
         if self.max_staleness < 0:
             fail("max_staleness", "must be >= 0")
         if self.min_group_size < 1:
