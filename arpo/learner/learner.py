@@ -82,7 +82,7 @@ from arpo.learner.metrics import MetricsConfig, MetricsLogger, ProgressLine, Spa
 from arpo.learner.trainer import Trainer, TrainerConfig
 from arpo.service.grants import GrantBook, GrantConfig, GrantServer
 from arpo.service.ingest import Ingest, IngestConfig
-from arpo.service.journal import read_collection
+from arpo.service.journal import TRAJECTORIES, list_segments, read_collection
 from arpo.transport import TransportConfig
 
 log = logging.getLogger("arpo.learner")
@@ -238,10 +238,19 @@ def prefill_replay(store: Any, path: str, tasks: set[str], replay: ReplayConfig)
     skipped; records that do not decode are skipped by `read_collection` (logged). A picked
     success the learner cannot train (other sampling settings, a bad record) is evicted at
     its first pick, as any.
-    Raises `ConfigError` naming the field when `path` holds no collection.
+    Raises `ConfigError` naming the field when `path` is not a collection: missing, a file,
+    a folder with neither `trajectories/` nor a journal segment, or segments of which no
+    record is readable. An empty collection fills nothing.
     """
     counts: collections.Counter[str] = collections.Counter()
     kept: collections.Counter[str] = collections.Counter()
+    fix = "give the `trajectories` folder of `arpo select-tasks` or an `arpo collect` output folder"
+    root = Path(path)
+    if root.is_dir() and not (root / TRAJECTORIES).is_dir() and not list_segments(root):
+        raise ConfigError(
+            f"config field assemble.replay.prefill: {path} is not a collection (no "
+            f"{TRAJECTORIES}/ folder and no journal segment in it); {fix}"
+        )
     try:
         for traj in read_collection(path, counts):
             if traj.task_id not in tasks:
@@ -252,10 +261,13 @@ def prefill_replay(store: Any, path: str, tasks: set[str], replay: ReplayConfig)
                 store.add_success(traj.task_id, wire.to_item(traj))
                 kept[traj.task_id] += 1
     except ArpoError as e:
+        raise ConfigError(f"config field assemble.replay.prefill: {e} ({fix})") from None
+    damaged = {k: counts[k] for k in ("corrupt", "torn", "malformed") if counts[k]}
+    if damaged and not counts["records"]:
         raise ConfigError(
-            f"config field assemble.replay.prefill: {e} (give the `trajectories` folder of "
-            "`arpo select-tasks` or an `arpo collect` output folder)"
-        ) from None
+            f"config field assemble.replay.prefill: {path} holds no readable record "
+            f"(skipped: {damaged}): not a collection of this project, or a destroyed one; {fix}"
+        )
     n = sum(kept.values())
     log.info(
         "replay prefill from %s: %d successes of %d tasks (of %d training tasks); skipped %s",
