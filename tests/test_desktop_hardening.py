@@ -215,3 +215,55 @@ def test_a_grabbed_display_answers_503_fast_and_reset_recovers(tmp_path) -> None
         finally:
             outsider.kill()
             outsider.communicate()
+
+
+# ---- 5. the fork executor under concurrency -------------------------------------------------
+
+DAEMON = """
+import os, sys, time
+if os.fork() == 0:  # a daemon that keeps the program's stdout and stderr open
+    os.setsid()
+    with open(os.path.expanduser("~/daemon.pid"), "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(600)
+    os._exit(0)
+print("parent done", flush=True)
+"""
+
+
+def test_concurrent_programs_one_leaving_a_daemon_each_answered_alone(clean: Desk) -> None:
+    """Eight programs at once through the warm executor, one of them leaving a daemon that
+    holds its stdout and stderr: each answer is its own program's, none waits for the
+    daemon, the server answers a screenshot meanwhile, and a reset kills the daemon."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def run(i: int) -> tuple[int, dict, float]:
+        t0 = time.monotonic()
+        if i == 3:
+            a = clean.post("/execute", {"command": ["python", "-c", DAEMON]}, timeout=60)
+            assert a.status == 200, a.body
+            return i, a.json(), time.monotonic() - t0
+        out = clean.act(f"time.sleep(0.2); print('program {i}', pyautogui.size())", timeout=60)
+        return i, out, time.monotonic() - t0
+
+    with ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(run, i) for i in range(8)]
+        shot = clean.get("/screenshot", timeout=30)
+        results = [f.result() for f in futures]
+    assert shot.status == 200 and shot.body[:4] == b"\x89PNG"
+    for i, out, took in results:
+        want = "parent done\n" if i == 3 else f"program {i} Size(width=1280, height=720)\n"
+        assert out["output"] == want and out["returncode"] == 0, (i, out)
+        assert took < 20, (i, took)  # the daemon's open pipes hold no answer
+    pid = int(until(lambda: clean.sh("cat ~/daemon.pid 2>/dev/null")["output"].strip()))
+    assert Path(f"/proc/{pid}").exists(), "the daemon runs until the reset"
+    assert clean.post("/reset").status == 200
+    until(lambda: not Path(f"/proc/{pid}").exists() or b"Z" in _state(pid), timeout=10)
+
+
+def _state(pid: int) -> bytes:
+    """The process state letter(s) of `pid` (b"Z": a zombie), b"" when it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return b""
