@@ -230,12 +230,13 @@ class TrainConfig:
         if self.vms:
             from arpo_envs.vm.qemu import MachineConfig
 
-            need = self.vms * MachineConfig().memory_mb * 2**20
-            if need > _memory_total():
+            per_vm, have = MachineConfig().memory_mb, _memory_total()
+            need = self.vms * per_vm * 2**20
+            if need > have:
                 fail(
                     "vms",
-                    f"{self.vms} VMs of {MachineConfig().memory_mb} MB need {need / 2**30:.1f} GiB; "
-                    f"this machine has {_memory_total() / 2**30:.1f} GiB",
+                    f"{self.vms} VMs of {per_vm} MB need {need / 2**30:.1f} GiB; "
+                    f"this machine has {have / 2**30:.1f} GiB",
                 )
         if self.actors < 0 or self.sim_envs_per_actor < 0 or self.local_desktops < 0:
             fail("actors", "actors, sim_envs_per_actor and local_desktops must be >= 0")

@@ -51,7 +51,11 @@ def test_a_damaged_record_costs_that_record_only(tmp_path: Path, png_pool) -> No
     n, store = _prefill(tmp_path / "c")
     try:
         assert n == len(ids) - 2
-        got = {wire.from_item(i).trajectory_id for t in TASKS for i in store.sample(t, 8)}
+        got = {
+            wire.from_item(i).trajectory_id
+            for t in TASKS
+            for i in store.sample(t, 8, mode="newest")
+        }
         assert got == set(ids) - {ids[5], ids[9]}
     finally:
         store.close()
@@ -65,7 +69,11 @@ def test_a_truncated_collection_keeps_what_is_whole(tmp_path: Path, png_pool) ->
     n, store = _prefill(tmp_path / "c")
     try:
         assert n == 7
-        got = {wire.from_item(i).trajectory_id for t in TASKS for i in store.sample(t, 8)}
+        got = {
+            wire.from_item(i).trajectory_id
+            for t in TASKS
+            for i in store.sample(t, 8, mode="newest")
+        }
         assert got == set(ids[:7])
     finally:
         store.close()

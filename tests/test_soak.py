@@ -455,8 +455,8 @@ def _write_results(folder: Path, report: dict) -> None:
     lines = [
         f"# Soak: {report['minutes']:g} minutes of `arpo train` under faults",
         "",
-        "Command: `make soak` (`ARPO_SOAK_MINUTES=30 ARPO_SOAK_RESULTS=benchmarks/results "
-        "pytest -m slow tests/test_soak.py`). One learner, one actor on 2 simulated desktops, "
+        f"Command: `make soak` (`ARPO_SOAK_MINUTES={report['minutes']:g} "
+        "ARPO_SOAK_RESULTS=benchmarks/results pytest -m slow tests/test_soak.py`). One learner, one actor on 2 simulated desktops, "
         "one actor on an external simulated-desktop server, a thread sending valid, malformed "
         "and untrainable records; the tiny random model on CPU.",
         "",
