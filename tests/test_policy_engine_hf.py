@@ -212,3 +212,140 @@ def test_sampling_params_validate():
         SamplingParams(top_p=0.0)
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1)
+
+
+def _episode_turns(tiny_dir, shots, responses):
+    """(ids, images) of each turn of one episode showing `shots` with `responses` between."""
+    from transformers import AutoProcessor
+
+    proc = AutoProcessor.from_pretrained(tiny_dir)
+    ep = EpisodePrompt.from_processor(proc, "fill the form")
+    turns = []
+    for i, shot in enumerate(shots):
+        ep.add_screenshot(shot)
+        turns.append(ep.model_input())
+        if i < len(responses):
+            ep.add_response(responses[i])
+    return proc, turns
+
+
+def test_prefix_cache_reuses_earlier_turns_and_scores_as_a_full_prefill(tiny_dir):
+    """Turn t + 1 of an episode reuses the keys and values of turn t's prompt and response;
+    its log-probs equal a teacher-forced pass over the whole prompt, its greedy tokens
+    those of an engine without the cache. A screenshot with other pixels (same size, so the
+    same token ids) is never reused, and new weights clear the cache."""
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=10)
+    shots = [png(640, 400, 20 + i) for i in range(4)]
+
+    async def episode(engine, shots):
+        """Sample turn by turn; each response goes into the next turn's prompt."""
+        from transformers import AutoProcessor
+
+        proc = AutoProcessor.from_pretrained(tiny_dir)
+        ep = EpisodePrompt.from_processor(proc, "fill the form")
+        outs = []
+        for shot in shots:
+            ep.add_screenshot(shot)
+            ids, images = ep.model_input()
+            out = await engine.generate(ids, images, greedy)
+            outs.append((ids, images, out))
+            ep.add_response(out.token_ids)
+        return outs
+
+    async def run(cache_tokens):
+        cfg = EngineConfig(kind="hf", model=str(tiny_dir), prefix_cache_tokens=cache_tokens)
+        async with make_engine(cfg) as engine:
+            outs = await episode(engine, shots)
+            hits = dict(engine.stats)
+            # Same ids, other pixels in the second screenshot: reuse stops before it.
+            other = [shots[0], png(640, 400, 99), *shots[2:]]
+            mixed = await episode(engine, other)
+            after_mixed = dict(engine.stats)
+            model = _model(tiny_dir)
+            state = {k: v + 0.05 * torch.randn_like(v) for k, v in model.state_dict().items()}
+            await engine.update_weights(state, version=1)
+            ids, images, _ = outs[-1]
+            fresh = await engine.generate(ids, images, greedy)
+            return outs, mixed, hits, after_mixed, dict(engine.stats), fresh, state
+
+    outs, mixed, hits, after_mixed, last, fresh, state = asyncio.run(run(32768))
+    plain, *_ = asyncio.run(run(0))
+    model = _model(tiny_dir)
+    proc = None
+    from transformers import AutoProcessor
+
+    proc = AutoProcessor.from_pretrained(tiny_dir)
+    for (ids, images, out), (_, _, ref) in zip(outs, plain, strict=True):
+        assert out.token_ids.tolist() == ref.token_ids.tolist()
+        tf = teacher_forced(model, proc, ids, images, out.token_ids, greedy)
+        np.testing.assert_allclose(out.logprobs, tf, atol=LOGPROB_TOL, rtol=0)
+    # Every turn after the first reused the previous turn's prompt and response (less the
+    # response's last token, never fed to the model).
+    expect = sum(len(outs[i][0]) + len(outs[i][2].token_ids) - 1 for i in range(3))
+    assert hits["prefix_hits"] == 3 and hits["prefix_tokens"] == expect, hits
+    # The other-pixels episode: turn 1 reuses all but the last token of the first turn's
+    # prompt, turn 2 stops before the changed screenshot's image block, turns 3 and 4
+    # reuse this episode's own earlier turns.
+    pad = proc.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    ids2 = outs[1][0].tolist()
+    second_block = [i for i, t in enumerate(ids2) if t == pad and ids2[i - 1] != pad][1]
+    reused = after_mixed["prefix_tokens"] - hits["prefix_tokens"]
+    own = sum(len(mixed[i][0]) + len(mixed[i][2].token_ids) - 1 for i in (1, 2))
+    assert reused == len(outs[0][0]) - 1 + second_block + own, (reused, second_block)
+    for ids, images, out in mixed:
+        tf = teacher_forced(model, proc, ids, images, out.token_ids, greedy)
+        np.testing.assert_allclose(out.logprobs, tf, atol=LOGPROB_TOL, rtol=0)
+    # New weights: nothing reused, and the answer is the new model's.
+    assert last["prefix_hits"] == after_mixed["prefix_hits"], last
+    model.load_state_dict(state)
+    ids, images, _ = outs[-1]
+    tf = teacher_forced(model, proc, ids, images, fresh.token_ids, greedy)
+    np.testing.assert_allclose(fresh.logprobs, tf, atol=LOGPROB_TOL, rtol=0)
+
+
+def test_prefix_cache_in_a_batch_of_hits_and_misses_and_within_its_budget(tiny_dir):
+    """One batch mixing rows that reuse prefixes of different lengths with rows that reuse
+    nothing: every row's log-probs equal a full teacher-forced pass. The kept tokens never
+    exceed `prefix_cache_tokens`."""
+    params = [SamplingParams(temperature=1.0, max_new_tokens=12, seed=s) for s in range(4)]
+    r = [[5, 6, 7], [8, 9]]
+
+    async def run():
+        cfg = EngineConfig(kind="hf", model=str(tiny_dir), batch_wait_ms=200)
+        async with make_engine(cfg) as engine:
+            _, long_ep = _episode_turns(tiny_dir, [png(640, 400, 1), png(640, 400, 2)], r)
+            _, short_ep = _episode_turns(tiny_dir, [png(800, 600, 3)], r)
+            # Keep turn 1 of the first episode only.
+            await engine.generate(*long_ep[0], params[0])
+            before = dict(engine.stats)
+            _, unrelated = _episode_turns(tiny_dir, [png(320, 200, 4)], r)
+            batch = [long_ep[1], short_ep[0], unrelated[0], long_ep[0]]
+            outs = await asyncio.gather(
+                *[engine.generate(ids, im, p) for (ids, im), p in zip(batch, params, strict=True)]
+            )
+            return batch, outs, before, dict(engine.stats)
+
+    batch, outs, before, after = asyncio.run(run())
+    assert after["batches"] == before["batches"] + 1
+    # Rows 0 and 3 reuse the kept turn; rows 1 and 2 share only the system prompt's tokens
+    # with it (reused up to their first image block).
+    assert after["prefix_hits"] - before["prefix_hits"] == 4, after
+    model = _model(tiny_dir)
+    from transformers import AutoProcessor
+
+    proc = AutoProcessor.from_pretrained(tiny_dir)
+    for (ids, images), p, out in zip(batch, params, outs, strict=True):
+        tf = teacher_forced(model, proc, ids, images, out.token_ids, p)
+        np.testing.assert_allclose(out.logprobs, tf, atol=LOGPROB_TOL, rtol=0)
+
+    async def small():
+        cfg = EngineConfig(kind="hf", model=str(tiny_dir), prefix_cache_tokens=1500)
+        async with make_engine(cfg) as engine:
+            for seed in range(4):
+                _, ep = _episode_turns(tiny_dir, [png(640, 400, 10 + seed)], r)
+                await engine.generate(*ep[0], params[0])
+                assert 0 < engine._prefix_total <= 1500, engine._prefix_total
+                assert engine._prefix_total == sum(len(e.ids) for e in engine._prefixes.values())
+            return len(engine._prefixes)
+
+    assert asyncio.run(small()) < 4

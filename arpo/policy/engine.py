@@ -113,6 +113,12 @@ class EngineConfig:
     batch_wait_ms: float = option(
         5.0, "transformers engine: how long the first request waits for others to join its batch."
     )
+    prefix_cache_tokens: int = option(
+        32768,
+        "transformers engine: tokens of keys and values kept across requests, so the next "
+        "turn of an episode prefills only its new tokens (0: off; memory per token is "
+        "2 x layers x kv heads x head dim x dtype size).",
+    )
     max_model_len: int = option(32768, "vLLM: longest prompt + response in tokens.")
     max_images: int = option(16, "vLLM: most images in one prompt (the reference keeps 15).")
     kv_cache_gib: int = option(1, "vLLM on CPU: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE).")
@@ -134,6 +140,8 @@ class EngineConfig:
             fail("max_batch_size", "must be >= 1")
         if self.batch_wait_ms < 0:
             fail("batch_wait_ms", "must be >= 0")
+        if self.prefix_cache_tokens < 0:
+            fail("prefix_cache_tokens", "must be >= 0 (0 turns the prefix cache off)")
         if self.max_images < 1:
             fail("max_images", "must be >= 1")
         if self.kind == "openai" and not self.base_url.startswith(("http://", "https://")):

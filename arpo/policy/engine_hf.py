@@ -13,6 +13,26 @@ from, processed as `engine.process_logits` says; a teacher-forced forward pass
 over prompt + response gives the same numbers (float32: within 1e-4, see
 tests/test_policy_engine_hf.py).
 
+Prefix cache (`prefix_cache_tokens`). Turn t + 1 of an episode shows the model turn t's
+prompt and response and then one more screenshot, so its prompt starts with the tokens
+turn t has already run through the model. After each batch the engine keeps every row's
+keys and values (its prompt and response, less the last sampled token, which was never fed)
+with the token ids and a digest of each screenshot they cover. A request is matched against
+the kept entries by its longest common prefix (token ids equal and the screenshots of every
+image block in it equal by digest; cut back to the start of an image block, so an image is
+always encoded whole); its matched keys and values are reused and only the rest of its
+prompt is prefilled, with only the screenshots not covered. The episodes of one group share
+their first screenshot and instruction, so their first turns share a prefix too.
+
+In a batch, row i's reused cache sits right-aligned in a block of the longest reused length
+C, its new tokens right-aligned in a block of the longest new length S; the attention mask
+is 0 on both blocks' padding, and every token keeps the multimodal rotary position it has in
+its own full sequence (`get_rope_index` over the row's whole prompt), so the model computes
+what a full prefill would, up to summation order (float32: within 1e-4, see
+tests/test_policy_engine_hf.py). Entries are kept least recently used first within
+`prefix_cache_tokens` tokens in all; an entry that a newer one extends is dropped; new
+weights clear the cache (its keys and values belong to the old ones).
+
 Weights are replaced between batches: `load_state_dict` from memory, or the
 safetensors files of a checkpoint folder.
 """
@@ -20,12 +40,16 @@ safetensors files of a checkpoint folder.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import hashlib
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from arpo.errors import EngineError
 from arpo.policy.engine import Engine, EngineConfig, SamplingParams, process_logits, to_pil
@@ -40,6 +64,50 @@ class _Request:
     future: asyncio.Future = field(repr=False)
 
 
+@dataclass
+class _Prefix:
+    """Keys and values the model computed for `ids` (one kept prefix-cache entry)."""
+
+    key: int
+    ids: Any
+    """[n] int64 numpy: the tokens whose keys and values are held."""
+    digests: tuple[bytes, ...]
+    """Digest of each screenshot whose image block lies in `ids`, in order."""
+    grid: Any
+    """[images, 3] int64 tensor: their `image_grid_thw` rows (None without images)."""
+    kv: list[tuple[Any, Any]]
+    """Per layer (keys, values), each [1, kv heads, n, head dim]."""
+
+
+@dataclass
+class _Row:
+    """How one request of a batch is run: what is reused and what is prefilled."""
+
+    ids: Any
+    """[n] int64 numpy: the whole prompt."""
+    digests: tuple[bytes, ...]
+    """Digests of its screenshots (empty with the prefix cache off)."""
+    reused: int
+    """Leading tokens whose keys and values come from the prefix cache."""
+    entry: _Prefix | None
+    """The kept entry they come from."""
+    grid: Any
+    """[images, 3] `image_grid_thw` of all its screenshots (None without)."""
+    positions: Any
+    """[3, n] multimodal rotary positions of the whole prompt."""
+
+
+def image_digest(image: Any) -> bytes:
+    """A digest of a screenshot's content (PNG bytes as given, or a PIL image's pixels)."""
+    h = hashlib.blake2b(digest_size=16)
+    if isinstance(image, bytes | bytearray | memoryview):
+        h.update(bytes(image))
+    else:
+        h.update(f"{image.mode}{image.size}".encode())
+        h.update(image.tobytes())
+    return h.digest()
+
+
 class HFEngine(Engine):
     """transformers `Qwen2_5_VLForConditionalGeneration` behind the `Engine` interface."""
 
@@ -50,8 +118,15 @@ class HFEngine(Engine):
         self._queue: asyncio.Queue[_Request] | None = None
         self._loop_task: asyncio.Task | None = None
         self._rng_seed = int(time.time_ns() & 0x7FFF_FFFF)
-        self.stats = {"batches": 0, "requests": 0, "tokens": 0, "decode_s": 0.0}
-        """Counters: batches run, requests served, tokens sampled, seconds spent in batches."""
+        self.stats = {
+            "batches": 0, "requests": 0, "tokens": 0, "decode_s": 0.0,
+            "prompt_tokens": 0, "prefix_hits": 0, "prefix_tokens": 0,
+        }  # fmt: skip
+        """Counters: batches run, requests served, tokens sampled, seconds spent in batches,
+        prompt tokens read, requests that reused a kept prefix and the tokens they reused."""
+        self._prefixes: collections.OrderedDict[int, _Prefix] = collections.OrderedDict()
+        self._prefix_ids = 0
+        self._prefix_total = 0
 
     async def start(self) -> None:
         if self.model is not None:
@@ -138,58 +213,176 @@ class HFEngine(Engine):
 
     # -- the batch, in a worker thread -------------------------------------------------
 
-    def _prepare(self, reqs: Sequence[_Request]) -> dict[str, Any]:
-        """Left-padded ids, attention mask, pixels and 3-D rotary positions of a batch."""
+    def _prepare(self, reqs: Sequence[_Request]) -> tuple[dict[str, Any], list[_Row], int, int]:
+        """The first forward's inputs for a batch, each row's plan, and the widths (C, S)
+        of the reused and the new blocks (see the module docstring)."""
         import torch
+        from transformers import DynamicCache
 
-        images = [to_pil(im) for r in reqs for im in r.images]
-        pixel_values = grid = None
-        per_image_tokens: list[int] = []
-        if images:
-            enc = self.processor.image_processor(images=images, return_tensors="pt")
-            pixel_values = enc["pixel_values"].to(self.config.device, self.model.dtype)
-            grid = enc["image_grid_thw"].to(self.config.device)
-            merge = self.processor.image_processor.merge_size**2
-            per_image_tokens = [int(g.prod()) // merge for g in enc["image_grid_thw"]]
-        k = 0
+        dev = self.config.device
+        keep = self.config.prefix_cache_tokens > 0
+        plans: list[tuple[np.ndarray, tuple[bytes, ...], int, _Prefix | None, int]] = []
+        new_images: list[Any] = []
         for r in reqs:
-            want = sum(per_image_tokens[k : k + len(r.images)])
-            k += len(r.images)
-            have = sum(1 for t in r.ids if t == self.image_token_id)
+            ids = np.asarray(r.ids, dtype=np.int64)
+            pad = ids == self.image_token_id
+            starts = np.flatnonzero(pad & ~np.r_[False, pad[:-1]])
+            ends = np.flatnonzero(pad & ~np.r_[pad[1:], False]) + 1
+            digests = tuple(image_digest(im) for im in r.images) if keep else ()
+            reused, entry = 0, None
+            if keep and len(starts) == len(r.images):
+                reused, entry = self._match(ids, digests, starts, ends)
+            m = int(np.searchsorted(starts, reused)) if reused else 0
+            plans.append((ids, digests, reused, entry, m))
+            new_images.extend(r.images[m:])
+        pixel_values = grid = None
+        per_image: list[int] = []
+        if new_images:
+            enc = self.processor.image_processor(
+                images=[to_pil(im) for im in new_images], return_tensors="pt"
+            )
+            pixel_values = enc["pixel_values"].to(dev, self.model.dtype)
+            grid = enc["image_grid_thw"]
+            merge = self.processor.image_processor.merge_size**2
+            per_image = [int(g.prod()) // merge for g in grid]
+        rows: list[_Row] = []
+        k = 0
+        for r, (ids, digests, reused, entry, m) in zip(reqs, plans, strict=True):
+            fresh = len(r.images) - m
+            have = int((ids == self.image_token_id).sum())
+            want = int((ids[:reused] == self.image_token_id).sum()) + sum(per_image[k : k + fresh])
             if have != want:
                 raise EngineError(
                     f"the prompt has {have} image tokens but its {len(r.images)} image(s) need "
                     f"{want}: build prompts with arpo.policy.prompt (same min/max pixels as the "
                     "model's processor)"
                 )
-        pad = int(self._tokenizer.pad_token_id or 0)
-        length = max(len(r.ids) for r in reqs)
-        ids = torch.full((len(reqs), length), pad, dtype=torch.long)
-        mask = torch.zeros((len(reqs), length), dtype=torch.long)
-        for i, r in enumerate(reqs):
-            ids[i, length - len(r.ids) :] = torch.tensor(r.ids)
-            mask[i, length - len(r.ids) :] = 1
-        ids, mask = ids.to(self.config.device), mask.to(self.config.device)
-        mm_types = (ids == self.image_token_id).int()
-        position_ids, _ = self.model.model.get_rope_index(
-            ids, mm_token_type_ids=mm_types, image_grid_thw=grid, attention_mask=mask
-        )
-        return {
-            "input_ids": ids,
-            "attention_mask": mask,
-            "position_ids": position_ids,
+            parts = [entry.grid[:m]] if m else []
+            if fresh:
+                parts.append(grid[k : k + fresh])
+            k += fresh
+            row_grid = torch.cat(parts) if parts else None
+            t_ids = torch.from_numpy(ids)[None]
+            positions, _ = self.model.model.get_rope_index(
+                t_ids,
+                mm_token_type_ids=(t_ids == self.image_token_id).int(),
+                image_grid_thw=row_grid,
+                attention_mask=torch.ones_like(t_ids),
+            )
+            rows.append(_Row(ids, digests, reused, entry, row_grid, positions[:, 0]))
+        n = len(reqs)
+        width_c = max(row.reused for row in rows)
+        width_s = max(len(row.ids) - row.reused for row in rows)
+        pad_id = int(self._tokenizer.pad_token_id or 0)
+        input_ids = torch.full((n, width_s), pad_id, dtype=torch.long)
+        mask = torch.zeros((n, width_c + width_s), dtype=torch.long)
+        position_ids = torch.ones((3, n, width_s), dtype=torch.long)
+        for i, row in enumerate(rows):
+            c, s = row.reused, len(row.ids) - row.reused
+            input_ids[i, width_s - s :] = torch.from_numpy(row.ids[c:])
+            mask[i, width_c - c : width_c] = 1
+            mask[i, width_c + width_s - s :] = 1
+            position_ids[:, i, width_s - s :] = row.positions[:, c:]
+        cache = DynamicCache(config=self.model.config)
+        if width_c:
+            ref = next(row.entry for row in rows if row.entry is not None)
+            for layer, (k0, v0) in enumerate(ref.kv):
+                keys = k0.new_zeros((n, k0.shape[1], width_c, k0.shape[3]))
+                values = v0.new_zeros((n, v0.shape[1], width_c, v0.shape[3]))
+                for i, row in enumerate(rows):
+                    if row.reused:
+                        ek, ev = row.entry.kv[layer]
+                        keys[i, :, width_c - row.reused :] = ek[0, :, : row.reused]
+                        values[i, :, width_c - row.reused :] = ev[0, :, : row.reused]
+                cache.update(keys.to(dev), values.to(dev), layer)
+        inputs = {
+            "input_ids": input_ids.to(dev),
+            "attention_mask": mask.to(dev),
+            "position_ids": position_ids.to(dev),
             "pixel_values": pixel_values,
-            "image_grid_thw": grid,
+            "image_grid_thw": None if grid is None else grid.to(dev),
+            "past_key_values": cache,
         }
+        return inputs, rows, width_c, width_s
+
+    def _match(
+        self, ids: np.ndarray, digests: tuple[bytes, ...], starts: np.ndarray, ends: np.ndarray
+    ) -> tuple[int, _Prefix | None]:
+        """The kept entry sharing the longest usable prefix with a prompt, and that length:
+        token ids equal, every image block in it whole and showing the same screenshot, and
+        at least the prompt's last token left to prefill (its logits sample the response)."""
+        best, best_e = 0, None
+        limit = len(ids) - 1
+        for e in self._prefixes.values():
+            n = min(len(e.ids), limit)
+            if n <= best:
+                continue
+            differ = np.flatnonzero(e.ids[:n] != ids[:n])
+            common = int(differ[0]) if len(differ) else n
+            for j in range(int(np.searchsorted(starts, common))):
+                if ends[j] > common or j >= len(e.digests) or e.digests[j] != digests[j]:
+                    common = int(starts[j])
+                    break
+            if common > best:
+                best, best_e = common, e
+        return best, best_e
+
+    def _keep(
+        self, rows: list[_Row], cache: Any, out_ids: list[list[int]], width_c: int, width_s: int
+    ) -> None:
+        """Keep each row's keys and values (prompt and response less its last token)."""
+        import torch
+
+        budget = self.config.prefix_cache_tokens
+        for i, row in enumerate(rows):
+            if row.entry is not None and row.entry.key in self._prefixes:  # rows may share one
+                self._prefixes.move_to_end(row.entry.key)
+                if row.reused == len(row.entry.ids):  # the new entry extends it
+                    self._drop(row.entry.key)
+            fed = len(out_ids[i]) - 1
+            total = len(row.ids) + fed
+            if total > budget:
+                continue
+            c, s = row.reused, len(row.ids) - row.reused
+            cols = torch.cat([
+                torch.arange(width_c - c, width_c),
+                torch.arange(width_c + width_s - s, width_c + width_s + fed),
+            ]).to(self.config.device)  # fmt: skip
+            kv = [
+                (layer.keys[i : i + 1].index_select(2, cols),
+                 layer.values[i : i + 1].index_select(2, cols))
+                for layer in cache.layers
+            ]  # fmt: skip
+            ids = np.concatenate([row.ids, np.asarray(out_ids[i][:fed], dtype=np.int64)])
+            self._prefix_ids += 1
+            self._prefixes[self._prefix_ids] = _Prefix(
+                self._prefix_ids, ids, row.digests, row.grid, kv
+            )
+            self._prefix_total += total
+            while self._prefix_total > budget:
+                self._drop(next(iter(self._prefixes)))
+
+    def _drop(self, key: int) -> None:
+        e = self._prefixes.pop(key, None)
+        if e is not None:
+            self._prefix_total -= len(e.ids)
+
+    def clear_prefix_cache(self) -> None:
+        """Forget every kept prefix (new weights make their keys and values stale)."""
+        self._prefixes.clear()
+        self._prefix_total = 0
 
     def _run_batch(self, reqs: Sequence[_Request]) -> list[tuple[list[int], list[float]]]:
         import torch
-        from transformers import DynamicCache
 
         dev = self.config.device
         with torch.inference_mode():
-            inputs = self._prepare(reqs)
+            inputs, rows, width_c, width_s = self._prepare(reqs)
             n = len(reqs)
+            for row in rows:
+                self.stats["prompt_tokens"] += len(row.ids)
+                self.stats["prefix_hits"] += row.reused > 0
+                self.stats["prefix_tokens"] += row.reused
             temps = torch.tensor([r.params.temperature for r in reqs], device=dev)
             top_p = torch.tensor([r.params.top_p for r in reqs], device=dev)
             gens = []
@@ -206,10 +399,10 @@ class HFEngine(Engine):
             out_ids: list[list[int]] = [[] for _ in reqs]
             out_lps: list[list[float]] = [[] for _ in reqs]
             done = [False] * n
-            next_pos = inputs["position_ids"][:, :, -1].max(dim=0).values + 1  # (B,)
+            next_pos = torch.stack([row.positions.max() + 1 for row in rows]).to(dev)  # (B,)
             mask = inputs["attention_mask"]
-            cache = DynamicCache(config=self.model.config)
-            out = self.model(**inputs, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            cache = inputs["past_key_values"]
+            out = self.model(**inputs, use_cache=True, logits_to_keep=1)
             while True:
                 logprobs = process_logits(out.logits[:, -1, :], temps, top_p, self._forbidden)
                 step = torch.empty(n, dtype=torch.long, device=dev)
@@ -238,6 +431,8 @@ class HFEngine(Engine):
                     past_key_values=cache,
                     use_cache=True,
                 )
+            if self.config.prefix_cache_tokens:
+                self._keep(rows, cache, out_ids, width_c, width_s)
         return list(zip(out_ids, out_lps, strict=True))
 
     # -- weights -----------------------------------------------------------------------
@@ -248,6 +443,7 @@ class HFEngine(Engine):
     def _apply_state_dict(self, state: Mapping[str, Any]) -> None:
         import torch
 
+        self.clear_prefix_cache()
         with torch.no_grad():
             try:
                 missing, unexpected = self.model.load_state_dict(dict(state), strict=False)
