@@ -760,6 +760,7 @@ class TrainRun:
             "success_rate": p,
             "episodes": n,
             "se": (p * (1 - p) / n) ** 0.5 if n else float("nan"),
+            "mean_steps": float(overall.get("mean_steps") or 0.0),
             "report": str(out / "eval.md"),
             "by_task": {
                 t: {"successes": int(r.get("successes") or 0), "runs": int(r.get("runs") or 0)}

@@ -162,6 +162,7 @@ class HFEngine(Engine):
                 req = self._queue.get_nowait()
                 if not req.future.done():
                     req.future.set_exception(EngineError("the engine was closed"))
+        self.clear_prefix_cache()
         self.model = None
 
     async def _generate(
