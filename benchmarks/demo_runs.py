@@ -112,6 +112,30 @@ def _per_task(run_dir: Path) -> dict:
     }
 
 
+def _drift(run_dir: Path) -> dict:
+    """What the importance correction had to correct, averaged over the iterations that had
+    the metric: replayed rows, the per-sequence log-ratio sum(pi_prox - mu) of replayed and
+    fresh trajectories, the mean weight of replayed tokens and the share truncated at
+    w_max, and the staleness of fresh ones (`arpo.learner.loss`, `behaviour_drift`)."""
+    from arpo.learner.metrics import read_metrics
+
+    rows = read_metrics(run_dir / "learner" / "metrics.jsonl")
+
+    def mean(key: str) -> float:
+        vals = [r[key] for r in rows if isinstance(r.get(key), int | float)
+                and not math.isnan(r[key])]  # fmt: skip
+        return statistics.fmean(vals) if vals else math.nan
+
+    return {
+        "replayed": sum(r.get("replay/hits") or 0 for r in rows),
+        "seq_logratio_replay": mean("losses/seq_logratio_replay_mean"),
+        "seq_logratio_fresh": mean("losses/seq_logratio_fresh_mean"),
+        "weight_replay": mean("losses/weight_replay_mean"),
+        "truncated_replay": mean("losses/weight_truncated_replay_frac"),
+        "staleness": mean("charts/staleness_mean"),
+    }
+
+
 def _task_cells(tasks: dict) -> str:
     """Lost (warm start > 0 -> 0), won from 0 (0 -> > 0, with the trained range), and tasks
     without a successful training episode."""
@@ -171,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
             }
         )
         rows[-1]["tasks"] = _per_task(run_dir)
+        rows[-1]["drift"] = _drift(run_dir)
         if "prefill" in s:
             k = s["prefill"]["successes"]
             rows[-1]["prefill"] = {"successes": sum(k.values()),
@@ -211,6 +236,25 @@ def main(argv: list[str] | None = None) -> int:
             f = r.get("prefill")
             line += f" {f['successes']} ({f['tasks']} of {f['of']}) |" if f else " - |"
         lines.append(line + _task_cells(r["tasks"]))
+    if any(r["drift"]["replayed"] for r in rows):
+        lines += [
+            "",
+            "What the off-policy correction corrected, mean over iterations: replayed rows "
+            "in all, per-sequence log-ratio sum(pi_prox - mu) of replayed and of fresh "
+            "trajectories, mean importance weight of replayed tokens and the share truncated "
+            "at w_max, staleness of fresh trajectories (versions):",
+            "",
+            "| seed | replayed rows | log-ratio, replayed | log-ratio, fresh | weight, replayed "
+            "| truncated, replayed | staleness |",
+            "|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in rows:
+            d = r["drift"]
+            lines.append(
+                f"| {r['seed']} | {d['replayed']:.0f} | {d['seq_logratio_replay']:+.2f} | "
+                f"{d['seq_logratio_fresh']:+.3f} | {d['weight_replay']:.3f} | "
+                f"{100 * d['truncated_replay']:.1f} % | {d['staleness']:.2f} |"
+            )
     if rows:
         gains = [r["gain_points"] for r in rows]
         m, lo, hi = t_interval(gains)
