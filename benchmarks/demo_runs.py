@@ -25,7 +25,10 @@ seeds): per seed this variant's gain minus that one's (the same tasks and warm s
 their mean and its 95 % t-interval. A run with `prefill_runs_per_task` shows its pre-fill
 (successes of the starting policy at the rollout temperature, and in how many tasks).
 Per seed it also counts tasks lost (solved by the warm start, 0 after training), tasks
-won from 0, and tasks no training episode solved (the per-task counts are in the JSON).
+won from 0, and tasks no training episode solved (the per-task counts are in the JSON),
+and what the off-policy correction corrected (from the learner's metrics). With
+`--save-as`, a plot (`NAME.png`) shows every seed's warm start and trained policy, beside
+the paired variant's, and the paired differences.
 """
 
 from __future__ import annotations
@@ -147,6 +150,53 @@ def _task_cells(tasks: dict) -> str:
     return f" {lost} | {len(won)} of {len(zero)}{rng} | {never} |"
 
 
+def plot(path: Path, name: str, rows: list[dict], other: dict | None) -> None:
+    """Per seed: the warm start and the trained policy (a line per seed; with `other`, the
+    variant it is paired with beside it), and the paired differences of gains."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    variants = [(name, rows)]
+    if other is not None:
+        variants.insert(0, (other["name"], other["runs"]))
+    fig, ax = plt.subplots(1, 2 if other else 1, figsize=(11 if other else 6, 4.2), squeeze=False)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (label, runs) in enumerate(variants):
+        x = [2 * i, 2 * i + 1]
+        for j, r in enumerate(runs):
+            ax[0][0].plot(x, [100 * r["warm"], 100 * r["trained"]], "-o", color=colors[i],
+                          alpha=0.7, label=label if j == 0 else None)  # fmt: skip
+            ax[0][0].annotate(str(r["seed"]), (x[1], 100 * r["trained"]), fontsize=7,
+                              xytext=(4, 0), textcoords="offset points")  # fmt: skip
+    ticks = [t for i in range(len(variants)) for t in (2 * i, 2 * i + 1)]
+    ax[0][0].set_xticks(ticks, ["warm start", "trained"] * len(variants))
+    ax[0][0].set_ylabel("evaluation success (%)")
+    ax[0][0].set_title("per seed (number = seed)")
+    ax[0][0].legend(fontsize=7)
+    ax[0][0].grid(alpha=0.3, axis="y")
+    if other is not None:
+        theirs = {r["seed"]: r["gain_points"] for r in other["runs"]}
+        diffs = [(r["seed"], r["gain_points"] - theirs[r["seed"]]) for r in rows
+                 if r["seed"] in theirs]  # fmt: skip
+        a = ax[0][1]
+        a.scatter(range(len(diffs)), [d for _, d in diffs], color="k", zorder=3)
+        a.set_xticks(range(len(diffs)), [f"seed {k}" for k, _ in diffs])
+        if len(diffs) > 1:
+            m, lo, hi = t_interval([d for _, d in diffs])
+            a.axhline(m, color=colors[1], label=f"mean {m:+.1f} (95 % CI {lo:+.1f} to {hi:+.1f})")
+            a.axhspan(lo, hi, color=colors[1], alpha=0.15)
+        a.axhline(0, color="gray", lw=1)
+        a.set_ylabel("difference of gains (points)")
+        a.set_title(f"{name} minus {other['name']}, paired by seed")
+        a.legend(fontsize=7)
+        a.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seeds", default="1,2,3,4,5", help="Comma-separated seeds.")
@@ -265,10 +315,11 @@ def main(argv: list[str] | None = None) -> int:
             f"deviation {sd:.1f}), min {min(gains):+.1f}, max {max(gains):+.1f}; seeds with "
             f"at least +15: {sum(g >= 15 for g in gains)} of {len(gains)}.",
         ]
-    paired = None
+    paired = other = None
     if args.paired_with and rows:
         other = json.loads((ROOT / "benchmarks" / "results" / f"{args.paired_with}.json")
                            .read_text())  # fmt: skip
+        other["name"] = args.paired_with
         theirs = {r["seed"]: r["gain_points"] for r in other["runs"]}
         diffs = {r["seed"]: r["gain_points"] - theirs[r["seed"]] for r in rows
                  if r["seed"] in theirs}  # fmt: skip
@@ -292,6 +343,8 @@ def main(argv: list[str] | None = None) -> int:
         (dest / f"{args.save_as}.json").write_text(
             json.dumps({"demo_args": base, "runs": rows, "paired": paired}, indent=2)
         )
+        if rows:
+            plot(dest / f"{args.save_as}.png", args.save_as, rows, other)
     return 0
 
 
