@@ -189,7 +189,7 @@ def plot(path: Path, name: str, rows: list[dict], other: dict | None) -> None:
             a.axhspan(lo, hi, color=colors[1], alpha=0.15)
         a.axhline(0, color="gray", lw=1)
         a.set_ylabel("difference of gains (points)")
-        a.set_title(f"{name} minus {other['name']}, paired by seed")
+        a.set_title(f"{name}\nminus {other['name']}, paired by seed", fontsize=9)
         a.legend(fontsize=7)
         a.grid(alpha=0.3, axis="y")
     fig.tight_layout()
