@@ -13,7 +13,7 @@ simulated desktop's size; random blocks, so the PNGs are desktop-like) and k res
 - tokens: the prompt of turn k (what the engine reads to sample it), its image tokens, and
   the whole episode's training sequence (what the learner reads once);
 - sampling: the transformers engine (`HFEngine`) sampling `--response` tokens at turn k
-  with the whole prompt, as a fresh engine (nothing to reuse);
+  with the whole prompt, the prefix cache off (as a first turn is: nothing to reuse);
 - whole episodes: `--episodes` episodes of k turns sampled at once, turn by turn as the actor
   does (each response goes into the next turn's prompt), with the engine's prefix cache off
   (every turn prefills the whole episode so far) and on (`prefix_cache_tokens`, the default:
@@ -82,7 +82,9 @@ def one_length(model_dir: str, turns: int, response: int, repeats: int, episodes
     ids, images = prompt.model_input()
 
     async def sample() -> float:
-        engine = HFEngine(EngineConfig(model=model_dir, device="cpu", max_batch_size=1))
+        # No prefix cache: the repeats would reuse the whole prompt of the warm-up.
+        engine = HFEngine(EngineConfig(model=model_dir, device="cpu", max_batch_size=1,
+                                       prefix_cache_tokens=0))  # fmt: skip
         params = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=response)
         async with engine:
             await engine.generate(ids, images, params)  # warm-up
