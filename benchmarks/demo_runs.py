@@ -26,7 +26,8 @@ their mean and its 95 % t-interval. A run with `prefill_runs_per_task` shows its
 (successes of the starting policy at the rollout temperature, and in how many tasks).
 Per seed it also counts tasks lost (solved by the warm start, 0 after training), tasks
 won from 0, and tasks no training episode solved (the per-task counts are in the JSON),
-and what the off-policy correction corrected (from the learner's metrics). With
+and what the off-policy correction corrected (from the learner's metrics); with several
+families of simulated tasks, a table per family (every seed's episodes pooled). With
 `--save-as`, a plot (`NAME.png`) shows every seed's warm start and trained policy, beside
 the paired variant's, and the paired differences.
 """
@@ -104,15 +105,48 @@ def _per_task(run_dir: Path) -> dict:
     # The evaluations' own files (summary.json has `by_task` only since it was added).
     w, t = (json.loads((run_dir / d / "eval.json").read_text())["tasks"]
             for d in ("eval_warm", "eval"))  # fmt: skip
+    index = run_dir / "tasks" / "sim" / "test_all.json"
+    family = {k: fam for fam, ids in (json.loads(index.read_text()) if index.exists() else {}).items()
+              for k in ids}  # fmt: skip
     return {
         k: {
             "warm": w[k]["successes"],
             "trained": t[k]["successes"],
             "runs": w[k]["runs"],
             "trained_ever": any((r.get(f"tasks/{k}/success_rate") or 0) > 0 for r in rows),
+            "family": family.get(k, ""),
         }
         for k in w
     }
+
+
+def _family_lines(rows: list[dict]) -> list[str]:
+    """Per family of the simulated tasks (more than one): warm start and trained success
+    over every seed's evaluation episodes of that family, the gain, and each seed's gain."""
+    fams = sorted({v.get("family", "") for r in rows for v in r["tasks"].values()} - {""})
+    if len(fams) < 2:
+        return []
+    lines = ["", "Per family, every seed's evaluation episodes of its tasks pooled, and each "
+             "seed's gain in that family (points):", "",
+             "| family | tasks per seed | warm start (%) | trained (%) | gain (points) | "
+             "per seed | seeds above the warm start |", "|---|---:|---:|---:|---:|---|---:|"]  # fmt: skip
+    for fam in fams:
+        per, ws, ts, ns = [], 0, 0, 0
+        for r in rows:
+            ts_ = [v for v in r["tasks"].values() if v.get("family") == fam]
+            n = sum(v["runs"] for v in ts_)
+            if not n:
+                continue
+            w, t = sum(v["warm"] for v in ts_), sum(v["trained"] for v in ts_)
+            per.append((r["seed"], 100 * (t - w) / n, len(ts_)))
+            ws, ts, ns = ws + w, ts + t, ns + n
+        if not ns:
+            continue
+        cells = ", ".join(f"{g:+.0f}" for _, g, _ in per)
+        up = sum(1 for _, g, _ in per if g > 0)
+        lines.append(f"| {fam} | {per[0][2]} | {100 * ws / ns:.1f} | {100 * ts / ns:.1f} | "
+                     f"{100 * (ts - ws) / ns:+.1f} | {cells} | {up} of {len(per)} |")  # fmt: skip
+    return lines
 
 
 def _drift(run_dir: Path) -> dict:
@@ -305,6 +339,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{d['seq_logratio_fresh']:+.3f} | {d['weight_replay']:.3f} | "
                 f"{100 * d['truncated_replay']:.1f} % | {d['staleness']:.2f} |"
             )
+    lines += _family_lines(rows)
     if rows:
         gains = [r["gain_points"] for r in rows]
         m, lo, hi = t_interval(gains)

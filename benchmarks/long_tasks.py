@@ -3,6 +3,7 @@
     python benchmarks/long_tasks.py warm  --out runs/long/ff --families fill_form --tasks 8
     python benchmarks/long_tasks.py probe --out runs/long/ff --temperatures 0.6,1.0 --runs 16
     python benchmarks/long_tasks.py probe --out runs/long/ff --model runs/x/checkpoint --name trained
+    python benchmarks/long_tasks.py steps --runs runs/long-pool --names warm,trained
 
 `warm` builds the tiny model (seed 0), writes `--tasks` simulated tasks per family (task seed
 `--seed`) to <out>/tasks and warm-starts the model on their oracle demonstrations exactly as
@@ -20,7 +21,11 @@ oracle:
   which step the policy has not learned; one that falls a little at every step is the
   compounding of per-turn errors that long horizons suffer from.
 
-Results: <out>/probe-<name>.json and .md (every figure above per temperature).
+Results: <out>/probe-<name>.json and .md (every figure above per temperature, and in the
+JSON per family: the folder of the task file). `steps` pools the probes of every
+`seed-<n>` run folder under `--runs` per family (e.g. an `arpo train` run folder of each
+seed of `demo_runs.py`, probed with `--out <run folder>`): a before/after table of success
+and steps right.
 """
 
 from __future__ import annotations
@@ -163,6 +168,78 @@ def cmd_warm(args: argparse.Namespace) -> None:
     print(json.dumps(json.loads((Path(model) / "offline.json").read_text())["summary"]))
 
 
+def _task_files(tasks: Path) -> tuple[dict[str, list[str]], dict[str, str]]:
+    """Every task file under `tasks` (the index files, without an id, skipped): its oracle
+    steps and its family (the folder it is in: `write_tasks` writes <family>/<id>.json)."""
+    oracles: dict[str, list[str]] = {}
+    family: dict[str, str] = {}
+    for f in sorted(tasks.rglob("*.json")):
+        task = json.loads(f.read_text())
+        if isinstance(task, dict) and "id" in task:
+            oracles[task["id"]] = task.get("oracle", [])
+            family[task["id"]] = f.parent.name
+    return oracles, family
+
+
+def cmd_steps(args: argparse.Namespace) -> None:
+    """Per family, the probes `--names` of every seed folder under `--runs` pooled
+    (episodes weighted equally): success and the share of episodes whose first k oracle
+    steps were all right, before (the first name) and after (the second)."""
+    runs = Path(args.runs).resolve()
+    temp = f"{args.temperature:g}"
+    pooled: dict[str, dict[str, dict[str, Any]]] = {}
+    seeds: dict[str, list[str]] = {}
+    for name in args.names.split(","):
+        for f in sorted(runs.glob(f"seed-*/probe-{name}.json")):
+            seeds.setdefault(name, []).append(f.parent.name.removeprefix("seed-"))
+            fams = json.loads(f.read_text())["temperatures"][temp]["families"]
+            for fam, r in fams.items():
+                acc = pooled.setdefault(fam, {}).setdefault(
+                    name, {"ok": 0, "wins": 0.0, "right": collections.Counter()}
+                )
+                acc["ok"] += r["ok"]
+                acc["wins"] += r["success_rate"] * r["ok"] if r["ok"] else 0.0
+                for k, share in enumerate(r["steps_right"], start=1):
+                    acc["right"][k] += share * r["ok"]
+    longest = max((max(a["right"], default=0) for f in pooled.values() for a in f.values()),
+                  default=0)  # fmt: skip
+    names = args.names.split(",")
+    lines = [
+        f"# Per-step success before and after training, T={temp}",
+        "",
+        f"`python benchmarks/long_tasks.py steps --runs {args.runs} --names {args.names} "
+        f"--temperature {temp}`",
+        "",
+        "Seeds: " + "; ".join(f"{n}: {', '.join(seeds.get(n, []))}" for n in names) + ".",
+        "Per family, every seed's episodes pooled: success, and the share of episodes whose "
+        "first k oracle steps were all right (blank: the family's tasks have fewer steps).",
+        "",
+        "| family | policy | episodes | success | " + " | ".join(f"k={k}" for k in
+                                                          range(1, longest + 1)) + " |",
+        "|---|---|---:|---:|" + "---:|" * longest,
+    ]  # fmt: skip
+    table: dict[str, Any] = {}
+    for fam in sorted(pooled):
+        for name in names:
+            a = pooled[fam].get(name)
+            if not a or not a["ok"]:
+                continue
+            right = [a["right"][k] / a["ok"] for k in range(1, max(a["right"], default=0) + 1)]
+            table.setdefault(fam, {})[name] = {"episodes": a["ok"],
+                                               "success_rate": a["wins"] / a["ok"],
+                                               "steps_right": right}  # fmt: skip
+            cells = [f"{100 * x:.0f}" for x in right] + [""] * (longest - len(right))
+            lines.append(f"| {fam} | {name} | {a['ok']} | {100 * a['wins'] / a['ok']:.1f} % | "
+                         + " | ".join(cells) + " |")  # fmt: skip
+    md = "\n".join(lines) + "\n"
+    print(md)
+    if args.save_as:
+        dest = ROOT / "benchmarks" / "results"
+        (dest / f"{args.save_as}.md").write_text(md)
+        res = {"temperature": args.temperature, "seeds": seeds, "families": table}
+        (dest / f"{args.save_as}.json").write_text(json.dumps(res, indent=2))
+
+
 def cmd_probe(args: argparse.Namespace) -> None:
     from arpo_envs.vm.fleet import free_port
 
@@ -172,10 +249,7 @@ def cmd_probe(args: argparse.Namespace) -> None:
 
     out = Path(args.out).resolve()
     tasks = out / "tasks"
-    oracles = {
-        json.loads(f.read_text())["id"]: json.loads(f.read_text()).get("oracle", [])
-        for f in tasks.rglob("*.json")
-    }
+    oracles, family = _task_files(tasks)
     policy = (
         {"checkpoint": args.model} if args.checkpoint else {"model": args.model or str(out / "sft")}
     )
@@ -206,6 +280,11 @@ def cmd_probe(args: argparse.Namespace) -> None:
         )
         trajs = list(read_trajectories(dest))
         results["temperatures"][f"{temp:g}"] = analyse(trajs, oracles)
+        results["temperatures"][f"{temp:g}"]["families"] = {
+            fam: analyse([t for t in trajs if family.get(t.task_id) == fam],
+                         {k: v for k, v in oracles.items() if family[k] == fam})
+            for fam in sorted(set(family.values()))
+        }  # fmt: skip
         log.info("t=%g: %s", temp, json.dumps(results["temperatures"][f"{temp:g}"]))
     (out / f"probe-{args.name}.json").write_text(json.dumps(results, indent=2))
     (out / f"probe-{args.name}.md").write_text(report(results, " ".join(sys.argv)))
@@ -254,8 +333,13 @@ def main() -> None:
     pr.add_argument("--envs", type=int, default=4, help="Simulated desktops.")
     pr.add_argument("--actor", nargs="*", default=[], help="More arpo-actor overrides.")
     pr.add_argument("--reuse", action="store_true", help="Read existing collections.")
+    st = sub.add_parser("steps", help="per family, probes of several seeds before and after")
+    st.add_argument("--runs", required=True, help="Folder of seed-<n> run folders.")
+    st.add_argument("--names", default="warm,trained", help="Probe names, before and after.")
+    st.add_argument("--temperature", type=float, default=0.6)
+    st.add_argument("--save-as", default="", help="Also write benchmarks/results/<name>.{md,json}.")
     args = p.parse_args()
-    {"warm": cmd_warm, "probe": cmd_probe}[args.cmd](args)
+    {"warm": cmd_warm, "probe": cmd_probe, "steps": cmd_steps}[args.cmd](args)
 
 
 if __name__ == "__main__":
