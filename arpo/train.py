@@ -105,7 +105,7 @@ def _default_actor() -> ActorConfig:
     """Episodes fitted to their task (`max_steps = 0`: the task's oracle + 3 turns, at most
     the reference's 15; 15 for a task without an oracle) and responses of at most 128
     tokens (the reference allows more; the longest oracle response of the simulated
-    families is 99 tokens, list_select's scrolls, the others at most 37: a policy that has
+    families is 78 tokens, list_select's scrolls, the others at most 37: a policy that has
     not ended its response by 128 tokens is not writing an action)."""
     from arpo.actor.episode import EpisodeConfig
 

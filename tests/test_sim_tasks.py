@@ -19,6 +19,7 @@ from arpo_envs.sim.server import running
 
 PREFIX = "import pyautogui; import time; pyautogui.FAILSAFE = False; {command}"
 SEEDS_PER_FAMILY = 4
+ACTION_SPACE_TASKS = 12
 
 
 async def post(session: aiohttp.ClientSession, url: str, body: dict) -> dict:
@@ -66,6 +67,33 @@ def test_oracle_solves_every_family_and_doing_nothing_does_not(family: str) -> N
                 # a reset puts the scene back to its start: unsolved again
                 await post(s, f"{url}/reset", {})
                 assert not await evaluate(s, url, task)
+
+    asyncio.run(body())
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_the_oracle_in_the_agents_action_space_solves_every_family(family: str) -> None:
+    """What the warm start learns from: every oracle step turned into the agent's UI-TARS
+    actions (`oracle_to_actions`, one scroll action = the reference's 5 wheel clicks) and
+    back into the pyautogui code the actor sends (`to_pyautogui`, the default config)."""
+    from arpo.actor.scripted import oracle_to_actions
+    from arpo.policy.actions import ActionConfig, to_pyautogui
+
+    tasks = generate_tasks(family, ACTION_SPACE_TASKS, seed=11)
+    config = ActionConfig()
+
+    async def body() -> None:
+        async with running([SimConfig(port=0)]) as (url,), aiohttp.ClientSession() as s:
+            for task in tasks:
+                await setup(s, url, task)
+                sent = []
+                for step in task["oracle"]:
+                    for action in oracle_to_actions(step, config.scroll_clicks):
+                        sent.append(to_pyautogui(action, config))
+                        command = ["python", "-c", PREFIX.format(command=sent[-1])]
+                        res = await post(s, f"{url}/execute", {"command": command})
+                        assert res["returncode"] == 0, (sent[-1], res)
+                assert await evaluate(s, url, task), (task["instruction"], task["oracle"], sent)
 
     asyncio.run(body())
 

@@ -54,6 +54,9 @@ from arpo_envs.sim.widgets import (
 
 TASK_NAMESPACE = uuid.UUID("5f0c6a9e-2b1d-4c57-9a43-0d6e1f7b8a21")
 MIN_SCREEN = (640, 480)
+AGENT_SCROLL_CLICKS = 5
+"""Wheel clicks of one scroll action of the agent's action space (UI-TARS `scroll` has a
+direction, no amount; the reference sends 5 clicks): oracle scrolls are multiples of it."""
 
 BUTTON_WORDS = [
     "Save",
@@ -461,10 +464,20 @@ def _list_select(desk: Desktop, rng: random.Random) -> tuple[str, str, Any, list
             for _ in range(n)
         }
     )
-    rows = rng.randint(7, 10)
+    rows = rng.randint(15, 18)
     win = _window(desk, rng, "win", "Open file", 440, Theme.title_h + rows * 26 + 112)
+    rows = min(rows, (win.h - Theme.title_h - 112) // 26)  # the window shrinks to the screen
+    # One scroll action of the agent moves at most a screenful of rows, so every item can
+    # be scrolled into view by whole actions.
     lst = ListBox(
-        "files", win.x + 20, win.body_y + 44, win.w - 40, rows * 26 + 2, "Files", items=names
+        "files",
+        win.x + 20,
+        win.body_y + 44,
+        win.w - 40,
+        rows * 26 + 2,
+        "Files",
+        items=names,
+        rows_per_click=max(1, rows // AGENT_SCROLL_CLICKS),
     )
     open_btn = Button(
         "open", win.x + win.w - 20 - 100, lst.y + lst.h + 14, 100, 32, "Open", primary=True
@@ -493,9 +506,13 @@ def _list_select(desk: Desktop, rng: random.Random) -> tuple[str, str, Any, list
     )
     oracle: list[str] = []
     if t >= lst.visible_rows:
-        clicks = math.ceil((t - lst.visible_rows + 1) / lst.rows_per_click)
+        # Whole scroll actions of the agent (AGENT_SCROLL_CLICKS wheel clicks each): the
+        # oracle's scroll is one the agent can make, and its click lands where the row is.
+        per_action = AGENT_SCROLL_CLICKS * lst.rows_per_click  # <= lst.visible_rows
+        actions = math.ceil((t - lst.visible_rows + 1) / per_action)
+        clicks = actions * AGENT_SCROLL_CLICKS
         oracle.append(f"pyautogui.scroll({-clicks}, x={lst.center[0]}, y={lst.center[1]})")
-        top = min(clicks * lst.rows_per_click, lst.max_top)
+        top = min(actions * per_action, lst.max_top)
     else:
         top = 0
     row = (lst.x + (lst.w - lst.bar_w) // 2, lst.y + 1 + (t - top) * lst.row_h + lst.row_h // 2)
