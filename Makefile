@@ -139,7 +139,7 @@ rust-test: setup
 # The differential tests score with OSWorld's own code, so the test command installs its
 # environment too (1.5 minutes with pip's cache warm; a second run is free).
 py-test: setup osworld-evaluator
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=20
 
 test: lint rust-test py-test
 
