@@ -105,9 +105,8 @@ def _per_task(run_dir: Path) -> dict:
     # The evaluations' own files (summary.json has `by_task` only since it was added).
     w, t = (json.loads((run_dir / d / "eval.json").read_text())["tasks"]
             for d in ("eval_warm", "eval"))  # fmt: skip
-    index = run_dir / "tasks" / "sim" / "test_all.json"
-    family = {k: fam for fam, ids in (json.loads(index.read_text()) if index.exists() else {}).items()
-              for k in ids}  # fmt: skip
+    # arpo train writes the simulated tasks as tasks/sim/<family>/<id>.json
+    family = {f.stem: f.parent.name for f in (run_dir / "tasks" / "sim").glob("*/*.json")}
     return {
         k: {
             "warm": w[k]["successes"],
