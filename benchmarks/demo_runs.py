@@ -47,6 +47,7 @@ import time
 from pathlib import Path
 
 from _stats import t_interval
+from long_tasks import _task_files
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -105,8 +106,7 @@ def _per_task(run_dir: Path) -> dict:
     # The evaluations' own files (summary.json has `by_task` only since it was added).
     w, t = (json.loads((run_dir / d / "eval.json").read_text())["tasks"]
             for d in ("eval_warm", "eval"))  # fmt: skip
-    # arpo train writes the simulated tasks as tasks/sim/<family>/<id>.json
-    family = {f.stem: f.parent.name for f in (run_dir / "tasks" / "sim").glob("*/*.json")}
+    _, family = _task_files(run_dir / "tasks")
     return {
         k: {
             "warm": w[k]["successes"],

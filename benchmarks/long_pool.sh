@@ -2,7 +2,7 @@
 # Long tasks on a pool of the six multi-step families of the simulated desktop, with
 # `arpo train`'s defaults, on five seeds chosen before any run (12-16; never used for a
 # setting), then per-step success before and after training. Run alone (2 cores: about
-# 15 minutes per seed and 3 per seed's probes). Resumable: finished seeds and probes are
+# 10 minutes per seed and 3 per seed's probes). Resumable: finished seeds and probes are
 # kept; delete a seed's folder to redo it.
 #
 #     benchmarks/long_pool.sh [OUT] [NAME] [extra arpo train arguments...]
