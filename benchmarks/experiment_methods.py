@@ -6,6 +6,11 @@
         --per-family 2 --heldout-per-family 1 --select-runs 2 --iterations 2 --eval-runs 1
                                                                    # a dry run of every step
     .venv/bin/python benchmarks/experiment_methods.py --out runs/experiment-r2 --report-only
+    .venv/bin/python benchmarks/experiment_methods.py --recipe train --out runs/exp-long \
+        --families fill_form,list_select,click_sequence,type_submit,menu_pick,dialog_confirm \
+        --per-family 2 --heldout-per-family 2 --iterations 40 --eval-runs 8 \
+        --seeds 17,18,19,20,21 --methods grpo,arpo,arpo_prefill,rft \
+        --save-as experiment-long-<date>                          # long tasks, 15 steps
 
 Every step below is skipped when its output exists, so an interrupted experiment
 continues where it stopped (delete a run's folder to redo it). Runs are sequential;
@@ -120,10 +125,26 @@ CONTRASTS = (
 # ---------------------------------------------------------------------------- set-up
 
 
+TRAIN_RECIPE = ["actor.episode.max_steps=15"]
+"""`--recipe train`: `arpo train`'s defaults with the reference's 15-step budget."""
+
+
+def _config(args: argparse.Namespace, **fields):
+    """The `TrainConfig` of `--recipe`: the earlier experiment's (`earlier`: 4-step episodes,
+    48-token responses, 16 tasks per family, this script's `--envs`) or `arpo train`'s
+    defaults with 15-step episodes (`train`), with `fields` over it."""
+    if args.recipe == "earlier":
+        return earlier_config(**{"sim_envs_per_actor": args.envs, **fields})
+    from arpo.config import load_config
+    from arpo.train import TrainConfig
+
+    return replace(load_config(TrainConfig, None, TRAIN_RECIPE), **fields)
+
+
 def _actor_args(args: argparse.Namespace) -> list[str]:
     """The local actor of eval / collect / select: the online runs' episode limits."""
 
-    return [*earlier_config(sim_envs_per_actor=args.envs).pool_actor_args(), "progress_s=0"]
+    return [*_config(args).pool_actor_args(), "progress_s=0"]
 
 
 def _copy_tasks(ids: list[str], src: Path, dest: Path) -> None:
@@ -141,14 +162,19 @@ def setup(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     from arpo.train import TrainRun
 
     families = [f for f in args.families.split(",") if f]
+    sft = (
+        {"sft_epochs": args.sft_epochs, "sft_target_nll": args.sft_target_nll}
+        if args.recipe == "earlier"
+        else {}
+    )
     base = TrainRun(
-        earlier_config(
+        _config(
+            args,
             run_dir=str(out / "base"),
             sim_families=families,
             sim_tasks_per_family=args.per_family,
-            sft_epochs=args.sft_epochs,
-            sft_target_nll=args.sft_target_nll,
             seed=0,
+            **sft,
         )
     )
     base.run_dir.mkdir(parents=True, exist_ok=True)
@@ -240,7 +266,8 @@ def _train_config(args: argparse.Namespace, method: str, seed: int, s: dict[str,
     stale = method.endswith("_stale")
     base = method.removesuffix("_stale")
 
-    cfg = earlier_config(
+    cfg = _config(
+        args,
         run_dir=str(Path(args.out) / "runs" / f"{method}-s{seed}"),
         model=s["model"],
         tasks=s["pool"],
@@ -249,7 +276,9 @@ def _train_config(args: argparse.Namespace, method: str, seed: int, s: dict[str,
         restart=False,
         progress_s=30,
         eval_runs_per_task=0,  # evaluated below, like every other method
-        sim_envs_per_actor=args.envs,
+        # The pre-fill is the selection's successes (arpo_prefill) or none.
+        prefill_runs_per_task=0,
+        prefill_demos_from_turns=0,
     )
     la = cfg.learner
     replay = replace(
@@ -262,21 +291,20 @@ def _train_config(args: argparse.Namespace, method: str, seed: int, s: dict[str,
         correct_replay=base != "arpo_uncorrected",
         replay_w_min=0.0 if base == "arpo_nofloor" else la.trainer.loss.replay_w_min,
     )
+    assemble = replace(la.assemble, group_size=GROUP_SIZE, replay=replay)
+    if args.recipe == "earlier":
+        assemble = replace(assemble, groups_per_step=args.groups, max_staleness=args.staleness)
     la = replace(
         la,
         selection=s["selection"],
         iterations=args.iterations,
-        assemble=replace(
-            la.assemble,
-            group_size=GROUP_SIZE,
-            groups_per_step=args.groups,
-            max_staleness=args.staleness,
-            replay=replay,
-        ),
+        assemble=assemble,
         trainer=replace(la.trainer, loss=loss),
     )
     # The learner is gone when the actors are stopped: nothing would acknowledge a flush.
-    episode = replace(cfg.actor.episode, format_weight=args.format_weight)
+    episode = cfg.actor.episode
+    if args.recipe == "earlier":
+        episode = replace(episode, format_weight=args.format_weight)
     if stale:
         la = replace(la, step_delay_s=args.step_delay)
     actor = replace(cfg.actor, episode=episode, flush_deadline_s=5.0)
@@ -417,6 +445,25 @@ def contrasts(results: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+def _online_settings(st: dict[str, Any]) -> str:
+    if st.get("recipe", "earlier") == "train":
+        c = _config(argparse.Namespace(recipe="train"))
+        a, ep = c.learner.assemble, c.actor.episode
+        return (
+            f"Online: `arpo train`'s defaults with `{' '.join(TRAIN_RECIPE)}`: "
+            f"{st['iterations']} iterations (learning rate decayed to 0 over them) x "
+            f"{a.groups_per_step} groups x {a.group_size} episodes, max staleness "
+            f"{a.max_staleness}, {c.sim_envs_per_actor} desktops, responses of at most "
+            f"{ep.max_new_tokens} tokens, reward = checker score + {ep.format_weight} x format "
+            "reward, no replay pre-fill but the selection's successes (arpo_prefill)."
+        )
+    return (
+        f"Online: {st['iterations']} iterations x {st['groups']} groups x {GROUP_SIZE} "
+        f"episodes, max staleness {st['staleness']}, {st['envs']} desktops, reward = checker "
+        f"score + {st['format_weight']} x format reward."
+    )
+
+
 def report(out: Path, results: dict[str, Any]) -> str:
     s = results["setup"]
     st = results["settings"]
@@ -436,10 +483,9 @@ def report(out: Path, results: dict[str, Any]) -> str:
         f"Warm start (SFT to NLL {st['sft_target_nll']}) evaluation: training tasks "
         f"{_pct(w['train'])} %, held-out {_pct(w['heldout'])} % ({st['eval_runs']} episodes "
         "per task at T=0.6; the same protocol for every policy).",
-        f"Online: {st['iterations']} iterations x {st['groups']} groups x {GROUP_SIZE} "
-        f"episodes, max staleness {st['staleness']}, {st['envs']} desktops, reward = checker "
-        f"score + {st['format_weight']} x format reward. Offline: lr {st['offline_lr']} "
-        f"(KTO {st['kto_lr']}), {st['offline_epochs']} epochs. Seeds: {', '.join(seeds)}." + stale,
+        _online_settings(st)
+        + f" Offline: lr {st['offline_lr']} (KTO {st['kto_lr']}), {st['offline_epochs']} "
+        f"epochs. Seeds: {', '.join(seeds)}." + stale,
         "",
         "| method | training tasks, mean (%) | per seed | held-out, mean (%) | per seed | "
         "episodes run (trained) | replay hits / triggered | staleness mean / max |",
@@ -574,6 +620,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="runs/experiment-r2", help="Output folder.")
     p.add_argument("--seeds", default="1,2,3,4,5", help="Comma-separated seeds (0: selection).")
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS), help="Methods to run.")
+    p.add_argument(
+        "--recipe",
+        choices=("earlier", "train"),
+        default="earlier",
+        help="earlier: the 2026-11-22..24 experiments' settings (4-step episodes; --groups, "
+        "--staleness, --envs, --format-weight, --sft-* apply); train: `arpo train`'s defaults "
+        "with 15-step episodes (those five options are ignored).",
+    )
     p.add_argument("--families", default="click_button", help="Task families.")
     p.add_argument("--per-family", type=int, default=16, help="Candidate tasks per family.")
     p.add_argument("--heldout-per-family", type=int, default=8, help="Held-out per family.")
