@@ -445,6 +445,13 @@ def contrasts(results: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+def _sft_nll(st: dict[str, Any]) -> float:
+    """The warm start's target NLL: `--sft-target-nll`, or `arpo train`'s with `--recipe train`."""
+    if st.get("recipe", "earlier") == "train":
+        return _config(argparse.Namespace(recipe="train")).sft_target_nll
+    return st["sft_target_nll"]
+
+
 def _online_settings(st: dict[str, Any]) -> str:
     if st.get("recipe", "earlier") == "train":
         c = _config(argparse.Namespace(recipe="train"))
@@ -471,7 +478,7 @@ def report(out: Path, results: dict[str, Any]) -> str:
     seeds = [str(x) for x in results["seeds"]]
     stale = (
         f" The *_stale methods: the learner takes {st['step_delay']} s longer per step."
-        if "step_delay" in st
+        if "step_delay" in st and any(m.endswith("_stale") for m in st["methods"].split(","))
         else ""
     )
     lines = [
@@ -480,7 +487,7 @@ def report(out: Path, results: dict[str, Any]) -> str:
         f"{len(s['train'])} of {len(s['candidates'])} as training tasks; held-out: "
         f"{len(s['heldout'])} tasks of the same families (task seed {HELDOUT_TASK_SEED}), "
         "never trained on.",
-        f"Warm start (SFT to NLL {st['sft_target_nll']}) evaluation: training tasks "
+        f"Warm start (SFT to NLL {_sft_nll(st)}) evaluation: training tasks "
         f"{_pct(w['train'])} %, held-out {_pct(w['heldout'])} % ({st['eval_runs']} episodes "
         "per task at T=0.6; the same protocol for every policy).",
         _online_settings(st)
