@@ -8,7 +8,7 @@
     .venv/bin/python benchmarks/experiment_methods.py --out runs/experiment-r2 --report-only
     .venv/bin/python benchmarks/experiment_methods.py --recipe train --out runs/exp-long \
         --families fill_form,list_select,click_sequence,type_submit,menu_pick,dialog_confirm \
-        --per-family 2 --heldout-per-family 2 --iterations 40 --eval-runs 8 \
+        --per-family 4 --heldout-per-family 2 --iterations 40 --eval-runs 16 \
         --seeds 17,18,19,20,21 --methods grpo,arpo,arpo_prefill,rft \
         --save-as experiment-long-<date>                          # long tasks, 15 steps
 
