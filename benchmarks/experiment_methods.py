@@ -118,6 +118,7 @@ CONTRASTS = (
     ("arpo_stale", "arpo"),
     ("rft", "grpo"),
     ("rft", "arpo"),
+    ("rft", "arpo_prefill"),
     ("dpo", "warm_start"),
     ("kto", "warm_start"),
     ("rft", "warm_start"),
