@@ -295,6 +295,8 @@ def _train_config(args: argparse.Namespace, method: str, seed: int, s: dict[str,
     assemble = replace(la.assemble, group_size=GROUP_SIZE, replay=replay)
     if args.recipe == "earlier":
         assemble = replace(assemble, groups_per_step=args.groups, max_staleness=args.staleness)
+    elif stale:  # the staleness bound the slowed learner lets the actors run ahead to
+        assemble = replace(assemble, max_staleness=args.staleness)
     la = replace(
         la,
         selection=s["selection"],
@@ -478,7 +480,8 @@ def report(out: Path, results: dict[str, Any]) -> str:
     w = results["warm_start"]
     seeds = [str(x) for x in results["seeds"]]
     stale = (
-        f" The *_stale methods: the learner takes {st['step_delay']} s longer per step."
+        f" The *_stale methods: the learner takes {st['step_delay']} s longer per step"
+        f" (max staleness {st['staleness']})."
         if "step_delay" in st and any(m.endswith("_stale") for m in st["methods"].split(","))
         else ""
     )
@@ -634,7 +637,8 @@ def main(argv: list[str] | None = None) -> int:
         default="earlier",
         help="earlier: the 2026-11-22..24 experiments' settings (4-step episodes; --groups, "
         "--staleness, --envs, --format-weight, --sft-* apply); train: `arpo train`'s defaults "
-        "with 15-step episodes (those five options are ignored).",
+        "with 15-step episodes (those five options are ignored, but --staleness bounds the "
+        "*_stale methods).",
     )
     p.add_argument("--families", default="click_button", help="Task families.")
     p.add_argument("--per-family", type=int, default=16, help="Candidate tasks per family.")
