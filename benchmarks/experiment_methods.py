@@ -9,7 +9,7 @@
     .venv/bin/python benchmarks/experiment_methods.py --recipe train --out runs/exp-long \
         --families fill_form,list_select,click_sequence,type_submit,menu_pick,dialog_confirm \
         --per-family 4 --heldout-per-family 2 --iterations 40 --eval-runs 16 \
-        --seeds 17,18,19,20,21 --methods grpo,arpo,arpo_prefill,rft \
+        --seeds 17,18,19,20,21 --methods grpo,arpo,arpo_prefill,arpo_uncorrected,rft \
         --save-as experiment-long-<date>                          # long tasks, 15 steps
 
 Every step below is skipped when its output exists, so an interrupted experiment
@@ -448,23 +448,33 @@ def contrasts(results: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-def _sft_nll(st: dict[str, Any]) -> float:
-    """The warm start's target NLL: `--sft-target-nll`, or `arpo train`'s with `--recipe train`."""
-    if st.get("recipe", "earlier") == "train":
-        return _config(argparse.Namespace(recipe="train")).sft_target_nll
-    return st["sft_target_nll"]
+def _recipe_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """What `--recipe train` takes from `arpo train`'s defaults, recorded in results.json
+    when the run starts, so a later `--report-only` reports what ran."""
+    if args.recipe != "train":
+        return {}
+    c = _config(args)
+    a, ep = c.learner.assemble, c.actor.episode
+    return {
+        "sft_target_nll": c.sft_target_nll,
+        "groups": a.groups_per_step,
+        "group_size": a.group_size,
+        "staleness": a.max_staleness,
+        "envs": c.sim_envs_per_actor,
+        "max_new_tokens": ep.max_new_tokens,
+        "format_weight": ep.format_weight,
+    }
 
 
 def _online_settings(st: dict[str, Any]) -> str:
     if st.get("recipe", "earlier") == "train":
-        c = _config(argparse.Namespace(recipe="train"))
-        a, ep = c.learner.assemble, c.actor.episode
+        r = st["train_recipe"]
         return (
             f"Online: `arpo train`'s defaults with `{' '.join(TRAIN_RECIPE)}`: "
             f"{st['iterations']} iterations (learning rate decayed to 0 over them) x "
-            f"{a.groups_per_step} groups x {a.group_size} episodes, max staleness "
-            f"{a.max_staleness}, {c.sim_envs_per_actor} desktops, responses of at most "
-            f"{ep.max_new_tokens} tokens, reward = checker score + {ep.format_weight} x format "
+            f"{r['groups']} groups x {r['group_size']} episodes, max staleness "
+            f"{r['staleness']}, {r['envs']} desktops, responses of at most "
+            f"{r['max_new_tokens']} tokens, reward = checker score + {r['format_weight']} x format "
             "reward, no replay pre-fill but the selection's successes (arpo_prefill)."
         )
     return (
@@ -491,7 +501,8 @@ def report(out: Path, results: dict[str, Any]) -> str:
         f"{len(s['train'])} of {len(s['candidates'])} as training tasks; held-out: "
         f"{len(s['heldout'])} tasks of the same families (task seed {HELDOUT_TASK_SEED}), "
         "never trained on.",
-        f"Warm start (SFT to NLL {_sft_nll(st)}) evaluation: training tasks "
+        f"Warm start (SFT to NLL {st.get('train_recipe', st)['sft_target_nll']}) evaluation: "
+        "training tasks "
         f"{_pct(w['train'])} %, held-out {_pct(w['heldout'])} % ({st['eval_runs']} episodes "
         "per task at T=0.6; the same protocol for every policy).",
         _online_settings(st)
@@ -684,6 +695,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.report_only:
         results = json.loads(res_path.read_text())
         results["seeds"] = seeds
+        st = results["settings"]
+        if st.get("recipe") == "train" and "train_recipe" not in st:  # runs before it was kept
+            st["train_recipe"] = _recipe_settings(argparse.Namespace(**st))
+            res_path.write_text(json.dumps(results, indent=2))
         print(report(out, results))
         plot(out, results)
         _save_as(out, args.save_as, results)
@@ -704,6 +719,8 @@ def main(argv: list[str] | None = None) -> int:
         setup=s,
         settings={k: v for k, v in vars(args).items() if k not in ("report_only", "seeds")},
     )
+    if args.recipe == "train":
+        results["settings"]["train_recipe"] = _recipe_settings(args)
     results["seeds"] = seeds
     for m in ONLINE + OFFLINE:
         results["methods"].setdefault(m, {})
