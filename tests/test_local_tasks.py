@@ -44,16 +44,15 @@ OSWORLD_DIR = Path(
     os.environ.get("ARPO_OSWORLD_DIR", Path(__file__).resolve().parents[2] / "shared" / "osworld")
 )
 SUBSET = (
-    "calc-set-quantity",
     "calc-line-costs",
     "calc-delete-row",
-    "editor-append-line",
     "editor-check-item",
     "os-run-typed-command",
     "os-move-logs",
     "multi-note-to-sheet",
 )
-"""One-to-seven-step tasks across the four domains, for the default test run."""
+"""One-to-seven-step tasks across the four domains, for the default test run
+(`editor-append-line` and `calc-set-quantity` play in tests/test_osworld_local_e2e.py)."""
 
 
 def suite() -> list[Task]:
