@@ -11,6 +11,8 @@
         --per-family 4 --heldout-per-family 2 --iterations 40 --eval-runs 16 \
         --seeds 17,18,19,20,21 --methods grpo,arpo,arpo_prefill,arpo_uncorrected,rft \
         --save-as experiment-long-<date>                          # long tasks, 15 steps
+    # then the forced-staleness pair into the same folder: the same command with
+    # --methods ...,arpo_stale,arpo_uncorrected_stale --staleness 4 --step-delay 6
 
 Every step below is skipped when its output exists, so an interrupted experiment
 continues where it stopped (delete a run's folder to redo it). Runs are sequential;
