@@ -320,6 +320,10 @@ def _values(rows: list[dict], key: str) -> list[float]:
     return [r[key] for r in rows if r.get(key) is not None and not math.isnan(r[key])]
 
 
+def _mean(xs: list[float]) -> float:
+    return statistics.mean(xs) if xs else math.nan
+
+
 def _online(args, method: str, seed: int, s: dict[str, Any]) -> dict[str, Any]:
     from arpo.learner.checkpoint import latest_checkpoint
     from arpo.learner.metrics import read_metrics
@@ -362,6 +366,10 @@ def _online(args, method: str, seed: int, s: dict[str, Any]) -> dict[str, Any]:
             min(_values(rows, "losses/weight_lowp_replay_min"), default=math.nan),
             max(_values(rows, "losses/weight_lowp_replay_max"), default=math.nan),
         ],
+        # Per run: the mean over iterations of the weight of all replayed tokens (1 when
+        # uncorrected) and of the replayed successes' age in policy versions.
+        "weight_replay_mean": _mean(_values(rows, "losses/weight_replay_mean")),
+        "replay_age_mean": _mean(_values(rows, "replay/version_gap_mean")),
         "episodes": acc.get("finished"),
         "trained": sum(r.get("charts/episodes", 0) for r in rows),
         "eval": ev,
@@ -568,11 +576,14 @@ def report(out: Path, results: dict[str, Any]) -> str:
         "Drift of the online runs (over all their iterations and seeds): per-sequence "
         "log-ratio pi_prox - mu of fresh and of replayed trajectories (min .. max), "
         "exp(pi_prox - mu) before truncation on replayed decision tokens (behaviour "
-        "probability < 0.9; the uncorrected run computes it but trains with 1), stale drops:",
+        "probability < 0.9; the uncorrected run computes it but trains with 1), the mean "
+        "weight of all replayed tokens and the mean age of replayed successes (policy "
+        "versions) per seed, stale drops:",
         "",
         "| method | fresh log-ratio | replayed log-ratio | replay exp(pi_prox - mu), p < 0.9 | "
-        "dropped stale | prefilled successes |",
-        "|---|---|---|---|---|---|",
+        "replayed-token weight per seed | replay age per seed | dropped stale | "
+        "prefilled successes |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for m in ONLINE:
         ps = [v for k, v in results["methods"].get(m, {}).items() if k in seeds]
@@ -584,9 +595,14 @@ def report(out: Path, results: dict[str, Any]) -> str:
             hi = max((p[key][1] for p in ps), default=math.nan)
             return "-" if math.isnan(lo) else f"{lo:+.2f} .. {hi:+.2f}"
 
+        def each(key: str, fmt: str, ps=ps) -> str:
+            xs = [p.get(key, math.nan) for p in ps]
+            return "-" if all(math.isnan(x) for x in xs) else ", ".join(format(x, fmt) for x in xs)
+
         lines.append(
             f"| {m} | {span('fresh_logratio')} | {span('replay_logratio')} | "
-            f"{span('weight_lowp_replay')} | {sum(p['dropped_stale'] for p in ps):.0f} | "
+            f"{span('weight_lowp_replay')} | {each('weight_replay_mean', '.3f')} | "
+            f"{each('replay_age_mean', '.1f')} | {sum(p['dropped_stale'] for p in ps):.0f} | "
             f"{', '.join(str(int(p['prefilled'])) for p in ps)} |"
         )
     text = "\n".join(lines) + "\n"
@@ -697,10 +713,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.report_only:
         results = json.loads(res_path.read_text())
         results["seeds"] = seeds
-        st = results["settings"]
-        if st.get("recipe") == "train" and "train_recipe" not in st:  # runs before it was kept
-            st["train_recipe"] = _recipe_settings(argparse.Namespace(**st))
-            res_path.write_text(json.dumps(results, indent=2))
         print(report(out, results))
         plot(out, results)
         _save_as(out, args.save_as, results)

@@ -178,6 +178,7 @@ def _off_policy_later(rows: list) -> None:
         for r in stale
         if not math.isnan(r["losses/seq_logratio_fresh_max"])
     )
+    print(f"fresh per-sequence log-ratio spread once stale: up to {spread:.2f} nats")
     assert spread > 0.05, "fresh trajectories sampled by older weights carry weight 1"
 
 
