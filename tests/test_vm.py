@@ -161,6 +161,42 @@ print(json.dumps({{"png": png[:8].hex() if png else None, "out": r and r.get("ou
     assert got["platform"] == "Linux"
 
 
+def test_health_checks_beside_reverts_never_replace_a_healthy_vm(fleet: FleetConfig) -> None:
+    """A health check, then a revert asked for 0 to 150 ms later (while the check's screenshot
+    is in flight): the fleet runs them one after the other. A request in flight across a
+    `loadvm` hangs until its timeout (the guest's TCP state is the snapshot's), and the
+    fleet used to replace the healthy VM for it, in the middle of the next episode."""
+    st = read_state(fleet.state_file)
+    assert st is not None
+    vm = st["vms"][1]
+    link = FleetLink.from_state(fleet.state_file)
+    before = _fleet_status(fleet)
+
+    async def main() -> list[Any]:
+        client = EnvClient(ClientConfig(base_url=vm["url"]))
+        provider = FleetVMProvider(client, link, vm["name"])
+
+        async def revert_after(s: float) -> None:
+            await asyncio.sleep(s)
+            await provider.revert_to_snapshot()
+
+        out = []
+        try:
+            for delay in (0.0, 0.03, 0.06, 0.09, 0.12, 0.15):
+                check, _ = await asyncio.gather(provider.health(), revert_after(delay))
+                out.append(check)
+        finally:
+            await provider.stop()
+            await client.close()
+        return out
+
+    health = asyncio.run(main())
+    assert all(h.ok for h in health), health
+    after = _fleet_status(fleet)
+    assert after["vms"][1]["replacements"] == before["vms"][1]["replacements"], after
+    assert after["vms"][1]["state"] == "ready", after
+
+
 def test_a_guest_that_stops_answering_is_replaced_by_the_health_timer(
     fleet: FleetConfig,
 ) -> None:

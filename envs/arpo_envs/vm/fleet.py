@@ -19,7 +19,8 @@ overlay of the image and serves OSWorld's protocol on `127.0.0.1:<port>`:
   (the episode is `env_error`, never the agent's failure) and the VM is replaced.
 - **Health.** Every `health_interval_s`, each idle VM must answer a screenshot within
   `health_timeout_s`; a QEMU that exits is noticed at once. Either way the VM is replaced
-  from the golden overlay on the same port, while the other VMs keep serving.
+  from the golden overlay on the same port, while the other VMs keep serving. A check and
+  a revert of one VM never overlap (a request in flight across a `loadvm` hangs).
 - **Quarantine.** Actors report every setup (`POST /vms/<name>/report`). A task whose setup
   failed on `task_quarantine_vms` different VMs (or that many times on a fleet of fewer
   VMs) is quarantined: reverts for it answer 409 and it no longer counts against VMs. A
@@ -146,7 +147,14 @@ class Member:
     """What failed since the last success: task ids, or '<revert>' / '<health>'."""
     replacements: int = 0
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    """Held by a revert, a health check and a replacement: one at a time per VM."""
     last_error: str = ""
+
+    def require_ready(self) -> None:
+        """VMError naming the state (and why) unless the VM is ready."""
+        if self.state != "ready":
+            why = f" ({self.last_error})" if self.last_error else ""
+            raise VMError(f"{self.name} is {self.state}{why}")
 
 
 class Fleet:
@@ -345,9 +353,9 @@ class Fleet:
         """loadvm + a screenshot; raises VMError (and replaces the VM) on failure."""
         if task_id in self.quarantined_tasks:
             raise TaskQuarantined(task_id, self.quarantined_tasks[task_id])
-        if m.state != "ready":
-            raise VMError(f"{m.name} is {m.state}" + (f" ({m.last_error})" if m.last_error else ""))
+        m.require_ready()
         async with m.lock:
+            m.require_ready()  # again: a health check it waited for may have failed
             m.state = "reverting"
             t0 = time.perf_counter()
             try:
@@ -403,12 +411,23 @@ class Fleet:
             await asyncio.sleep(every)
             for m in list(self.members.values()):
                 if m.state != "ready" or m.lock.locked():
-                    continue
-                self.counters["health_checks"] += 1
-                ok, why = await screenshot_ok(m.vm.url, self.config.health_timeout_s)
-                if not ok and m.state == "ready":
-                    self.counters["health_failed"] += 1
-                    self.spawn(self.replace(m, self.health_reason(m, why)))
+                    continue  # a revert or a replacement is under way
+                await self.check(m)
+
+    async def check(self, m: Member) -> tuple[bool, str]:
+        """A screenshot within `health_timeout_s`, or the VM is replaced. Holds the VM's lock,
+        so a revert waits for the check: a request in flight across a `loadvm` is lost with
+        the guest's TCP state and hangs until its timeout (3 of 5 screenshots across 20
+        reverts did), which used to replace a healthy VM in the middle of the next episode."""
+        async with m.lock:
+            if m.state != "ready":
+                return False, f"{m.name} is {m.state}"
+            self.counters["health_checks"] += 1
+            ok, why = await screenshot_ok(m.vm.url, self.config.health_timeout_s)
+            if not ok and m.state == "ready":
+                self.counters["health_failed"] += 1
+                self.spawn(self.replace(m, self.health_reason(m, why)))
+        return ok, why
 
     def health_reason(self, m: Member, why: str) -> str:
         """Why a failed health check replaces `m`: a QEMU that has exited (the check can see
@@ -578,9 +597,7 @@ def make_app(fleet: Fleet) -> Any:
         m = member(request)
         if m.state != "ready":
             return web.json_response({"ok": False, "state": m.state, "error": m.last_error})
-        ok, why = await screenshot_ok(m.vm.url, fleet.config.health_timeout_s)
-        if not ok and m.state == "ready":
-            fleet.spawn(fleet.replace(m, fleet.health_reason(m, why)))
+        ok, why = await fleet.check(m)
         return web.json_response({"ok": ok, "state": m.state, "error": why})
 
     app = web.Application(middlewares=[auth], client_max_size=1 << 20)
