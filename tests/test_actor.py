@@ -265,22 +265,22 @@ def test_learner_ingest_down_then_back(learner_factory, tmp_path: Path) -> None:
         check_trajectory(tr, lr.tasks[tr.task_id])
 
 
+def _sim_desktop(port: int = 0) -> tuple[subprocess.Popen, str]:
+    """A simulated desktop's server in its own process (150 ms per step) and its URL."""
+    cmd = [sys.executable, "-m", "arpo_envs.cli", "sim", "-n", "1", "--base-port", str(port)]
+    sim = subprocess.Popen([*cmd, "--latency", "fixed:150"], stdout=subprocess.PIPE, text=True)
+    while True:
+        line = sim.stdout.readline()
+        assert line, "the simulated desktop did not start"
+        if line.startswith("env 0 "):
+            return sim, line.split()[2]
+
+
 def test_desktop_killed_mid_episode_is_an_env_error(learner_factory, tmp_path: Path) -> None:
     tasks = sim_tasks(per_family=2, families=["fill_form"])
     lr = learner_factory(tasks, GrantConfig(group_size=2, groups_per_step=1, max_staleness=0))
-    cmd = [sys.executable, "-m", "arpo_envs.cli", "sim", "-n", "1", "--base-port", "0"]
-    sim = subprocess.Popen(
-        [*cmd, "--latency", "fixed:150"],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    sim, url = _sim_desktop()
     try:
-        url = ""
-        while not url:
-            line = sim.stdout.readline()
-            assert line, "the simulated desktop did not start"
-            if line.startswith("env 0 "):
-                url = line.split()[2]
         cfg = ActorConfig(
             envs=[url],
             env_pool="sim",  # a simulated desktop's server, given as a URL
@@ -288,6 +288,7 @@ def test_desktop_killed_mid_episode_is_an_env_error(learner_factory, tmp_path: P
             spool_dir=str(tmp_path / "spool"),
             transport=lr.transport(),
             episode=EpisodeConfig(reset_retries=2, reset_backoff_s=0.1),
+            env_recheck_s=0,  # retired for good
             progress_s=0,
         )
 
@@ -296,7 +297,7 @@ def test_desktop_killed_mid_episode_is_an_env_error(learner_factory, tmp_path: P
             run = asyncio.create_task(actor.run())
             await async_wait_for(lambda: actor.stats.steps >= 2, "an episode under way")
             sim.kill()  # the desktop dies mid-episode
-            await asyncio.wait_for(run, 120)  # the only env is unhealthy: the actor stops
+            await asyncio.wait_for(run, 120)  # the only env is retired: the actor stops
             return actor
 
         actor = asyncio.run(go())
@@ -311,6 +312,57 @@ def test_desktop_killed_mid_episode_is_an_env_error(learner_factory, tmp_path: P
     assert tr.status == Status.ENV_ERROR and tr.reward == 0.0 and tr.checker_score == 0.0
     assert lr.stored() == 0  # delivered, but kept out of training
     assert lr.book.stats().get("regrant_env_error", 0) >= 1  # the slot goes to another actor
+
+
+def test_a_desktop_that_comes_back_rejoins_the_actor(learner_factory, tmp_path: Path) -> None:
+    """The only desktop dies mid-episode and comes back on the same port 3 s later: the actor
+    marks it unhealthy, asks it every `env_recheck_s`, and runs episodes on it again; it
+    never stops on its own."""
+    tasks = sim_tasks(per_family=2, families=["fill_form"])
+    lr = learner_factory(tasks, GrantConfig(group_size=2, groups_per_step=1, max_staleness=0))
+    sims = [_sim_desktop()]
+    url = sims[0][1]
+    port = int(url.rsplit(":", 1)[1])
+    cfg = ActorConfig(
+        envs=[url],
+        env_pool="sim",
+        policy="scripted",
+        spool_dir=str(tmp_path / "spool"),
+        transport=lr.transport(),
+        episode=EpisodeConfig(reset_retries=2, reset_backoff_s=0.1),
+        env_recheck_s=0.5,
+        progress_s=0,
+    )
+
+    async def go() -> tuple[Actor, int]:
+        actor = Actor(cfg)
+        run = asyncio.create_task(actor.run())
+        await async_wait_for(lambda: actor.stats.steps >= 2, "an episode under way")
+        sims[0][0].kill()
+        await async_wait_for(lambda: actor.stats.envs_down == 1, "the desktop noticed down")
+        await asyncio.sleep(3.0)
+        assert not run.done(), "the actor stopped while its desktop was down"
+        ok_before = actor.stats.by_status.get("ok", 0)
+        sims.append(await asyncio.to_thread(_sim_desktop, port))
+        await async_wait_for(
+            lambda: actor.stats.by_status.get("ok", 0) >= ok_before + 2,
+            "episodes after it came back",
+        )
+        assert actor.envs[0].healthy and actor.stats.envs_down == 0
+        actor.stop()
+        await asyncio.wait_for(run, 120)
+        return actor, ok_before
+
+    try:
+        actor, ok_before = asyncio.run(go())
+    finally:
+        for sim, _ in sims:
+            sim.kill()
+            sim.wait()
+            sim.stdout.close()
+    assert actor.failed is False
+    assert actor.stats.by_status.get("env_error", 0) >= 1
+    assert actor.stats.by_status["ok"] >= ok_before + 2
 
 
 # ---------------------------------------------------------------------------- processes

@@ -13,8 +13,8 @@ stops the actor loudly instead of leaving it hung):
   grant's `min_version` (asking the weights coroutine to fetch them now, not at the next
   heartbeat, and waiting for them: no episode starts with weights older than its
   grant), run the episode (`episode.run_episode`), write the
-  trajectory to the spool, wake the sender; an environment marked unhealthy retires its
-  worker;
+  trajectory to the spool, wake the sender; an environment marked unhealthy is asked
+  every `env_recheck_s` whether it answers and rejoins when it does (0: it retires);
 - sender: sends spooled trajectories not yet acknowledged (oldest first, at most
   `max_unacked` in flight), and again after `ack_timeout_s`; an acknowledgement deletes the
   spool file. What is in the spool at start is sent first: nothing finished is ever lost;
@@ -53,6 +53,7 @@ from arpo.actor.spool import Spool
 from arpo.env.osworld.client import OSWorldEvaluator
 from arpo.env.provider import FleetLink, FleetVMProvider, StaticProvider
 from arpo.env.runner import RunnerConfig
+from arpo.errors import EnvError
 from arpo.record import Status, Trajectory
 from arpo.transport import ActorLink, fetch_weights
 
@@ -84,6 +85,8 @@ class ActorStats:
     resent: int = 0
     acked: int = 0
     abandoned: int = 0
+    envs_down: int = 0
+    """Environments unhealthy now and asked every `env_recheck_s` whether they answer."""
     released: int = 0
     """Grants given back to the learner at once (their episode ended without a trajectory)."""
     grants: int = 0
@@ -391,6 +394,58 @@ class Actor:
         return None
 
     async def _worker(self, env: Environment) -> None:
+        """Episodes on `env` until the actor stops. An environment that becomes unhealthy
+        (its resets failed `episode.reset_retries` times) is probed every `env_recheck_s`
+        and rejoins when it answers; with `env_recheck_s=0` it is retired for good, and the
+        actor stops when no environment is left."""
+        c = self.config
+        while True:
+            await self._episodes(env)
+            if env.healthy or self._stopping.is_set():
+                return
+            if c.env_recheck_s > 0 and not env.replaceable:
+                log.error(
+                    "actor %s: env %d (%s) is unhealthy; asking it every %g s, it rejoins "
+                    "when it answers", self.actor_id, env.index, env.url, c.env_recheck_s,
+                )  # fmt: skip
+                if await self._recheck(env):
+                    continue
+                return
+            log.error(
+                "actor %s: env %d (%s) retired as unhealthy", self.actor_id, env.index, env.url
+            )
+            if not any(e.healthy for e in self.envs):
+                log.error("actor %s: no healthy environment left", self.actor_id)
+                self.stop()
+            return
+
+    async def _recheck(self, env: Environment) -> bool:
+        """Wait until `env` answers again (True: it is healthy again), or the actor stops."""
+        c = self.config
+        self.stats.envs_down += 1
+        t0 = time.monotonic()
+        try:
+            while not self._stopping.is_set():
+                await wait_event(self._stopping, c.env_recheck_s)
+                if self._stopping.is_set():
+                    break
+                try:
+                    await env.client.wait_ready(deadline_s=min(10.0, c.env_recheck_s))
+                except EnvError:
+                    continue
+                env.healthy = True
+                log.warning(
+                    "actor %s: env %d (%s) answers again after %.0f s: it rejoins",
+                    self.actor_id, env.index, env.url, time.monotonic() - t0,
+                )  # fmt: skip
+                return True
+            return False
+        finally:
+            self.stats.envs_down -= 1
+
+    async def _episodes(self, env: Environment) -> None:
+        """Grants run on `env` until the actor stops, `max_episodes` is reached or `env`
+        becomes unhealthy."""
         c = self.config
         pool = self.env_pools[env.index]
         warned = False
@@ -455,13 +510,6 @@ class Actor:
                 self._episodes_running -= 1
         if c.max_episodes and self.stats.episodes >= c.max_episodes and not self._episodes_running:
             self.stop()
-        if not env.healthy:
-            log.error(
-                "actor %s: env %d (%s) retired as unhealthy", self.actor_id, env.index, env.url
-            )
-            if not any(e.healthy for e in self.envs):
-                log.error("actor %s: no healthy environment left", self.actor_id)
-                self.stop()
 
     async def _release(self, grant: wire.Grant, reason: str) -> None:
         """Give `grant` back so the learner grants its slot again now, not after its grant
@@ -573,6 +621,7 @@ class Actor:
                 "grant_wait_s": round(self.stats.grant_wait_s, 3),
                 "episode_s": round(self.stats.episode_s, 3),
                 "envs": len(self.envs),
+                "envs_down": self.stats.envs_down,
             }
             await self.link.heartbeat(
                 wire.Heartbeat(

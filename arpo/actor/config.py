@@ -160,6 +160,13 @@ class ActorConfig:
     flush_deadline_s: float = option(
         30.0, "Then the spool gets this long to be acknowledged (the rest stays on disk)."
     )
+    env_recheck_s: float = option(
+        2.0,
+        "An environment unhealthy after `episode.reset_retries` failed resets is asked this "
+        "often whether it answers again, and rejoins when it does (a desktop restarted); 0: "
+        "it is retired for good and the actor stops when none is left. Fleet VMs wait for "
+        "their replacement instead.",
+    )
     max_episodes: int = option(0, "Stop after this many finished episodes (0: run until stopped).")
     progress_s: float = option(5.0, "Interval of the progress line (0: none).")
     weights_dir: str = option(
@@ -199,6 +206,8 @@ class ActorConfig:
             fail("engine.model", "is required with policy='engine' (or use policy='scripted')")
         if self.spool_max_bytes < 1:
             fail("spool_max_bytes", "must be >= 1")
+        if self.env_recheck_s < 0:
+            fail("env_recheck_s", "must be >= 0 seconds (0: an unhealthy environment retires)")
         if self.max_unacked < 1:
             fail("max_unacked", "must be >= 1")
         if self.weights_delay_s < 0:
