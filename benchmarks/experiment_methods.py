@@ -357,7 +357,7 @@ def _online(args, method: str, seed: int, s: dict[str, Any]) -> dict[str, Any]:
         "triggered": sum(r.get("replay/triggered", 0) for r in rows),
         "prefilled": max((r.get("replay/prefilled", 0) for r in rows), default=0),
         "groups": sum(r.get("data/groups", 0) for r in rows),
-        "staleness_mean": statistics.mean(_values(rows, "charts/staleness_mean") or [math.nan]),
+        "staleness_mean": _mean(_values(rows, "charts/staleness_mean")),
         "staleness_max": max(_values(rows, "charts/staleness_max") or [math.nan]),
         "dropped_stale": sum(r.get("data/dropped_stale", 0) for r in rows),
         "replay_logratio": [min(lr_min, default=math.nan), max(lr_max, default=math.nan)],

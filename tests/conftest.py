@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import io
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -80,6 +82,21 @@ POOL_FAMILIES = ["click_button", "menu_pick", "type_submit"]
 """Simulated task families of the small pools those tests write."""
 SCRIPTED_ACTOR = ["sim_envs=4", "policy='scripted'", "episode.scroll_clicks=1", "progress_s=0"]
 """`local_actor_args` of a scripted local actor (no model) on 4 simulated desktops."""
+
+
+def sim_desktop(*args: str, port: int = 0) -> tuple[subprocess.Popen, str]:
+    """One simulated desktop's server in its own process (`arpo-envs sim -n 1` with `args`)
+    on `port` (0: a free one), and its URL once the server prints it."""
+    cmd = [sys.executable, "-m", "arpo_envs.cli", "sim", "-n", "1", "--base-port", str(port)]
+    proc = subprocess.Popen([*cmd, *args], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    while True:
+        line = proc.stdout.readline()
+        if not line:
+            proc.kill()
+            raise AssertionError(f"the simulated desktop did not start: {cmd + list(args)}")
+        if line.startswith("env 0 "):
+            return proc, line.split()[2]
 
 
 def loopback() -> object:

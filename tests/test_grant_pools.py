@@ -22,6 +22,7 @@ import urllib.request
 from pathlib import Path
 
 from arpo_envs.sim.tasks import generate_tasks
+from conftest import sim_desktop
 
 from arpo import wire
 from arpo.buffer import ReplayStore
@@ -42,20 +43,6 @@ def _wait_for(cond, what: str, proc: subprocess.Popen, log: Path, timeout: float
         if time.monotonic() > end:
             raise AssertionError(f"timed out waiting for {what}:\n{log.read_text()[-4000:]}")
         time.sleep(0.05)
-
-
-def _start_sim_server(width: int, height: int) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "arpo_envs.cli", "sim", "-n", "1", "--base-port", "0",
-           "--width", str(width), "--height", str(height)]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    while True:
-        line = proc.stdout.readline()
-        if not line:
-            proc.kill()
-            raise AssertionError("the simulated desktop server did not start")
-        if line.startswith("env 0 "):
-            return proc, line.split()[2]
 
 
 def test_sim_and_other_pool_tasks_run_only_on_their_own_environments(tmp_path: Path) -> None:
@@ -81,7 +68,7 @@ def test_sim_and_other_pool_tasks_run_only_on_their_own_environments(tmp_path: P
         on_trajectory=book.complete,
     )
     data = ingest.start()
-    server, url = _start_sim_server(1024, 768)
+    server, url = sim_desktop("--width", "1024", "--height", "768")
     log = tmp_path / "actor.log"
     args = [
         sys.executable, "-m", "arpo.actor.cli", "--log-level", "DEBUG",

@@ -37,6 +37,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import math
 import random
 import signal
 import sys
@@ -53,7 +54,6 @@ from arpo.actor.spool import Spool
 from arpo.env.osworld.client import OSWorldEvaluator
 from arpo.env.provider import FleetLink, FleetVMProvider, StaticProvider
 from arpo.env.runner import RunnerConfig
-from arpo.errors import EnvError
 from arpo.record import Status, Trajectory
 from arpo.transport import ActorLink, fetch_weights
 
@@ -85,8 +85,6 @@ class ActorStats:
     resent: int = 0
     acked: int = 0
     abandoned: int = 0
-    envs_down: int = 0
-    """Environments unhealthy now and asked every `env_recheck_s` whether they answer."""
     released: int = 0
     """Grants given back to the learner at once (their episode ended without a trajectory)."""
     grants: int = 0
@@ -421,27 +419,17 @@ class Actor:
 
     async def _recheck(self, env: Environment) -> bool:
         """Wait until `env` answers again (True: it is healthy again), or the actor stops."""
-        c = self.config
-        self.stats.envs_down += 1
         t0 = time.monotonic()
-        try:
-            while not self._stopping.is_set():
-                await wait_event(self._stopping, c.env_recheck_s)
-                if self._stopping.is_set():
-                    break
-                try:
-                    await env.client.wait_ready(deadline_s=min(10.0, c.env_recheck_s))
-                except EnvError:
-                    continue
-                env.healthy = True
-                log.warning(
-                    "actor %s: env %d (%s) answers again after %.0f s: it rejoins",
-                    self.actor_id, env.index, env.url, time.monotonic() - t0,
-                )  # fmt: skip
-                return True
+        probe = env.client.wait_ready(deadline_s=math.inf, interval_s=self.config.env_recheck_s)
+        await self._unless_stopping(probe)
+        if self._stopping.is_set():
             return False
-        finally:
-            self.stats.envs_down -= 1
+        env.healthy = True
+        log.warning(
+            "actor %s: env %d (%s) answers again after %.0f s: it rejoins",
+            self.actor_id, env.index, env.url, time.monotonic() - t0,
+        )  # fmt: skip
+        return True
 
     async def _episodes(self, env: Environment) -> None:
         """Grants run on `env` until the actor stops, `max_episodes` is reached or `env`
@@ -621,7 +609,7 @@ class Actor:
                 "grant_wait_s": round(self.stats.grant_wait_s, 3),
                 "episode_s": round(self.stats.episode_s, 3),
                 "envs": len(self.envs),
-                "envs_down": self.stats.envs_down,
+                "envs_down": sum(not e.healthy for e in self.envs),
             }
             await self.link.heartbeat(
                 wire.Heartbeat(

@@ -417,8 +417,8 @@ class Fleet:
     async def check(self, m: Member) -> tuple[bool, str]:
         """A screenshot within `health_timeout_s`, or the VM is replaced. Holds the VM's lock,
         so a revert waits for the check: a request in flight across a `loadvm` is lost with
-        the guest's TCP state and hangs until its timeout (3 of 5 screenshots across 20
-        reverts did), which used to replace a healthy VM in the middle of the next episode."""
+        the guest's TCP state and hangs until its timeout, which replaced a healthy VM in
+        the middle of the next episode (tests/test_vm.py, checks beside reverts)."""
         async with m.lock:
             if m.state != "ready":
                 return False, f"{m.name} is {m.state}"
