@@ -208,12 +208,13 @@ class TrainConfig:
         "first iteration, also where the starting policy never succeeds (long tasks).",
     )
     prefill_demos_from_turns: int = option(
-        6,
+        3,
         "Without prefill_demos, still start the replay buffers with the demonstrations of "
-        "the long tasks: those whose oracle needs at least this many turns (its steps and "
-        "DONE; the simulated fill_form, 6-14). Measured on five held-out seeds of fill_form: "
-        "+9.1 points against -1.6 without (docs/guides/long-tasks.md). 0: only with "
-        "prefill_demos.",
+        "the multi-step tasks: those whose oracle needs at least this many turns (its "
+        "steps and DONE: every multi-step family of the simulated desktop needs 3-14, a "
+        "single click 2). On the six multi-step families (seeds 12-16) replaying every "
+        "task's demonstration gained +27.2 points against +15.2 with fill_form's alone; "
+        "docs/guides/long-tasks.md has the runs. 0: only with prefill_demos.",
     )
     eval_warm_start: bool = option(
         True,
@@ -732,7 +733,7 @@ class TrainRun:
         """The warm start's demonstrations (<model>/demos, written by `arpo sft`) scored by
         `model` at the rollout sampling settings, with the pre-fill collection's
         trajectories, in <run_dir>/prefill-replay: what the learner's buffers start with.
-        All of them with `prefill_demos`; else those of the pool's long tasks
+        All of them with `prefill_demos`; else those of the pool's multi-step tasks
         (`prefill_demos_from_turns`)."""
         import shutil
 
@@ -751,7 +752,7 @@ class TrainRun:
             if not demos:
                 return prefill
             log.info(
-                "replay pre-fill: the demonstrations of %d long task(s) (oracle + DONE >= %d "
+                "replay pre-fill: the demonstrations of %d multi-step task(s) (oracle + DONE >= %d "
                 "turns; prefill_demos_from_turns)", len(long), cfg.prefill_demos_from_turns,
             )  # fmt: skip
         scored = score_demos(

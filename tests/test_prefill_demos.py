@@ -1,5 +1,5 @@
 """Demonstrations in the replay buffers: all of them with `prefill_demos`, else those of
-the long tasks (`prefill_demos_from_turns`), scored by the warm start at the rollout
+the multi-step tasks (`prefill_demos_from_turns`), scored by the warm start at the rollout
 settings. The real `arpo sft` warm start (one epoch) on generated tasks of a short and a
 long family, and `arpo train`'s own pre-fill step."""
 
@@ -31,16 +31,18 @@ def _run(tmp_path: Path, *extra: str) -> TrainRun:
     return run
 
 
-def test_long_tasks_get_their_demonstrations_replayed_by_default(tmp_path: Path) -> None:
+def test_multi_step_tasks_get_their_demonstrations_replayed_by_default(tmp_path: Path) -> None:
     run = _run(tmp_path / "a")
     model, pool = run.policy(), run.task_pool()
     oracle = {}
     for f in Path(pool).rglob("*.json"):
         t = json.loads(f.read_text())
         oracle[t["id"]] = len(t["oracle"])
-    long = {k for k, n in oracle.items() if n + 1 >= 6}
-    # fill_form needs 6-14 turns, click_button 2: exactly the fill_form tasks are long.
-    assert long == long_tasks(pool, 6) and len(long) == 2 and len(oracle) == 4, oracle
+    long = {k for k, n in oracle.items() if n + 1 >= 3}
+    # fill_form needs 6-14 turns, click_button 2: exactly the fill_form tasks are replayed
+    # under the default of 3 turns (and under 6).
+    assert long == long_tasks(pool, 3) == long_tasks(pool, 6), oracle
+    assert len(long) == 2 and len(oracle) == 4, oracle
 
     out = run._prefill_demos(model, None, pool)
     scored = list(read_trajectories(out["trajectories"]))
