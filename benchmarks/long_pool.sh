@@ -9,6 +9,7 @@
 #
 # OUT (runs/long-pool/defaults) holds the runs; NAME (long-pool-defaults) names the results
 # in benchmarks/results/NAME-<date>.{md,json,png} and NAME-steps-<date>.{md,json}.
+# SEEDS=... picks other seeds; PROBES=0 skips the per-step probes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -21,6 +22,7 @@ FAMILIES='["fill_form","list_select","click_sequence","type_submit","menu_pick",
 $PY benchmarks/demo_runs.py --seeds "$SEEDS" --out "$OUT" \
     --extra "sim_families=$FAMILIES" sim_tasks_per_family=2 local_desktops=0 \
     learner.iterations=40 "$@" --save-as "$NAME-$DATE" ${PAIRED:+--paired-with "$PAIRED"}
+[ "${PROBES:-1}" = 0 ] && exit 0
 for s in ${SEEDS//,/ }; do
     run="$OUT/seed-$s"
     ckpt=$(ls -d "$run"/learner/checkpoints/ckpt-* | sort | tail -1)
