@@ -74,10 +74,13 @@ flipped: -29.7), not a small regression from none (the standard error of the
 difference is about 5-7 points)."""
 
 
-def _learn(tmp_path: Path, warm_args: list[str], train_args: list[str]) -> tuple[dict, str, list]:
+def _learn(
+    tmp_path: Path, warm_args: list[str], train_args: list[str], *, multi_step: bool
+) -> tuple[dict, str, list]:
     """The pipeline of this module: a warm start by `arpo train`'s own SFT with `warm_args`,
-    the selection, then `arpo train` on the kept tasks with `train_args`. Returns the
-    summary, a one-line report and the learner's metrics rows."""
+    the selection, then `arpo train` on the kept tasks with `train_args`. `multi_step`: the
+    tasks have oracles of 3 turns or more, so their demonstrations join the pre-fill.
+    Returns the summary, a one-line report and the learner's metrics rows."""
     pinned = load_config(TrainConfig, None, warm_args)
     base = TrainRun(replace(pinned, run_dir=str(tmp_path / "base"), seed=0))
     base.run_dir.mkdir(parents=True)
@@ -147,14 +150,19 @@ def _learn(tmp_path: Path, warm_args: list[str], train_args: list[str]) -> tuple
         assert hits == round(ev["success_rate"] * ev["episodes"]), (hits, ev)
     for task in sel["selected"]:
         assert f"| {task} | " in table
-    # The pre-fill ran every kept task PREFILL_RUNS times and its successes (at most 4 per
-    # task: within the buffers' capacity of 8) all started the replay buffers.
+    # The pre-fill ran every kept task PREFILL_RUNS times; its successes (at most 4 per
+    # task: within the buffers' capacity of 8) and the multi-step tasks' demonstrations
+    # (one per task, prefill_demos_from_turns) all started the replay buffers.
     rows = read_metrics(Path(cfg.run_dir) / "learner" / "metrics.jsonl")
-    outcomes = load_outcomes(s["prefill"]["trajectories"])
+    outcomes = load_outcomes(Path(cfg.run_dir) / "prefill")
     assert sorted(outcomes["tasks"]) == sorted(sel["selected"]), outcomes["tasks"].keys()
     assert all(t["runs"] == PREFILL_RUNS for t in outcomes["tasks"].values()), outcomes
     assert outcomes["sampling"] == {"temperature": 1.0, "top_p": 1.0}, outcomes["sampling"]
-    assert rows[0]["replay/prefilled"] == sum(s["prefill"]["successes"].values()), rows[0]
+    found = sum(t["successes"] for t in outcomes["tasks"].values())
+    demos = s["prefill"].get("demos", 0)
+    assert demos == (n if multi_step else 0), s["prefill"]
+    assert sum(s["prefill"]["successes"].values()) == found + demos, s["prefill"]
+    assert rows[0]["replay/prefilled"] == found + demos, rows[0]
     return s, report, rows
 
 
@@ -192,6 +200,7 @@ def test_a_short_training_run_raises_the_success_rate(tmp_path: Path) -> None:
         ["sim_tasks_per_family=16", "sft_epochs=17", "sft_target_nll=0.0",
          "actor.episode.max_new_tokens=48"],
         [f"learner.iterations={ITERATIONS}", "actor.episode.max_new_tokens=48"],
+        multi_step=False,
     )  # fmt: skip
     assert s["eval_gain"]["points"] >= MARGIN, report
     assert len(rows) == ITERATIONS
@@ -224,6 +233,7 @@ def test_a_short_training_run_on_a_multi_step_family_raises_the_success_rate(
         tmp_path,
         [f"sim_families={[MULTI_FAMILY]!r}".replace("'", '"'), "sim_tasks_per_family=16"],
         [f"learner.iterations={MULTI_ITERATIONS}"],
+        multi_step=True,
     )
     assert s["eval_gain"]["points"] >= MULTI_MARGIN, report
     assert len(rows) == MULTI_ITERATIONS
