@@ -219,7 +219,12 @@ flipped (a copy of the tree, `PYTHONPATH=<copy>`, run from the copy) 34.4 % -> 0
 3 tasks and read -6.2 (se 10.1; one task fell from 13/16 to 0): too few tasks to tell. With
 40 iterations (to shorten the test command) two runs read +51.0 (6 kept) and +5.0 (10 kept,
 two tasks fell from 9 and 10 of 16 to 0 and 2): at the margin, so the run keeps 60; at 60 a
-run alone read +40.2 (7 kept, 402 s), another +37.5 (7 kept, 424 s)."""
+run alone read +40.2 (7 kept, 402 s), another +37.5 (7 kept, 424 s). Since the
+demonstrations of multi-step tasks start the replay buffers (`prefill_demos_from_turns`
+= 3, so `n` of them join the pre-fill here): at 60 iterations +30.5 (8 kept, 526 s); at 40,
++49.0 (6 kept, 405 s) and +13.9 (9 kept, 392 s), and with the advantage's sign flipped
+-40.0 (10 kept), which fails. 40 would save about 2 minutes, but +13.9 is 1.5 standard
+errors above the margin, so the run keeps 60."""
 
 
 @pytest.mark.timeout(1800)
