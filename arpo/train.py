@@ -212,9 +212,10 @@ class TrainConfig:
         "Without prefill_demos, still start the replay buffers with the demonstrations of "
         "the multi-step tasks: those whose oracle needs at least this many turns (its "
         "steps and DONE: every multi-step family of the simulated desktop needs 3-14, a "
-        "single click 2). On the six multi-step families (seeds 12-16) replaying every "
-        "task's demonstration gained +27.2 points against +15.2 with fill_form's alone; "
-        "docs/guides/long-tasks.md has the runs. 0: only with prefill_demos.",
+        "single click 2). On the six multi-step families, chosen on seeds 12-16 (+27.2 "
+        "points against +15.2 with fill_form's demonstrations alone) and confirmed on the "
+        "fresh seeds 22-26 (+25.5, every seed above its warm start); docs/guides/"
+        "long-tasks.md has the runs. 0: only with prefill_demos.",
     )
     eval_warm_start: bool = option(
         True,

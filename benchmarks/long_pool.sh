@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Long tasks on a pool of the six multi-step families of the simulated desktop, with
-# `arpo train`'s defaults, on five seeds chosen before any run (12-16; never used for a
-# setting), then per-step success before and after training. Run alone (2 cores: about
+# `arpo train`'s defaults, on five seeds chosen before any run (12-16, the default; they
+# chose `prefill_demos_from_turns = 3`, which was then confirmed on the fresh seeds 22-26),
+# then per-step success before and after training. Run alone (2 cores: about
 # 10 minutes per seed and 3 per seed's probes). Resumable: finished seeds and probes are
 # kept; delete a seed's folder to redo it.
 #
