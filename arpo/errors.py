@@ -69,6 +69,11 @@ class EnvTimeout(EnvError, TimeoutError):
     """A call to the environment server did not complete within its timeout."""
 
 
+class ResetError(EnvError):
+    """The environment could not be brought back to its clean state (its provider's revert,
+    the desktop's /reset): the environment's failure, never the task's."""
+
+
 class FileCacheMiss(EnvError, LookupError):
     """A task needs a file (by URL) that is not in the local file cache; the message says how to add it."""
 
@@ -89,3 +94,12 @@ class ActionParseError(ArpoError, ValueError):
 
 class EngineError(ArpoError):
     """A policy engine could not serve a request or load weights; the message says why."""
+
+
+class RunStalled(ArpoError):
+    """A run can make no more progress: every task left it, or no episode filled a slot
+    for `stall_s`. The message names the tasks that left and why."""
+
+
+EXIT_STALLED = 3
+"""Exit code of `arpo-learner` and `arpo train` for a RunStalled."""

@@ -50,6 +50,10 @@ class Status(enum.StrEnum):
     """The evaluator raised: the score is unknown, never 0."""
     TIMEOUT = "timeout"
     """The episode exceeded its wall-clock budget."""
+    SETUP_ERROR = "setup_error"
+    """The task could not be set up on an environment that reset fine (a step of its setup
+    failed, or the task is broken): evidence against the task, not the environment. The
+    learner takes a task out of the run when this keeps happening (`arpo.service.grants`)."""
 
 
 def _array(value: Any, dtype: np.dtype, name: str) -> np.ndarray:
@@ -93,6 +97,8 @@ MAX_VERSION = (1 << 63) - 1
 """Largest policy version a record may carry: the replay store keeps versions as i64."""
 MAX_SLOT = 1 << 31
 """Largest slot in a group (the grants' bound)."""
+MAX_ERROR_CHARS = 2000
+"""Longest `Trajectory.error` kept (a longer one is cut)."""
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -292,6 +298,10 @@ class Trajectory:
     """The actor process that ran the episode."""
     timings: Mapping[str, float] = field(default_factory=dict)
     """Wall times in seconds by stage (e.g. reset, setup, policy, env, evaluate, total)."""
+    error: str = ""
+    """Why the status is not `ok` (at most MAX_ERROR_CHARS characters; "" when ok)."""
+    env: str = ""
+    """The environment that ran the episode (its URL or name; "" when not recorded)."""
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -333,6 +343,12 @@ class Trajectory:
             _ident(k, "trajectory.timings key")
             timings[k] = _finite(v, f"trajectory.timings[{k!r}]")
         set_(self, "timings", timings)
+        for name, limit in (("error", MAX_ERROR_CHARS), ("env", 1024)):
+            v = getattr(self, name)
+            if not isinstance(v, str):
+                raise RecordError(f"trajectory.{name} must be a str, got {type(v).__name__}")
+            if len(v) > limit:
+                set_(self, name, v[: limit - 3] + "...")
 
     @property
     def steps(self) -> int:
@@ -385,6 +401,8 @@ class Trajectory:
             and self.reward == other.reward
             and self.status == other.status
             and dict(self.timings) == dict(other.timings)
+            and self.error == other.error
+            and self.env == other.env
             and self.turns == other.turns
         )
 

@@ -5,7 +5,8 @@ Topology (the learner binds, actors connect; any number of actors on any hosts):
     actor DEALER --data-->    learner ROUTER (ingest)   Trajectory ->, <- Ack; Heartbeat <->
     actor DEALER --control--> learner ROUTER (grants)   GrantRequest -> <- GrantReply;
                                                         WeightsRequest -> <- WeightsAnnounce /
-                                                        WeightsChunk; Heartbeat <->
+                                                        WeightsChunk; FileRequest -> <-
+                                                        FileChunk; Heartbeat <->
 
 Every message is `arpo.wire` (nothing else crosses a socket). DEALER/ROUTER on both
 links: no REQ/REP state machine to wedge when one side restarts; requests carry their

@@ -7,7 +7,8 @@ A message is a list of frames (a ZeroMQ multipart message):
     frame 2.. payload frames declared by the header (raw little-endian arrays, PNG bytes)
 
 Trajectory (kind 1): header keys `tid task group slot actor score fmt reward
-status timings turns`, where `turns` is a list of
+status timings turns error env` (`error` and `env` may be left out by records written
+before they existed: ""), where `turns` is a list of
 `[n_prompt, n_response, n_png, policy_version, parsed, action, temperature, top_p]`
 (the sampling settings the turn was drawn with; the decoder also accepts the 6-entry
 form of records written before they existed, which decodes with NaN for both, "not
@@ -43,6 +44,12 @@ Control messages (no payload frames unless said):
   `version`, or the newest announcement when `chunk` is -1.
 - weights chunk (8), learner -> actor: `{"version", "index", "total"}` + 1 frame of
   safetensors bytes (at most MAX_CHUNK_BYTES).
+- file request (10), actor -> learner: `{"sha256", "chunk"}`: chunk `chunk` of the task
+  file with that SHA-256 (a grant's task names the files its `upload_file` steps send by
+  `sha256` and `size`; `arpo.env.taskfiles`).
+- file chunk (11), learner -> actor: `{"sha256", "index", "total", "size", "error"}` + 1
+  frame: chunk `index` of `total` of a file of `size` bytes, or an empty frame and the
+  reason in `error` when the learner does not serve that file.
 
 Nothing large is copied or pickled: `encode` hands out the record's own PNG
 buffers as frames (the three token frames are one concatenation, a few tens of
@@ -93,7 +100,9 @@ KIND_WEIGHTS_ANNOUNCE = 6
 KIND_WEIGHTS_REQUEST = 7
 KIND_WEIGHTS_CHUNK = 8
 KIND_GRANT_RELEASE = 9
-_KINDS = frozenset(range(1, 10))
+KIND_FILE_REQUEST = 10
+KIND_FILE_CHUNK = 11
+_KINDS = frozenset(range(1, 12))
 
 MAX_HEADER_BYTES = 4 << 20
 """Largest accepted header frame (a 15-turn trajectory's header is about 1 KB)."""
@@ -128,8 +137,12 @@ _TRAJ_KEYS = frozenset(
         "status",
         "timings",
         "turns",
+        "error",
+        "env",
     )
 )
+_TRAJ_OPTIONAL = frozenset(("error", "env"))
+"""Trajectory header keys a record written before they existed leaves out ("")."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -380,6 +393,56 @@ class WeightsChunk:
             raise WireError(f"weights chunk of {n} bytes is above the limit of {MAX_CHUNK_BYTES}")
 
 
+@dataclass(frozen=True, slots=True)
+class FileRequest:
+    """Ask the learner for chunk `chunk` of the task file whose SHA-256 is `sha256`
+    (`arpo.env.taskfiles`: a grant names the files its task uploads by content)."""
+
+    sha256: str
+    chunk: int = 0
+
+    def __post_init__(self) -> None:
+        _check_sha256(self.sha256, "file request sha256")
+        _check_int(self.chunk, "file request chunk", 0, 1 << 31)
+
+
+@dataclass(frozen=True, slots=True)
+class FileChunk:
+    """Chunk `index` of `total` of the task file `sha256` (`size` bytes in all), or an
+    `error` (then `data` is empty) when the learner does not serve it."""
+
+    sha256: str
+    index: int
+    total: int
+    size: int
+    error: str = ""
+    data: Any = b""
+
+    def __post_init__(self) -> None:
+        _check_sha256(self.sha256, "file chunk sha256")
+        _check_int(self.total, "file chunk total", 0, 1 << 31)
+        _check_int(self.index, "file chunk index", 0, 1 << 31)
+        _check_int(self.size, "file chunk size", 0, 1 << 50)
+        if type(self.error) is not str or len(self.error) > 1024:
+            raise WireError("file chunk error must be a string of at most 1024 characters")
+        try:
+            n = memoryview(self.data).nbytes
+        except TypeError:
+            raise WireError(
+                f"file chunk data must be bytes, got {type(self.data).__name__}"
+            ) from None
+        if n > MAX_CHUNK_BYTES:
+            raise WireError(f"file chunk of {n} bytes is above the limit of {MAX_CHUNK_BYTES}")
+        if self.error and n:
+            raise WireError("file chunk carries both an error and data")
+
+
+def _check_sha256(v: Any, name: str) -> str:
+    if type(v) is not str or len(v) != 64 or not all(c in "0123456789abcdef" for c in v):
+        raise WireError(f"{name} must be 64 lowercase hex characters, got {v!r:.80}")
+    return v
+
+
 Message = (
     Trajectory
     | Ack
@@ -390,6 +453,8 @@ Message = (
     | WeightsAnnounce
     | WeightsRequest
     | WeightsChunk
+    | FileRequest
+    | FileChunk
 )
 Frame = bytes | bytearray | memoryview
 
@@ -450,6 +515,12 @@ def encode(msg: Message) -> list[Frame]:
     if isinstance(msg, WeightsChunk):
         h = {"version": msg.version, "index": msg.index, "total": msg.total}
         return [_preamble(KIND_WEIGHTS_CHUNK), _pack(h), msg.data]
+    if isinstance(msg, FileRequest):
+        return [_preamble(KIND_FILE_REQUEST), _pack({"sha256": msg.sha256, "chunk": msg.chunk})]
+    if isinstance(msg, FileChunk):
+        h = {"sha256": msg.sha256, "index": msg.index, "total": msg.total, "size": msg.size,
+             "error": msg.error}  # fmt: skip
+        return [_preamble(KIND_FILE_CHUNK), _pack(h), msg.data]
     raise TypeError(f"cannot encode {type(msg).__name__}; not a wire message")
 
 
@@ -466,6 +537,8 @@ def trajectory_header(traj: Trajectory) -> dict[str, Any]:
         "reward": traj.reward,
         "status": traj.status.value,
         "timings": dict(traj.timings),
+        "error": traj.error,
+        "env": traj.env,
         "turns": [
             [
                 len(t.prompt_ids),
@@ -606,6 +679,8 @@ _CONTROL_KEYS = {
     ),
     KIND_WEIGHTS_REQUEST: ("weights request", frozenset(("version", "chunk")), 2),
     KIND_WEIGHTS_CHUNK: ("weights chunk", frozenset(("version", "index", "total")), 3),
+    KIND_FILE_REQUEST: ("file request", frozenset(("sha256", "chunk")), 2),
+    KIND_FILE_CHUNK: ("file chunk", frozenset(("sha256", "index", "total", "size", "error")), 3),
 }
 _OPTIONAL_KEYS = {KIND_GRANT_REQUEST: frozenset(("pool",))}
 """Keys a header may leave out (messages written before the key existed)."""
@@ -657,6 +732,17 @@ def _decode_control(kind: int, header: dict[str, Any], frames: Sequence[Any]) ->
         )
     if kind == KIND_WEIGHTS_REQUEST:
         return WeightsRequest(header["version"], header["chunk"])
+    if kind == KIND_FILE_REQUEST:
+        return FileRequest(header["sha256"], header["chunk"])
+    if kind == KIND_FILE_CHUNK:
+        return FileChunk(
+            header["sha256"],
+            header["index"],
+            header["total"],
+            header["size"],
+            header["error"],
+            _view(frames[2], 2),
+        )
     return WeightsChunk(header["version"], header["index"], header["total"], _view(frames[2], 2))
 
 
@@ -681,8 +767,9 @@ def _array(mv: memoryview, dtype: np.dtype, n: int, name: str) -> np.ndarray:
 def _turn_specs(header: dict[str, Any]) -> list[list[Any]]:
     """Check the trajectory header's keys and per-turn entries; return the turn specs."""
     keys = set(header)
-    if keys != _TRAJ_KEYS:
-        missing, extra = sorted(_TRAJ_KEYS - keys), sorted(keys - _TRAJ_KEYS)
+    if not _TRAJ_KEYS - _TRAJ_OPTIONAL <= keys <= _TRAJ_KEYS:
+        missing = sorted(_TRAJ_KEYS - _TRAJ_OPTIONAL - keys)
+        extra = sorted(keys - _TRAJ_KEYS)
         raise WireError(f"trajectory header keys wrong: missing {missing}, unexpected {extra}")
     turns_h = _get(header, "turns", list, "a list")
     if len(turns_h) > MAX_TURNS:
@@ -787,6 +874,8 @@ def _assemble(
             slot=_check_int(_get(header, "slot", int, "an int"), "trajectory slot", 0, MAX_SLOT),
             actor_id=_get(header, "actor", str, "a string"),
             timings=timings,
+            error=_get(header, "error", str, "a string") if "error" in header else "",
+            env=_get(header, "env", str, "a string") if "env" in header else "",
         )
     except RecordError as e:
         raise WireError(f"invalid trajectory: {e}") from None

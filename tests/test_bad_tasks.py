@@ -63,4 +63,4 @@ def test_a_task_whose_setup_fails_everywhere_does_not_stop_the_actor(tmp_path: P
     c = result["tasks"]["scene-nobody-has"]
     assert (c["runs"], c["successes"], c["unknown"]) == (0, 0, 3)
     good = [t for t in result["tasks"] if t != "scene-nobody-has"]
-    assert len(good) == 2 and all(result["tasks"][t]["runs"] == 3 for t in good)
+    assert len(good) == 2 and all(result["tasks"][t]["runs"] == 3 for t in good), result["tasks"]

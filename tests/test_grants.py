@@ -63,9 +63,65 @@ def test_environment_faults_regrant_the_slot_up_to_max_attempts() -> None:
     assert book.complete(_done(g, Status.ENV_ERROR))
     (again,) = book.request("a", 1)
     assert (again.group, again.slot) == (g.group, g.slot)
-    assert book.complete(_done(again, Status.EVAL_ERROR))
-    assert book.request("a", 1) == []  # given up after 2 attempts; admission is full
+    t = _done(again, Status.EVAL_ERROR)
+    object.__setattr__(t, "error", "checker: KeyError: 'x'")
+    assert book.complete(t)
     assert book.stats()["abandoned"] == 1
+    # The given-up group frees its place (the window of 1 group was full): a new group of
+    # another task opens, and the given-up one is listed with its task and last reason.
+    (fresh,) = book.request("a", 1)
+    assert fresh.group != g.group
+    assert book.stats()["groups_given_up"] == 1
+    assert list(book.given_up) == [
+        {"group": g.group, "task": g.task_id, "reason": "eval_error: checker: KeyError: 'x'"}
+    ]
+
+
+def _setup_error(g: wire.Grant, env: str, error: str = "setup: EnvHTTPError: 404") -> Trajectory:
+    return Trajectory(task_id=g.task_id, turns=(), checker_score=0.0, status=Status.SETUP_ERROR,
+                      group_id=g.group, slot=g.slot, actor_id="a", env=env, error=error)  # fmt: skip
+
+
+def test_a_task_whose_setup_fails_on_two_environments_leaves_the_run() -> None:
+    book = GrantBook(TASKS, GrantConfig(group_size=2, groups_per_step=1, max_staleness=0,
+                                        shuffle=False, max_attempts=5))  # fmt: skip
+    given_up: list[str] = []
+    book.on_abandon = given_up.append
+    g0, g1 = book.request("a", 2)  # the group of t0
+    assert book.complete(_setup_error(g0, "http://env-1"))
+    assert "t0" not in book.retired  # one environment is not enough evidence
+    assert book.complete(_setup_error(g1, "http://env-2", "setup: open failed"))
+    assert book.retired["t0"]["envs"] == 2
+    assert "open failed" in book.retired["t0"]["reason"]
+    assert given_up == ["t0", "t0"]  # both slots of its open group
+    assert book.stats()["groups_given_up"] == 1 and book.stats()["groups_open"] == 0
+    # t0 is never granted again; the freed place goes to the other tasks.
+    grants = book.request("a", 8)
+    assert grants and {g.task_id for g in grants} <= {"t1", "t2"}
+    assert "t0" in book.waiting_for() and "1 task(s) out of the run" in book.waiting_for()
+
+
+def test_setup_failures_in_a_row_on_one_environment_retire_the_task() -> None:
+    book = GrantBook(TASKS[:1], GrantConfig(group_size=1, groups_per_step=1, max_staleness=0,
+                                            retire_after_failures=3, max_attempts=9))  # fmt: skip
+    for _ in range(2):
+        (g,) = book.request("a", 1)
+        book.complete(_setup_error(g, "http://only-env"))
+    assert not book.exhausted
+    (g,) = book.request("a", 1)
+    book.complete(_setup_error(g, "http://only-env"))
+    assert book.exhausted and book.request("a", 1) == []  # nothing can be granted any more
+
+
+def test_a_setup_that_goes_through_resets_the_streak() -> None:
+    book = GrantBook(TASKS[:1], GrantConfig(group_size=1, groups_per_step=100,
+                                            retire_after_failures=2, retire_after_envs=9))  # fmt: skip
+    for _ in range(5):
+        (g,) = book.request("a", 1)
+        book.complete(_setup_error(g, "http://e"))
+        (g,) = book.request("a", 1)
+        book.complete(_done(g, Status.ENV_ERROR))  # set up, then a screenshot failed
+    assert not book.retired
 
 
 def test_unknown_group_is_accepted() -> None:

@@ -54,6 +54,7 @@ from arpo.actor.spool import Spool
 from arpo.env.osworld.client import OSWorldEvaluator
 from arpo.env.provider import FleetLink, FleetVMProvider, StaticProvider
 from arpo.env.runner import RunnerConfig
+from arpo.env.taskfiles import BlobCache, FileSource, default_cache_dir
 from arpo.record import Status, Trajectory
 from arpo.transport import ActorLink, fetch_weights
 
@@ -227,11 +228,15 @@ class Actor:
         # One pool of OSWorld evaluator workers for every environment; none starts until a
         # task needs OSWorld's code.
         self.osworld = OSWorldEvaluator(c.runner.evaluator_config(len(envs)))
+        self.files = FileSource(
+            BlobCache(c.file_cache_dir or default_cache_dir()), self._fetch_file_chunk
+        )
         self.quarantined: dict[str, str] = {}
         tokens = dict(zip(c.envs, c.env_tokens, strict=False))
         self.envs = [
             Environment(i, u, cfg, token=tokens.get(u) or c.env_token or None,
-                        osworld=self.osworld, provider=prov, quarantine=self.quarantined)
+                        osworld=self.osworld, provider=prov, quarantine=self.quarantined,
+                        files=self.files)
             for i, (u, _, cfg, prov) in enumerate(envs)
         ]  # fmt: skip
         self.env_pools = {i: pool for i, (_, pool, _, _) in enumerate(envs)}
@@ -514,6 +519,17 @@ class Actor:
             self.stats.released += 1
         log.info("actor %s: grant %s given back (%s)%s", self.actor_id, grant.grant_id, reason,
                  "" if reply is not None else "; the learner did not answer")  # fmt: skip
+
+    async def _fetch_file_chunk(self, sha256: str, index: int) -> tuple[Any, int, int, str] | None:
+        """Chunk `index` of the task file `sha256` from the learner (None: no answer)."""
+        assert self.link is not None
+        reply = await self.link.request(
+            wire.FileRequest(sha256, index),
+            lambda m: isinstance(m, wire.FileChunk) and m.sha256 == sha256 and m.index == index,
+        )
+        if not isinstance(reply, wire.FileChunk):
+            return None
+        return memoryview(reply.data).cast("B"), reply.total, reply.size, reply.error
 
     async def _ensure_version(self, grant: wire.Grant) -> bool:
         """Wait until the policy holds weights of at least `grant.min_version` (False when

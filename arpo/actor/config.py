@@ -153,6 +153,12 @@ class ActorConfig:
     spool_max_bytes: int = option(
         2 << 30, "Spool size limit; when reached no new episode starts (nothing is dropped)."
     )
+    file_cache_dir: str = option(
+        "",
+        "Content-addressed cache of the task files grants name by sha256 (fetched from the "
+        "learner, checked before every use); '' = $XDG_CACHE_HOME/arpo/task-files or "
+        "~/.cache/arpo/task-files.",
+    )
     max_unacked: int = option(32, "Trajectories sent and not yet acknowledged, at most.")
     shutdown_deadline_s: float = option(
         60.0, "On SIGTERM / Ctrl-C, in-flight episodes get this long to finish."

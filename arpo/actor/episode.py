@@ -5,10 +5,11 @@
 
 The loop (the ARPO reference's, asynchronous per environment):
 
-1. reset + the task's setup steps (`TaskRunner.setup`); a failure is retried with capped
-   backoff (`reset_retries`); when all tries fail the environment is marked unhealthy
-   and the episode is delivered as `env_error` with no turns (the learner grants the
-   slot again);
+1. reset + the task's setup steps (`TaskRunner.setup`, `reset_env`); a failed reset is
+   the environment's fault (retried with capped backoff, `reset_retries`; then the
+   environment is unhealthy and the episode is `env_error` with no turns), a failed setup
+   on an environment that reset fine the task's (`setup_error`, the reason in
+   `Trajectory.error`: the learner takes a task whose setup keeps failing out of the run);
 2. up to `step_budget(task, max_steps)` turns (`max_steps`, or fitted to the task's
    oracle): screenshot, the turn's prompt ids (`EpisodePrompt`), one
    sampled response (token ids + behaviour log-probs + the policy version that
@@ -48,7 +49,7 @@ from arpo.env.osworld.client import OSWorldEvaluator
 from arpo.env.provider import TaskQuarantined
 from arpo.env.runner import RunnerConfig, TaskRunner
 from arpo.env.task import Task
-from arpo.errors import EnvError, TaskError
+from arpo.errors import EnvError, ResetError, TaskError
 from arpo.policy import actions as A
 from arpo.policy.engine import Completion, SamplingParams
 from arpo.policy.prompt import EpisodePrompt, image_size, pixel_bounds
@@ -152,16 +153,20 @@ class Environment:
         osworld: OSWorldEvaluator | None = None,
         provider: Any = None,
         quarantine: dict[str, str] | None = None,
+        files: Any = None,
     ):
         """`osworld`: OSWorld evaluator workers shared with other environments (the actor's
         pool); None: the runner starts its own when a task first needs one. `provider`: a
         function of the client giving its provider (arpo.env.provider); None: the runner's
-        default (the desktop's /reset when `runner.reset_before_setup`)."""
+        default (the desktop's /reset when `runner.reset_before_setup`). `files`: the
+        actor's `FileSource` of the task files grants name by content."""
         self.index = index
         self.url = url
         self.client = EnvClient(ClientConfig(base_url=url, token=token, max_retries=2))
         self.provider = provider(self.client) if provider is not None else None
-        self.runner = TaskRunner(self.client, runner, osworld=osworld, provider=self.provider)
+        self.runner = TaskRunner(
+            self.client, runner, osworld=osworld, provider=self.provider, files=files
+        )
         self.replaceable = getattr(self.provider, "kind", "") == "vm"
         """A fleet VM: a failed revert waits for the fleet's replacement, never retires it."""
         self.quarantined: dict[str, str] = {} if quarantine is None else quarantine
@@ -218,18 +223,36 @@ async def _timed(env: Environment, coro: Any) -> Any:
         env.busy_s += time.perf_counter() - t0
 
 
-async def reset_env(env: Environment, task: Task, cfg: EpisodeConfig) -> str | None:
-    """Revert + setup with retries; None on success, else the reason (status env_error).
+@dataclass(frozen=True, slots=True)
+class SetupFailure:
+    """Why an episode could not start: `status` env_error (the environment would not
+    reset) or setup_error (it reset, the task's setup failed), and the reason."""
 
-    A task that cannot be set up (TaskError: an unknown step, bad parameters, or the fleet
-    quarantined it) is the task's fault: it is quarantined on this environment and fails
-    at once, never the actor. Every outcome is reported to the provider (the fleet counts
-    them to tell a broken task from a broken VM). An environment nobody replaces is marked
-    unhealthy after `reset_retries` failures; a fleet VM waits for its replacement."""
+    status: Status
+    reason: str
+
+
+async def reset_env(env: Environment, task: Task, cfg: EpisodeConfig) -> SetupFailure | None:
+    """Revert + setup with retries; None on success, else why the episode cannot start.
+
+    Who is at fault decides the outcome:
+    - the revert / reset failed (ResetError): the environment's fault. Retried with
+      capped backoff; after `reset_retries` tries an environment nobody replaces is marked
+      unhealthy (the actor rechecks it), a fleet VM waits for its replacement; env_error.
+    - the task is broken (TaskError: an unknown step, bad parameters, a refused path, a
+      task file whose bytes do not match its hash, or the fleet quarantined it; or any
+      other exception of its setup code): quarantined on this actor, setup_error at once.
+    - a setup step failed on an environment that reset fine (EnvError): retried; after
+      `reset_retries` tries setup_error, and the environment stays healthy. The learner
+      takes a task out of the run when its setup fails on several environments.
+    Every outcome is reported to the provider (the fleet counts them too)."""
     if task.id in env.quarantined:
-        return f"task {task.id} is quarantined: {env.quarantined[task.id]}"
+        return SetupFailure(
+            Status.SETUP_ERROR, f"quarantined on this actor: {env.quarantined[task.id]}"
+        )
     delay = cfg.reset_backoff_s
     err = ""
+    reset_failed = False
     provider = env.runner.provider
     for attempt in range(cfg.reset_retries):
         if attempt:
@@ -237,34 +260,41 @@ async def reset_env(env: Environment, task: Task, cfg: EpisodeConfig) -> str | N
             delay = min(30.0, delay * 2)
             if env.replaceable and not await env.wait_healthy():
                 env.healthy = False  # the fleet gave the VM up, or is gone
-                return err or "the VM is not serving"
+                return SetupFailure(Status.ENV_ERROR, err or "the VM is not serving")
         try:
             await _timed(env, env.runner.setup(task))
             await provider.report(task.id, True)
             return None
         except TaskQuarantined as e:
             env.quarantined[task.id] = str(e)
-            log.error("env %d: %s; its grants end as env_error", env.index, e)
-            return str(e)
-        except EnvError as e:
-            err = f"{type(e).__name__}: {e}"
+            log.error("env %d: %s; its grants end as setup_error", env.index, e)
+            return SetupFailure(Status.SETUP_ERROR, str(e))
+        except ResetError as e:
+            err, reset_failed = f"reset: {e}", True
             log.warning(
-                "env %d (%s): reset failed (try %d): %s", env.index, env.url, attempt + 1, err
+                "env %d (%s): reset failed (try %d): %s", env.index, env.url, attempt + 1, e
             )
+        except EnvError as e:
+            err, reset_failed = f"setup: {type(e).__name__}: {e}", False
+            log.warning(
+                "env %d (%s): setup of task %s failed (try %d): %s",
+                env.index, env.url, task.id, attempt + 1, err,
+            )  # fmt: skip
             await provider.report(task.id, False, err)
         except Exception as e:  # the task's setup itself is broken: the task's failure
             err = f"{type(e).__name__}: {e}"
             env.quarantined[task.id] = err
             log.error("env %d: task %s cannot be set up, quarantined: %s", env.index, task.id, err)
             await provider.report(task.id, False, err)
-            return err
-    if env.replaceable:
-        return err
-    env.healthy = False
-    log.error(
-        "env %d (%s): unhealthy after %d failed resets", env.index, env.url, cfg.reset_retries
-    )
-    return err
+            return SetupFailure(Status.SETUP_ERROR, err)
+    if not reset_failed:
+        return SetupFailure(Status.SETUP_ERROR, err)
+    if not env.replaceable:
+        env.healthy = False
+        log.error(
+            "env %d (%s): unhealthy after %d failed resets", env.index, env.url, cfg.reset_retries
+        )
+    return SetupFailure(Status.ENV_ERROR, err)
 
 
 async def run_episode(
@@ -280,7 +310,9 @@ async def run_episode(
     t_start = time.perf_counter()
     timings = {"reset": 0.0, "policy": 0.0, "env": 0.0, "evaluate": 0.0}
 
-    def finish(turns: list[Turn], score: float, fmt: float, status: Status) -> Trajectory:
+    def finish(
+        turns: list[Turn], score: float, fmt: float, status: Status, error: str = ""
+    ) -> Trajectory:
         timings["total"] = time.perf_counter() - t_start
         return Trajectory(
             task_id=grant.task_id,
@@ -293,19 +325,21 @@ async def run_episode(
             slot=grant.slot,
             actor_id=actor_id,
             timings=timings,
+            error=error if status != Status.OK else "",
+            env=env.url,
         )
 
     try:
         task = Task.from_dict(json.loads(grant.task_json), domain="granted")
     except (TaskError, ValueError) as e:
         log.error("grant %s: the task cannot be read: %s", grant.grant_id, e)
-        return finish([], 0.0, 0.0, Status.EVAL_ERROR)
+        return finish([], 0.0, 0.0, Status.SETUP_ERROR, f"the task cannot be read: {e}")
 
     t0 = time.perf_counter()
-    err = await reset_env(env, task, cfg)
+    failed = await reset_env(env, task, cfg)
     timings["reset"] = time.perf_counter() - t0
-    if err is not None:
-        return finish([], 0.0, 0.0, Status.ENV_ERROR)
+    if failed is not None:
+        return finish([], 0.0, 0.0, failed.status, failed.reason)
 
     episode = policy.episode(task) if hasattr(policy, "episode") else policy
     prompt, lo, hi = _prompt_for(policy, task.instruction, cfg)
@@ -384,7 +418,7 @@ async def run_episode(
                 break
     except EnvError as e:
         log.warning("env %d: step failed, episode is env_error: %s", env.index, e)
-        return finish(turns, 0.0, fmt, Status.ENV_ERROR)
+        return finish(turns, 0.0, fmt, Status.ENV_ERROR, f"step: {type(e).__name__}: {e}")
     except Exception:  # the policy engine failed (or timed out): not the env's fault
         log.exception("grant %s: the policy failed; episode abandoned", grant.grant_id)
         return None
@@ -394,16 +428,16 @@ async def run_episode(
         result = await _timed(env, env.runner.evaluate(task))
     except EnvError as e:
         log.warning("env %d: evaluation failed: %s", env.index, e)
-        return finish(turns, 0.0, fmt, Status.ENV_ERROR)
-    except Exception:
+        return finish(turns, 0.0, fmt, Status.ENV_ERROR, f"evaluate: {type(e).__name__}: {e}")
+    except Exception as e:
         log.exception("grant %s: the checker failed", grant.grant_id)
-        return finish(turns, 0.0, fmt, Status.EVAL_ERROR)
+        return finish(turns, 0.0, fmt, Status.EVAL_ERROR, f"checker: {type(e).__name__}: {e}")
     timings["evaluate"] = time.perf_counter() - t0
     status = (
         Status(result.status) if result.status in Status._value2member_map_ else Status.EVAL_ERROR
     )
-    if status != Status.OK:  # the record has no room for the reason: the log keeps it
+    if status != Status.OK:
         log.warning(
             "env %d: task %s is %s: %s", env.index, task.id, status.value, result.error or "?"
         )
-    return finish(turns, result.score, fmt, status)
+    return finish(turns, result.score, fmt, status, result.error or "")

@@ -54,7 +54,8 @@ from arpo.env.osworld.client import EvaluatorConfig, OSWorldError, OSWorldEvalua
 from arpo.env.osworld.names import osworld_unsupported
 from arpo.env.provider import DesktopProvider, Provider, StaticProvider
 from arpo.env.task import STEP_TYPES, Step, Task
-from arpo.errors import EnvError, EnvHTTPError, EnvTimeout, FileCacheMiss, TaskError
+from arpo.env.taskfiles import BlobMismatch, FileRef, FileSource, sha256_file
+from arpo.errors import EnvError, EnvHTTPError, EnvTimeout, FileCacheMiss, ResetError, TaskError
 
 log = logging.getLogger(__name__)
 
@@ -203,12 +204,16 @@ class TaskRunner:
         config: RunnerConfig | None = None,
         osworld: OSWorldEvaluator | None = None,
         provider: Provider | None = None,
+        files: FileSource | None = None,
     ) -> None:
         """`osworld`: a pool of OSWorld evaluator workers to share between runners; by default
         each runner starts its own single worker when a task first needs it. `provider`
         reverts the environment before every setup (arpo.env.provider); None: the local
-        desktop's `/reset` when `reset_before_setup`, else nothing."""
+        desktop's `/reset` when `reset_before_setup`, else nothing. `files`: where the
+        files a task names by content (`sha256`, `arpo.env.taskfiles`) come from (an
+        actor's: the learner); None: only from beside the task file, hash checked."""
         self.client = client
+        self.files = files
         self.config = config or RunnerConfig()
         if provider is None:
             provider = (
@@ -291,8 +296,19 @@ class TaskRunner:
                         f"(parameters {dict(step.parameters)!r:.200}); supported: {', '.join(STEP_TYPES)}"
                     )
         self._start_episode(task)
-        await self.provider.revert_to_snapshot(task.id)
+        await self.revert(task)
         await self.run_steps(task.config, task_id=task.id, phase="config")
+
+    async def revert(self, task: Task) -> None:
+        """The provider's revert before `task`; any environment failure of it is raised as
+        ResetError (the environment's fault, never the task's). TaskError (the fleet
+        quarantined the task) passes through."""
+        try:
+            await self.provider.revert_to_snapshot(task.id)
+        except ResetError:
+            raise
+        except EnvError as e:
+            raise ResetError(f"{type(e).__name__}: {e}") from e
 
     def _start_episode(self, task: Task) -> None:
         self._clear_work_dir()
@@ -419,9 +435,34 @@ class TaskRunner:
             "tried from the working directory and the task file's folder)"
         )
 
-    async def _step_upload_file(self, files: list[Mapping[str, str]]) -> None:
+    async def upload_path(self, entry: Mapping[str, Any]) -> Path:
+        """The local file an `upload_file` entry sends: by content when it names its
+        `sha256` (fetched and checked by `files`, or beside the task file with the same
+        hash), else `upload_source(local_path)`."""
+        ref = FileRef.of(entry)
+        if ref is None:
+            return self.upload_source(str(entry.get("local_path", "")))
+        if self.files is not None:
+            return await self.files.path(ref)
+        try:
+            local = self.upload_source(str(entry.get("local_path", "")))
+        except FileCacheMiss:
+            raise TaskError(
+                f"upload_file: the task names {entry.get('local_path')!r} by content "
+                f"(sha256 {ref.sha256[:12]}...), and this runner has no file source to fetch "
+                "it from (TaskRunner(files=...)) nor the file beside the task"
+            ) from None
+        got, size = await asyncio.to_thread(sha256_file, local)
+        if got != ref.sha256 or size != ref.size:
+            raise BlobMismatch(
+                f"upload_file: {local} is not the file the task names (sha256 "
+                f"{ref.sha256[:12]}..., {ref.size} bytes; the file has {got[:12]}..., {size})"
+            )
+        return local
+
+    async def _step_upload_file(self, files: list[Mapping[str, Any]]) -> None:
         for f in files:
-            local = self.upload_source(f["local_path"])
+            local = await self.upload_path(f)
             await self.client.upload(f["path"], await asyncio.to_thread(local.read_bytes))
 
     async def _step_open(self, path: str) -> None:
@@ -592,7 +633,7 @@ class TaskRunner:
                 + "; ".join([*own, *(f"OSWorld's evaluator: {g}" for g in gaps)])
             )
         self._start_episode(task)
-        await self.provider.revert_to_snapshot(task.id)
+        await self.revert(task)
         if not isinstance(self.provider, DesktopProvider):
             await self._probe()
         raw = await self._osworld_task(task, task.config)
@@ -714,7 +755,7 @@ class TaskRunner:
             for step in phase:
                 if isinstance(step, dict) and step.get("type") == "upload_file":
                     for f in (step.get("parameters") or {}).get("files", []):
-                        f["local_path"] = str(self.upload_source(str(f.get("local_path", ""))))
+                        f["local_path"] = str(await self.upload_path(f))
         if getters:
             _check_getter_dests(task)
         return raw

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from arpo.env.taskfiles import TaskFiles
 from arpo.errors import ConfigError, TaskError
 
 _KNOWN_TASK_KEYS = frozenset(
@@ -334,31 +335,8 @@ def task_domain(task: Mapping[str, Any], folder: str = "") -> str:
     return tid.split("-", 1)[0] if "-" in tid and tid.split("-", 1)[0] else "unknown"
 
 
-def _absolute_files(task: dict[str, Any], folder: Path) -> dict[str, Any]:
-    """The task with its `upload_file` steps' relative `local_path`s that exist beside the
-    task file made absolute: a grant carries only the task's JSON, so an actor (on this
-    filesystem) could not find files named relative to the task file's folder."""
-    import copy
-
-    out = copy.deepcopy(task)
-    steps = list(out.get("config") or [])
-    ev = out.get("evaluator")
-    if isinstance(ev, dict):
-        steps += list(ev.get("postconfig") or [])
-    for step in steps:
-        if not isinstance(step, dict) or step.get("type") != "upload_file":
-            continue
-        for f in (step.get("parameters") or {}).get("files") or []:
-            local = f.get("local_path") if isinstance(f, dict) else None
-            if isinstance(local, str) and local and not Path(local).is_absolute():
-                beside = folder / local
-                if not Path(local).is_file() and beside.is_file():
-                    f["local_path"] = str(beside.resolve())
-    return out
-
-
-def load_pool(path: str | Path) -> list[PoolTask]:
-    """The tasks of a pool, each checked as an OSWorld task.
+def load_pool(path: str | Path, files: TaskFiles | None = None) -> list[PoolTask]:
+    """The tasks of a pool, each checked as an OSWorld task, its files named by content.
 
     A pool is a folder searched recursively for task JSON files (other JSON files there,
     such as index files, are skipped), a .json file with a task or a list of tasks, or a
@@ -367,8 +345,15 @@ def load_pool(path: str | Path) -> list[PoolTask]:
     `examples/<domain>/<id>.json` and the simulated tasks' `<family>/<id>.json`), else the
     task id's part before the first '-', else "unknown".
 
-    Raises `TaskError` naming the file for a malformed task or a task id given twice.
+    Every file an `upload_file` step sends (a `local_path` relative to the task file's
+    folder or the pool's folder) is hashed and named in the task by `sha256` and `size`
+    (`arpo.env.taskfiles`): a grant then carries no path of this filesystem, and the
+    learner serves the bytes from `files` (a `TaskFiles` index; None: not kept).
+
+    Raises `TaskError` naming the file for a malformed task, a task id given twice, or an
+    `upload_file` whose file is missing, absolute, has `..` or leads out of its folder.
     """
+    files = files if files is not None else TaskFiles()
     p = Path(path)
     found: list[tuple[dict[str, Any], str, str]] = []  # task, where, folder
     if p.is_dir():
@@ -379,7 +364,7 @@ def load_pool(path: str | Path) -> list[PoolTask]:
                 raise TaskError(f"{f}: cannot read a task file: {e}") from None
             # A task has an id and an evaluator; index files and the like are skipped.
             if isinstance(raw, dict) and "id" in raw and "evaluator" in raw:
-                found.append((_absolute_files(raw, f.parent), str(f), f.parent.name))
+                found.append((raw, str(f), f.parent.name))
     elif p.is_file():
         try:
             text = p.read_text(encoding="utf-8")
@@ -395,10 +380,16 @@ def load_pool(path: str | Path) -> list[PoolTask]:
             raise TaskError(f"{p}: cannot read the task list: {e}") from None
     else:
         raise TaskError(f"{p}: no such task folder or file")
+    root = p if p.is_dir() else p.parent
     pool: list[PoolTask] = []
     where_of: dict[str, str] = {}
     for raw, where, folder in found:
         task = Task.from_dict(raw, path=where)  # TaskError names the file
+        try:
+            src = Path(where.rsplit(":", 1)[0] if p.suffix == ".jsonl" and p.is_file() else where)
+            raw = files.address(raw, src.parent, root)
+        except TaskError as e:
+            raise TaskError(f"{where}: {e}") from None
         check_steps(task, where)
         if task.id in where_of:
             raise TaskError(f"{where}: task id {task.id} is also in {where_of[task.id]}")
@@ -476,9 +467,9 @@ def check_steps(task: Task, where: str = "") -> None:
                 )
 
 
-def load_task_pool(path: str | Path) -> list[dict[str, Any]]:
+def load_task_pool(path: str | Path, files: TaskFiles | None = None) -> list[dict[str, Any]]:
     """The task dicts of a pool (`load_pool` without sources and domains)."""
-    return [p.task for p in load_pool(path)]
+    return [p.task for p in load_pool(path, files)]
 
 
 def load_selection(path: str | Path) -> list[str]:

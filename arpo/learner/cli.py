@@ -6,7 +6,9 @@
     torchrun --nproc-per-node 8 -m arpo.learner.cli --config learner.toml   # FSDP2
 
 SIGTERM or Ctrl-C: finish the current iteration, checkpoint, exit 0. Exit code 1 if a
-component failed, 2 for a bad configuration.
+component failed, 2 for a bad configuration, 3 when the run cannot go on (every task left
+it, or no episode arrived for `stall_s`; the message and `<run_dir>/tasks_out.json` name
+the tasks and why).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import argparse
 import sys
 
 from arpo.config import describe, load_config
-from arpo.errors import ArpoError, ConfigError
+from arpo.errors import EXIT_STALLED, ArpoError, ConfigError, RunStalled
 from arpo.logs import setup_process
 
 
@@ -47,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"arpo-learner: {e}", file=sys.stderr)
         return 2
+    except RunStalled as e:
+        print(f"arpo-learner: {e}", file=sys.stderr)
+        return EXIT_STALLED
     except ArpoError as e:
         print(f"arpo-learner: {e}", file=sys.stderr)
         return 1

@@ -64,7 +64,8 @@ import numpy as np
 from arpo import wire
 from arpo.config import fail, option, validate
 from arpo.env.task import load_selection, load_task_pool
-from arpo.errors import ArpoError, ConfigError, SnapshotError
+from arpo.env.taskfiles import TaskFiles
+from arpo.errors import ArpoError, ConfigError, RunStalled, SnapshotError
 from arpo.files import write_atomic
 from arpo.learner import distributed as D
 from arpo.learner.assemble import AssembleConfig, Batch, GroupAssembler, Sample
@@ -134,6 +135,18 @@ class LearnerConfig:
     )
     publish_keep: int = option(2, "Published weight files kept.")
     wait_log_s: float = option(30.0, "Log a line while waiting this long for groups.")
+    stall_s: float = option(
+        300.0,
+        "Stop with an error (exit code 3) when no episode has filled a grant's slot for this "
+        "many seconds while the learner waits for groups, naming the tasks that left the "
+        "run and why; the run stops at once when every task has left. 0: never.",
+    )
+    left_out: str = option(
+        "",
+        "JSON file {task id: reason} of tasks to leave out of the run (`arpo train`'s "
+        "preflight writes it): they are never granted and are listed with their reason in "
+        "`tasks_out.json`, as tasks that leave during the run are.",
+    )
     prefetch: bool = option(
         True,
         "Take the next batch out of the store and make its pixels while the current step "
@@ -184,6 +197,8 @@ class LearnerConfig:
             fail("seed", "must be >= 0")
         if not self.step_delay_s >= 0:
             fail("step_delay_s", "must be >= 0 seconds")
+        if not (self.stall_s >= 0 and math.isfinite(self.stall_s)):
+            fail("stall_s", "must be >= 0 seconds (0: never stop for a stall)")
         if self.store_fresh_capacity < self.assemble.group_size:
             fail("store_fresh_capacity", "must be at least assemble.group_size")
         default = GrantConfig()
@@ -303,6 +318,11 @@ class Learner:
         """Successes put into the replay buffers at a fresh start (`replay.prefill`)."""
         self.history: list[dict[str, float]] = []
         """Every iteration's metrics (also in metrics.jsonl)."""
+        self.files = TaskFiles()
+        """The task files the pool's tasks name by content, served to the actors."""
+        self._purged: collections.Counter[str] = collections.Counter()
+        """Fresh trajectories of tasks out of the run taken out of the store, per task."""
+        self._status_at = 0.0
 
     # ---- set-up ------------------------------------------------------------------------
 
@@ -352,7 +372,7 @@ class Learner:
 
     def _tasks(self) -> list[dict[str, Any]]:
         cfg = self.config
-        tasks = load_task_pool(cfg.tasks)
+        tasks = load_task_pool(cfg.tasks, self.files)
         if cfg.selection:
             keep = set(load_selection(cfg.selection))
             missing = keep - {t["id"] for t in tasks}
@@ -422,10 +442,12 @@ class Learner:
             )
         book = GrantBook(tasks, cfg.grants)
         book.set_version(self.version)
+        for tid, why in self._left_out(ckpt).items():
+            book.retire(tid, why)
         # Groups of earlier versions count as opened, so admission allows the usual
         # (max_staleness + 1) * groups_per_step groups in flight after a resume too.
         book.opened = self.version * cfg.grants.groups_per_step
-        self.grants = GrantServer(book, cfg.transport)
+        self.grants = GrantServer(book, cfg.transport, files=self.files)
         self.ingest = Ingest(
             store,
             cfg.ingest,
@@ -456,13 +478,34 @@ class Learner:
         self.grants.start()
         self._rates()
         log.info(
-            "learner up: data %s, control %s, %d tasks (by pool: %s), version %d",
+            "learner up: data %s, control %s, %d tasks (by pool: %s; %d task files served "
+            "by content), version %d",
             self.ingest.endpoint,
             self.grants.endpoint,
             len(tasks),
             book.pools,
+            len(self.files),
             self.version,
         )
+        self._check_progress()
+
+    def _left_out(self, ckpt: Any) -> dict[str, str]:
+        """Tasks to retire at start: `left_out`'s, and those that had left the run before the
+        checkpoint resumed from."""
+        out: dict[str, str] = {}
+        if self.config.left_out:
+            p = Path(self.config.left_out)
+            try:
+                raw = json.loads(p.read_text(encoding="utf-8"))
+            except (OSError, ValueError) as e:
+                raise ConfigError(f"config field left_out: {p} is not readable JSON: {e}") from None
+            if not isinstance(raw, dict) or not all(isinstance(v, str) for v in raw.values()):
+                raise ConfigError(f"config field left_out: {p} must map task ids to reasons")
+            out.update({str(k): f"left out before the run: {v}" for k, v in raw.items()})
+        if ckpt is not None:
+            for tid, r in (ckpt.state.get("tasks_out") or {}).items():
+                out.setdefault(tid, str(r.get("reason", "left the run before the resume")))
+        return out
 
     def _load_trainer(self, ckpt: Any) -> None:
         """The trainer, with the checkpoint's weights, optimizer and scheduler on resume.
@@ -558,8 +601,42 @@ class Learner:
             return {}
         cfg = self.config
         last: dict[str, float] = {}
-        waited = 0.0
         pool = ThreadPoolExecutor(1, thread_name_prefix="arpo-prefetch") if cfg.prefetch else None
+        try:
+            try:
+                last = self._loop(pool)
+            except RunStalled:
+                if self.iteration > 0 and self._checkpointed_at != self.iteration:
+                    self._announce("checkpoint")
+                    self.save_checkpoint()
+                raise
+            if self.iteration > 0:
+                trained = self._finish_partial_batch()
+                # The last iteration's own checkpoint already holds everything when the
+                # stop found no groups taken for an incomplete batch.
+                if trained or self._checkpointed_at != self.iteration:
+                    self._announce("checkpoint")
+                    self.save_checkpoint()
+            if cfg.hold_after_iterations and not self._stop.is_set():
+                self.grants.book.close()
+                log.info(
+                    "finished its iterations (%d): no more grants; storing what the actors "
+                    "still deliver until stopped", self.iteration,
+                )  # fmt: skip
+                self._stop.wait()
+        finally:
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
+            self._announce("stop")
+            self.close()
+            D.shutdown(self.info)
+        return last
+
+    def _loop(self, pool: ThreadPoolExecutor | None) -> dict[str, float]:
+        """The iterations (see `run`); the last metrics."""
+        cfg = self.config
+        last: dict[str, float] = {}
+        waited = 0.0
         ahead: Future[Batch | None] | None = None
         try:
             while ahead is not None or not (
@@ -577,34 +654,16 @@ class Learner:
                     if waited >= cfg.wait_log_s:
                         log.info("waiting for groups: %s", self._ingest_summary())
                         waited = 0.0
+                    self._check_progress()
                     continue
                 waited = 0.0
                 if pool is not None and self._may_prefetch():
                     # Scored for the version it will train at (this step's + 1).
                     ahead = pool.submit(self._next_batch, self.version + 1, True)
                 last = self._iterate(batch) or last
-            if self.iteration > 0:
-                trained = self._finish_partial_batch()
-                # The last iteration's own checkpoint already holds everything when the
-                # stop found no groups taken for an incomplete batch.
-                if trained or self._checkpointed_at != self.iteration:
-                    self._announce("checkpoint")
-                    self.save_checkpoint()
-            if cfg.hold_after_iterations and not self._stop.is_set():
-                self.grants.book.close()
-                log.info(
-                    "finished its iterations (%d): no more grants; storing what the actors "
-                    "still deliver until stopped", self.iteration,
-                )  # fmt: skip
-                self._stop.wait()
         finally:
             if ahead is not None:
                 ahead.cancel()
-            if pool is not None:
-                pool.shutdown(wait=True)
-            self._announce("stop")
-            self.close()
-            D.shutdown(self.info)
         return last
 
     def _finish_partial_batch(self) -> bool:
@@ -648,6 +707,7 @@ class Learner:
             if waited >= self.config.wait_log_s:
                 log.info("waiting for groups: %s", self._ingest_summary())
                 waited = 0.0
+            self._check_progress(housekeeping=False)  # this thread only checks for a stall
             batch = self.assembler.next_batch(version, timeout=1.0)
         if batch is not None and self.config.prefetch:
             assert self.trainer is not None
@@ -713,6 +773,7 @@ class Learner:
             self.save_checkpoint()
             out["time/checkpoint_s"] = time.perf_counter() - t0
         self.metrics.log(self.iteration, out)
+        self._check_progress(stall=False)
         self.progress.update(self.iteration, out)
         self.history.append(out)
         return out
@@ -784,8 +845,75 @@ class Learner:
         st = self.ingest.stats()
         return (
             f"stored {st.get('stored', 0)}, actors {st['actors']}, "
-            f"grants {self.grants.book.stats()}, store tasks {len(self.store.tasks())}"
+            f"grants {self.grants.book.stats()}, store tasks {len(self.store.tasks())}; "
+            f"{self.grants.book.waiting_for()}"
         )
+
+    # ---- progress: tasks out of the run, stalls ----------------------------------------
+
+    def _check_progress(self, stall: bool = True, housekeeping: bool = True) -> None:
+        """Take the fresh trajectories of tasks out of the run out of the store (ledger:
+        `dropped_task_out`), write `tasks_out.json` (every task out of the run and every
+        given-up group, for `arpo train`'s progress line and report), and with `stall`
+        raise RunStalled when every task has left the run or no episode has filled a slot
+        for `stall_s` seconds. `housekeeping` (the main thread only): the purge and the file."""
+        book = self.grants.book
+        now = time.monotonic()
+        if housekeeping:
+            self._purge_tasks_out()
+        if housekeeping and (now - self._status_at >= 2.0 or not stall):
+            self._status_at = now
+            write_atomic(
+                Path(self.config.run_dir) / "tasks_out.json",
+                json.dumps(self.tasks_out(), indent=1, sort_keys=True),
+            )
+        if not stall or book.closed:
+            return
+        why = ""
+        if book.exhausted:
+            why = f"every one of the {len(book.retired)} tasks has left the run"
+        elif self.config.stall_s and now - book.last_progress > self.config.stall_s:
+            why = (
+                f"no episode has filled a grant's slot for {now - book.last_progress:.0f} s "
+                f"(stall_s = {self.config.stall_s:g})"
+            )
+        if why:
+            names = "; ".join(f"{t}: {r['reason']}" for t, r in list(book.retired.items())[:20])
+            more = len(book.retired) - 20
+            raise RunStalled(
+                f"the run cannot go on: {why}. Tasks out of the run ({len(book.retired)}): "
+                + (names or "none")
+                + (f"; and {more} more (tasks_out.json)" if more > 0 else "")
+                + f". Given-up groups: {book.given_up_groups}. Grants: {book.stats()}"
+            )
+
+    def _purge_tasks_out(self) -> None:
+        book = self.grants.book
+        for tid in list(book.retired):
+            try:
+                n = self.store.fresh_len(tid)
+            except Exception:  # a task the store never saw
+                continue
+            if not n:
+                continue
+            items = self.store.take_group(tid, n, timeout=0)
+            ids = [wire.from_item(i).trajectory_id for i in items]
+            self._purged[tid] += len(ids)
+            self._record(Batch([], 0, dropped=[(x, "task_out") for x in ids]))
+
+    def tasks_out(self) -> dict[str, Any]:
+        """Every task out of the run ({reason, failures, envs, dropped}) and the latest
+        given-up groups."""
+        book = self.grants.book
+        return {
+            "tasks_out": {
+                t: {**r, "dropped": self._purged.get(t, 0)} for t, r in book.retired.items()
+            },
+            "groups_given_up": book.given_up_groups,
+            "given_up": list(book.given_up),
+            "waiting_for": book.waiting_for(),
+            "iteration": self.iteration,
+        }
 
     # ---- weights and checkpoints -------------------------------------------------------
 
@@ -815,6 +943,7 @@ class Learner:
             "tasks": self.task_stats.to_dict(),
             "optimizer_steps": t.optimizer_steps_done,
             "assembler_totals": dict(self.assembler.totals),
+            "tasks_out": dict(self.grants.book.retired),
         }
         model_state, optim_state = self._checkpoint_collectives()
         self.last_checkpoint = save_checkpoint(
@@ -869,7 +998,8 @@ def _unpack(rows: list[tuple[Any, ...]]) -> list[Sample]:
 
 
 def run_learner(cfg: LearnerConfig) -> dict[str, float]:
-    """Run until done or SIGTERM / SIGINT (which finish the iteration and checkpoint)."""
+    """Run until done or SIGTERM / SIGINT (which finish the iteration and checkpoint).
+    RunStalled when the run can make no progress (its checkpoint written first)."""
     learner = Learner(cfg)
 
     def on_signal(signum: int, frame: Any) -> None:

@@ -56,6 +56,7 @@ from typing import Any
 
 from arpo.config import fail, option
 from arpo.env.task import load_pool
+from arpo.env.taskfiles import TaskFiles
 from arpo.errors import ArpoError, ConfigError
 from arpo.files import write_json_atomic
 from arpo.pool.rollouts import (
@@ -151,7 +152,8 @@ def run_collect(
     a bad task set, `ArpoError` on a timeout (after writing the partial outcomes).
     """
     policy = resolve_policy(cfg.checkpoint, cfg.model, verify=cfg.verify)
-    pool = load_pool(cfg.tasks)
+    files = TaskFiles()
+    pool = load_pool(cfg.tasks, files)
     out = _prepare_out(cfg)
     res = run_pool(
         cfg,
@@ -160,6 +162,7 @@ def run_collect(
         spool=out / "actor-spool",
         learner_id="collect",
         actor_id="collect-local",
+        files=files,
         actor_args=with_overrides(
             cfg.local_actor_args,
             {

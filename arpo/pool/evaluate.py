@@ -52,6 +52,7 @@ from typing import Any
 
 from arpo.config import option
 from arpo.env.task import load_pool
+from arpo.env.taskfiles import TaskFiles
 from arpo.errors import ArpoError
 from arpo.files import write_atomic, write_json_atomic
 from arpo.pool.rollouts import (
@@ -248,7 +249,8 @@ def run_eval(
     for a bad task set, `ArpoError` on a timeout (after writing the partial result).
     """
     policy = resolve_policy(cfg.checkpoint, cfg.model, verify=cfg.verify)
-    pool = load_pool(cfg.tasks)
+    files = TaskFiles()
+    pool = load_pool(cfg.tasks, files)
     out = Path(cfg.out)
     res: PoolResult = run_pool(
         cfg,
@@ -260,6 +262,7 @@ def run_eval(
         actor_args=actor_args(cfg, policy),
         store=store,
         on_progress=on_progress,
+        files=files,
     )
     result = {
         "policy": policy.to_dict(),

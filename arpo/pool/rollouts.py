@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from arpo.config import fail, option
+from arpo.env.taskfiles import TaskFiles
 from arpo.errors import ArpoError, ConfigError, SnapshotError
 from arpo.learner.checkpoint import MANIFEST, latest_checkpoint, verify_checkpoint
 from arpo.record import Status, Trajectory
@@ -285,7 +286,7 @@ class PoolTally:
         book.on_abandon = self._given_up
 
     def _given_up(self, task_id: str) -> None:
-        """A slot given up after its episodes ended without a trajectory (released)."""
+        """A slot given up (its last attempt failed, it was released, its task left)."""
         with self._lock:
             c = self.tasks.get(task_id)
             if c is not None:
@@ -308,8 +309,7 @@ class PoolTally:
                 c["runs"] += 1
                 c["successes"] += success
             else:
-                c["env_errors"] += 1
-                c["unknown"] += abandoned
+                c["env_errors"] += 1  # a given-up slot is counted by _given_up
             self.episodes.append(
                 EpisodeOutcome(
                     traj.trajectory_id,
@@ -426,6 +426,7 @@ def run_pool(
     ingest_config: IngestConfig | None = None,
     store: Any = None,
     on_progress: Callable[[int, int], None] | None = None,
+    files: TaskFiles | None = None,
 ) -> PoolResult:
     """Run `cfg.runs_per_task` episodes of every task in `tasks`; the counts.
 
@@ -435,6 +436,8 @@ def run_pool(
     discarded. `ingest_config` (e.g. with a `journal_dir`) is used with `learner_id` as its
     name. `on_progress(done, total)` is called from this thread whenever the number of
     finished runs changes. On `cfg.timeout_s` the result comes back with `complete=False`.
+    `files`: the task files the pool's tasks name by content (the index `load_pool`
+    filled), served to the actors.
     """
     ids = [t["id"] for t in tasks]
     total = len(ids) * cfg.runs_per_task
@@ -448,12 +451,13 @@ def run_pool(
             max_attempts=cfg.max_attempts,
             shuffle=cfg.shuffle,
             seed=cfg.seed,
+            free_given_up=False,  # every task runs runs_per_task times, no more
         ),
     )
     tally = PoolTally(book, ids, cfg.success_score)
     start = time.monotonic()
     icfg = dataclasses.replace(ingest_config or IngestConfig(), learner_id=learner_id)
-    grants = GrantServer(book, cfg.transport)
+    grants = GrantServer(book, cfg.transport, files=files)
     ingest = Ingest(
         store if store is not None else _Discard(),
         icfg,

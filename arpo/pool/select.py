@@ -53,6 +53,7 @@ from typing import Any
 
 from arpo.config import fail, option
 from arpo.env.task import load_task_pool
+from arpo.env.taskfiles import TaskFiles
 from arpo.errors import ArpoError, ConfigError
 from arpo.files import write_json_atomic
 from arpo.pool.rollouts import (
@@ -148,7 +149,8 @@ def run_selection(
     `ReplayStore`); by default they are discarded. `on_progress(done, total)` is called
     from this thread whenever the number of finished runs changes.
     """
-    tasks = load_task_pool(cfg.tasks)
+    files = TaskFiles()
+    tasks = load_task_pool(cfg.tasks, files)
     out = Path(cfg.out)
     ingest_config = None
     if cfg.trajectories:
@@ -166,6 +168,7 @@ def run_selection(
         spool=out.parent / f"{out.name}.actor-spool",
         learner_id="select-tasks",
         actor_id="select-local",
+        files=files,
         ingest_config=ingest_config,
         store=store,
         on_progress=on_progress,

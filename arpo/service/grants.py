@@ -62,6 +62,7 @@ from typing import Any
 from arpo import wire
 from arpo.config import fail, option
 from arpo.env.task import task_pool
+from arpo.env.taskfiles import TaskFiles
 from arpo.errors import TaskError, WireError
 from arpo.record import Status, Trajectory, ident_problem
 from arpo.transport import RouterServer, TransportConfig, WeightsServer
@@ -96,6 +97,24 @@ class GrantConfig:
         1.0, "Sampling temperature grants carry (the learner sets trainer.temperature)."
     )
     top_p: float = option(1.0, "Nucleus grants carry (the learner sets trainer.top_p).")
+    free_given_up: bool = option(
+        True,
+        "A group that finished with a slot given up frees its place in admission, as a "
+        "dropped group does, so groups nobody can finish never fill the window (training). "
+        "Pool runs, which run every task a fixed number of times, turn it off.",
+    )
+    retire_after_envs: int = option(
+        2,
+        "A task whose setup failed (setup_error: the environment reset fine, the task's "
+        "setup did not) on this many different environments leaves the run: it is granted "
+        "no more, its open groups are given up, and the run goes on with the other tasks.",
+    )
+    retire_after_failures: int = option(
+        4,
+        "A task whose setup failed this many times in a row, on any environments, with no "
+        "setup of it going through in between, leaves the run too (a run with fewer "
+        "environments than retire_after_envs).",
+    )
 
     def validate(self) -> None:
         if self.group_size < 1:
@@ -116,6 +135,10 @@ class GrantConfig:
             fail("temperature", "must be >= 0")
         if not 0.0 < self.top_p <= 1.0:
             fail("top_p", "must be in (0, 1]")
+        if self.retire_after_envs < 1:
+            fail("retire_after_envs", "must be >= 1 (environments a task's setup failed on)")
+        if self.retire_after_failures < 1:
+            fail("retire_after_failures", "must be >= 1 (setup failures in a row)")
 
 
 def _grant_id(group_id: str, slot: int, attempt: int) -> str:
@@ -144,6 +167,8 @@ class _Slot:
     attempts: int = 0
     trajectory_id: str = ""
     """The trajectory that filled the slot (a resend of it is not a surplus)."""
+    last_error: str = ""
+    """Why its last attempt did not fill it (a trajectory's status and error, a release)."""
 
 
 @dataclass
@@ -155,6 +180,21 @@ class _Group:
 
     def finished(self) -> bool:
         return all(s.state in ("done", "abandoned") for s in self.slots)
+
+
+@dataclass
+class _SetupFailures:
+    """A task's failed setups (setup_error trajectories)."""
+
+    envs: set[str] = field(default_factory=set)
+    streak: int = 0
+    """Failures since the last setup of the task that went through."""
+    count: int = 0
+    last: str = ""
+
+
+MAX_GIVEN_UP_KEPT = 1000
+"""Given-up groups listed in `given_up` (the counter counts them all)."""
 
 
 class GrantBook:
@@ -202,6 +242,18 @@ class GrantBook:
 
         self.closed = False
         """No more grants (`close`)."""
+        self.retired: dict[str, dict[str, Any]] = {}
+        """Tasks out of the run -> {"reason", "failures", "envs"} (`retire`)."""
+        self._failures: dict[str, _SetupFailures] = {}
+        self.given_up_groups = 0
+        """Groups that finished with a slot given up: each frees its place in admission."""
+        self.given_up: collections.deque[dict[str, str]] = collections.deque(
+            maxlen=MAX_GIVEN_UP_KEPT
+        )
+        """The latest given-up groups: {"group", "task", "reason"}."""
+        self.started = time.monotonic()
+        self.last_progress = self.started
+        """When an `ok` trajectory last filled a slot (time.monotonic())."""
 
     def set_version(self, version: int) -> None:
         with self._lock:
@@ -223,7 +275,85 @@ class GrantBook:
     def _admissible(self) -> bool:
         c = self.config
         window = (c.max_staleness + 1) * c.groups_per_step
-        return self.opened < self.version * c.groups_per_step + self.dropped + window
+        freed = self.dropped + (self.given_up_groups if c.free_given_up else 0)
+        return self.opened < self.version * c.groups_per_step + freed + window
+
+    @property
+    def exhausted(self) -> bool:
+        """Every task has left the run: nothing can be granted any more."""
+        return not self._order[""]
+
+    def retire(self, task_id: str, reason: str) -> bool:
+        """Take `task_id` out of the run: no new group of it, its open groups given up
+        (their places freed), listed in `retired` with `reason`. False if it was out
+        already or is not a task of the book."""
+        abandoned = self._retire(task_id, reason)
+        if abandoned is None:
+            return False
+        for _ in range(abandoned):
+            if self.on_abandon is not None:
+                self.on_abandon(task_id)
+        return True
+
+    def _retire(self, task_id: str, reason: str) -> int | None:
+        with self._lock:
+            if task_id in self.retired or task_id not in self._tasks:
+                return None
+            f = self._failures.get(task_id, _SetupFailures())
+            self.retired[task_id] = {
+                "reason": reason[:500],
+                "failures": f.count,
+                "envs": len(f.envs),
+            }
+            self.counts["tasks_retired"] += 1
+            for ids in (*self._order.values(), *self._cycles.values()):
+                if task_id in ids:
+                    ids.remove(task_id)
+            abandoned = 0
+            for g in [g for g in self._groups.values() if g.task_id == task_id]:
+                for sl in g.slots:
+                    if sl.state in ("open", "granted"):
+                        sl.state = "abandoned"
+                        sl.last_error = sl.last_error or f"task retired: {reason[:200]}"
+                        abandoned += 1
+                self._close_if_finished(g)
+            self.counts["abandoned"] += abandoned
+        log.error(
+            "task %s leaves the run (%d open slot(s) given up): %s", task_id, abandoned, reason
+        )
+        return abandoned
+
+    def _note_setup(self, traj: Trajectory) -> str | None:
+        """Count a setup_error of `traj`'s task (or reset its streak when the setup went
+        through); the reason to retire the task, or None. Called with the lock held."""
+        f = self._failures.setdefault(traj.task_id, _SetupFailures())
+        if traj.status != Status.SETUP_ERROR:
+            f.streak = 0
+            return None
+        f.count += 1
+        f.streak += 1
+        f.envs.add(f"{traj.actor_id} {traj.env}")
+        f.last = traj.error or "setup failed (no reason given)"
+        c = self.config
+        if len(f.envs) >= c.retire_after_envs or f.streak >= c.retire_after_failures:
+            return f"setup failed {f.count} time(s) on {len(f.envs)} environment(s); last: {f.last}"
+        return None
+
+    def waiting_for(self) -> str:
+        """What the run waits for, in a line: given-up groups and retired tasks."""
+        with self._lock:
+            parts = []
+            if self.given_up_groups:
+                parts.append(f"{self.given_up_groups} group(s) given up")
+            if self.retired:
+                names = ", ".join(
+                    f"{t} ({r['reason'][:80]})" for t, r in list(self.retired.items())[:5]
+                )
+                more = f", and {len(self.retired) - 5} more" if len(self.retired) > 5 else ""
+                parts.append(f"{len(self.retired)} task(s) out of the run: {names}{more}")
+            age = time.monotonic() - self.last_progress
+            parts.append(f"no episode has filled a slot for {age:.0f} s")
+            return "; ".join(parts)
 
     @property
     def pools(self) -> dict[str, int]:
@@ -296,7 +426,7 @@ class GrantBook:
                         s.state = "open"
                     if s.state == "open":
                         out.append(self._grant(g, i, actor, now))
-            while len(out) < want and self._admissible():
+            while len(out) < want and self._order[pool] and self._admissible():
                 task = self._next_task(pool)
                 gid = f"{task}/{self.epoch}-g{next(self._counter)}"
                 g = _Group(
@@ -332,6 +462,7 @@ class GrantBook:
                             grant_id, s.actor, actor)  # fmt: skip
                 return False
             self.counts["released"] += 1
+            s.last_error = f"released by its actor ({reason[:64]})"
             # one counter per known reason; a sender's own words do not make new counters
             self.counts[f"released_{reason if reason in RELEASE_REASONS else 'other'}"] += 1
             if s.attempts >= self.config.max_attempts:
@@ -349,7 +480,8 @@ class GrantBook:
         return True
 
     on_abandon: Any = None
-    """Called with the task id when a released slot is given up (a pool run counts it)."""
+    """Called with the task id for every slot given up (after its last attempt, by a
+    release, or when its task left the run): a pool run counts it as unknown."""
 
     def complete(self, traj: Trajectory) -> bool:
         """Book a delivered trajectory; False when its slot was already filled (a surplus)."""
@@ -374,13 +506,17 @@ class GrantBook:
             if s.state in ("done", "abandoned"):
                 self.counts["surplus"] += 1
                 return False
+            retire = self._note_setup(traj)
+            gave_up = False
             if traj.status == Status.OK:
                 s.state = "done"
                 s.trajectory_id = traj.trajectory_id
                 self.counts["completed"] += 1
+                self.last_progress = time.monotonic()
             elif s.attempts >= self.config.max_attempts:
                 s.state = "abandoned"
                 self.counts["abandoned"] += 1
+                gave_up = True
                 log.warning(
                     "slot %s/%d given up after %d attempts (last: %s)",
                     g.group_id,
@@ -391,13 +527,26 @@ class GrantBook:
             else:
                 s.state = "open"  # an environment fault: grant the slot again
                 self.counts[f"regrant_{traj.status.value}"] += 1
+            if traj.status != Status.OK:
+                s.last_error = f"{traj.status.value}: {traj.error or 'no reason given'}"[:500]
             self._close_if_finished(g)
-            return True
+        if gave_up and self.on_abandon is not None:
+            self.on_abandon(traj.task_id)
+        if retire is not None:
+            self.retire(traj.task_id, retire)
+        return True
 
     def _close_if_finished(self, g: _Group) -> None:
         """Forget a group whose every slot is done or given up (its trajectory ids kept, to
-        tell a resend from a surplus). Called with the lock held."""
+        tell a resend from a surplus); a group with a slot given up frees its place in
+        admission and is listed in `given_up`. Called with the lock held."""
         if g.finished():
+            lost = [x for x in g.slots if x.state == "abandoned"]
+            if lost:
+                self.given_up_groups += 1
+                self.given_up.append(
+                    {"group": g.group_id, "task": g.task_id, "reason": lost[-1].last_error}
+                )
             del self._groups[g.group_id]
             self._finished[g.group_id] = frozenset(
                 x.trajectory_id for x in g.slots if x.trajectory_id
@@ -413,12 +562,13 @@ class GrantBook:
                 "version": self.version,
                 "groups_opened": self.opened,
                 "groups_open": len(self._groups),
+                "groups_given_up": self.given_up_groups,
                 "in_flight": in_flight,
             }
 
 
 class GrantServer:
-    """The control link's server: grants, weights and heartbeats (one thread)."""
+    """The control link's server: grants, weights, task files and heartbeats (one thread)."""
 
     def __init__(
         self,
@@ -427,8 +577,12 @@ class GrantServer:
         *,
         weights: WeightsServer | None = None,
         learner_id: str = "learner",
+        files: TaskFiles | None = None,
     ) -> None:
+        """`files`: the task files this learner serves by content (the index `load_pool`
+        filled); None serves none (a FileRequest is answered with an error)."""
         self.book = book
+        self.files = files if files is not None else TaskFiles()
         self.transport = transport or TransportConfig()
         self.weights = weights or WeightsServer()
         self.learner_id = learner_id
@@ -480,6 +634,13 @@ class GrantServer:
         if isinstance(msg, wire.WeightsRequest):
             self.weight_requests += 1
             return self.weights.handle(msg)
+        if isinstance(msg, wire.FileRequest):
+            data, total, size, error = self.files.chunk(msg.sha256, msg.chunk)
+            if error:
+                log.warning("task file %s... chunk %d refused: %s", msg.sha256[:12], msg.chunk,
+                            error)  # fmt: skip
+            chunk = wire.FileChunk(msg.sha256, msg.chunk, total, size, error, data)
+            return [wire.encode(chunk)]
         if isinstance(msg, wire.Heartbeat):  # nothing is kept per sender: answered only
             self._seq += 1
             hb = wire.Heartbeat(
