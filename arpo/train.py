@@ -55,7 +55,7 @@ from typing import Any
 
 from arpo.actor.config import ActorConfig
 from arpo.config import fail, option, to_toml, validate
-from arpo.errors import ArpoError
+from arpo.errors import EXIT_STALLED, ArpoError, RunStalled
 from arpo.learner.checkpoint import latest_checkpoint
 from arpo.learner.learner import LearnerConfig
 from arpo.learner.metrics import read_metrics
@@ -184,6 +184,16 @@ class TrainConfig:
     restart: bool = option(True, "Start a dead actor again, and a dead learner with --resume.")
     max_restarts: int = option(5, "Restarts per process at most.")
     progress_s: float = option(10.0, "Interval of the progress line (0: none).")
+    preflight: bool = option(
+        True,
+        "Before training, set every task up once on an environment of its pool (revert or "
+        "reset, then the task's setup; no agent: `arpo audit-tasks` without its checks) "
+        "and leave out the tasks that fail, each listed with its reason in "
+        "<run_dir>/preflight.md and the final report.",
+    )
+    preflight_fatal: bool = option(
+        False, "Stop before training (exit code 3) when the preflight leaves out any task."
+    )
     eval_runs_per_task: int = option(
         16,
         "Episodes per task in the final evaluation, and in the starting policy's (0: none).",
@@ -388,6 +398,48 @@ class _Proc:
         return p.returncode
 
 
+def _read_json(path: Path) -> dict[str, Any]:
+    """The JSON object in `path`, {} when it is missing or half-written."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _learner_error(log_path: Path) -> str:
+    """The learner's last 'arpo-learner: ...' line (why it stopped), from its log."""
+    try:
+        lines = log_path.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return f"see {log_path}"
+    for line in reversed(lines):
+        if line.startswith("arpo-learner: "):
+            return line[len("arpo-learner: ") :]
+    return f"see {log_path}"
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live descendant of `pid` (from /proc), children first."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(d.name))
+    out: list[int] = []
+    todo = list(children.get(pid, []))
+    while todo:
+        p = todo.pop(0)
+        out.append(p)
+        todo += children.get(p, [])
+    return out
+
+
 def long_tasks(pool: str | Path, turns: int) -> set[str]:
     """Ids of the tasks under `pool` whose oracle needs at least `turns` turns (its steps
     and the final DONE); tasks without an oracle are not counted."""
@@ -475,7 +527,9 @@ class TrainRun:
 
     # ---- processes ---------------------------------------------------------------------
 
-    def _learner_proc(self, model: str, tasks: str, data: str, control: str) -> _Proc:
+    def _learner_proc(
+        self, model: str, tasks: str, data: str, control: str, left_out: dict[str, str]
+    ) -> _Proc:
         cfg = self.config
         assemble = cfg.learner.assemble
         if self.prefill is not None:
@@ -490,6 +544,7 @@ class TrainRun:
             hold_after_iterations=True,  # _shutdown stops the actors first, then the learner
             run_dir=str(self.run_dir / "learner"),
             tasks=tasks,
+            left_out=str(self._write_left_out(left_out)) if left_out else "",
             seed=cfg.seed,
             trainer=trainer,
             assemble=assemble,
@@ -502,6 +557,11 @@ class TrainRun:
         return _Proc("learner", args, self.run_dir / "logs" / "learner.log",
                      extra_on_restart=["--resume"])  # fmt: skip
 
+    def _write_left_out(self, left_out: dict[str, str]) -> Path:
+        path = self.run_dir / "left_out.json"
+        path.write_text(json.dumps(left_out, indent=1, sort_keys=True))
+        return path
+
     def _actor_proc(self, i: int, model: str, data: str, control: str, **kw: Any) -> _Proc:
         cfg = self.config
         ac = replace(
@@ -510,6 +570,7 @@ class TrainRun:
             engine=replace(cfg.actor.engine, model=model),
             transport=replace(cfg.actor.transport, data=data, control=control),
             spool_dir=str(self.run_dir / "spool" / f"actor-{i}"),
+            file_cache_dir=cfg.actor.file_cache_dir or str(self.run_dir / "task-files"),
             **kw,
         )
         validate(ac)
@@ -565,42 +626,95 @@ class TrainRun:
             self.prefill = self._prefill_demos(model, self.prefill, tasks)
         data = f"tcp://127.0.0.1:{_free_port()}"
         control = f"tcp://127.0.0.1:{_free_port()}"
-        self.learner = self._learner_proc(model, tasks, data, control)
-        for i in range(cfg.actors):
-            if cfg.sim_envs_per_actor:
-                self.procs.append(self._actor_proc(i, model, data, control, envs=[],
-                                                   sim_envs=cfg.sim_envs_per_actor))  # fmt: skip
         stop = {"flag": False}
 
         def on_signal(signum: int, frame: Any) -> None:
-            log.info("signal %d: stopping the run", signum)
+            if stop["flag"]:
+                print(f"arpo train: signal {signum} again: stopping now", file=sys.stderr)
+                self._kill_everything()
+                os._exit(128 + signum)
             stop["flag"] = True
+            self.signalled = signum
+            print("arpo train: stopping: evaluating the last checkpoint; Ctrl-C again stops "
+                  "now", file=sys.stderr, flush=True)  # fmt: skip
+            log.info("signal %d: stopping the run", signum)
 
         old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
-            if cfg.local_desktops:
-                urls, tokens = self._desktops()
-                self.procs.append(self._actor_proc(len(self.procs), model, data, control,
-                                                   envs=urls, env_tokens=tokens,
-                                                   sim_envs=0))  # fmt: skip
-            fleet = self._vm_fleet() if cfg.vms else cfg.vm_fleet
-            if fleet:
-                self.procs.append(self._actor_proc(len(self.procs), model, data, control,
-                                                   envs=[], sim_envs=0, vm_fleet=fleet,
-                                                   vm_pool=cfg.vm_pool))  # fmt: skip
-            if cfg.env_urls:
-                self.procs.append(self._actor_proc(len(self.procs), model, data, control,
-                                                   envs=list(cfg.env_urls), sim_envs=0,
-                                                   env_pool=cfg.env_urls_pool))  # fmt: skip
-            self.learner.start()
-            for p in self.procs:
-                p.start()
-            self._supervise(stop)
+            try:
+                desktops = self._desktops() if cfg.local_desktops else None
+                fleet = self._vm_fleet() if cfg.vms else cfg.vm_fleet
+                left_out = self._preflight(tasks, desktops, fleet) if cfg.preflight else {}
+                self.learner = self._learner_proc(model, tasks, data, control, left_out)
+                for i in range(cfg.actors):
+                    if cfg.sim_envs_per_actor:
+                        self.procs.append(self._actor_proc(i, model, data, control, envs=[],
+                                          sim_envs=cfg.sim_envs_per_actor))  # fmt: skip
+                if desktops is not None:
+                    urls, tokens = desktops
+                    self.procs.append(self._actor_proc(len(self.procs), model, data, control,
+                                                       envs=urls, env_tokens=tokens,
+                                                       sim_envs=0))  # fmt: skip
+                if fleet:
+                    self.procs.append(self._actor_proc(len(self.procs), model, data, control,
+                                                       envs=[], sim_envs=0, vm_fleet=fleet,
+                                                       vm_pool=cfg.vm_pool))  # fmt: skip
+                if cfg.env_urls:
+                    self.procs.append(self._actor_proc(len(self.procs), model, data, control,
+                                                       envs=list(cfg.env_urls), sim_envs=0,
+                                                       env_pool=cfg.env_urls_pool))  # fmt: skip
+                if not stop["flag"]:
+                    self.learner.start()
+                    for p in self.procs:
+                        p.start()
+                    self._supervise(stop)
+            finally:
+                self._shutdown()
+            return self._results(tasks)
         finally:
-            self._shutdown()
             for s, h in old.items():
                 signal.signal(s, h)
-        return self._results(tasks)
+
+    signalled: int | None = None
+    """The signal that stopped the run (None: it was not stopped by one)."""
+    preflight_report: dict[str, Any] | None = None
+    """The preflight's outcome: its report files and the tasks it left out."""
+    stalled: str | None = None
+    """Why the learner could not go on (it exited with EXIT_STALLED), or None."""
+
+    def _kill_everything(self) -> None:
+        """A second signal: every process of the run killed at once (SIGKILL to the process
+        groups of the learner, the actors and every other descendant: a pool run's actor,
+        the desktops), the desktops' and VMs' state files swept."""
+        for p in [*self.procs, *([self.learner] if self.learner else [])]:
+            if p.popen is not None and p.popen.poll() is None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(p.popen.pid, signal.SIGKILL)
+        for pid in _descendants(os.getpid()):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(os.getpgid(pid), signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(Exception):
+            if self.desktop_state is not None:
+                from arpo_envs.desktop.fleet import down
+
+                down(self.desktop_state, grace_s=0.0, announce=lambda *a: None)
+        with contextlib.suppress(Exception):
+            if self.vm_dir is not None:
+                from arpo_envs.vm.fleet import down as vm_down
+
+                vm_down(self.vm_dir)
+
+    def _preflight(
+        self, tasks: str, desktops: tuple[list[str], list[str]] | None, fleet: str
+    ) -> dict[str, str]:
+        """Every task set up once on an environment of its pool, no agent
+        (`arpo.pool.audit`); the tasks that failed -> why, written to
+        <run_dir>/preflight.{json,md} and <run_dir>/left_out.json (the learner's
+        `left_out`). RunStalled when `preflight_fatal` and a task failed, or when every
+        task failed."""
+        raise NotImplementedError
 
     def _supervise(self, stop: dict[str, bool]) -> None:
         cfg = self.config
@@ -608,14 +722,19 @@ class TrainRun:
         start = time.monotonic()
         last_progress = last_check = 0.0
         metrics = self.run_dir / "learner" / "metrics.jsonl"
+        status = self.run_dir / "learner" / "tasks_out.json"
+        from arpo.learner.metrics import ProgressLine
         from arpo.progress import Progress
 
-        # Training with an estimate of the time left when the iterations bound the run.
+        # Training with an estimate of the time left when the iterations bound the run;
+        # a line saying what the run waits for when no iteration has finished for a while.
         bar = (
             Progress("training", cfg.learner.iterations, unit="iteration", every_s=cfg.progress_s)
             if cfg.learner.iterations and cfg.progress_s
             else None
         )
+        step, step_at = -1, time.monotonic()
+        told_out: set[str] = set()
         while not stop["flag"]:
             time.sleep(0.5)
             if cfg.minutes and time.monotonic() - start > cfg.minutes * 60:
@@ -625,6 +744,10 @@ class TrainRun:
                 code = self.learner.popen.returncode if self.learner.popen else None
                 if code == 0:
                     log.info("the learner finished its iterations")
+                    break
+                if code == EXIT_STALLED:
+                    self.stalled = _learner_error(self.learner.log)
+                    print(f"arpo train: the run cannot go on: {self.stalled}", file=sys.stderr)
                     break
                 self._restart(self.learner, f"the learner exited with code {code}")
             elif cfg.learner.iterations and time.monotonic() - last_check >= 1.0:
@@ -636,21 +759,31 @@ class TrainRun:
             for p in self.procs:
                 if not p.alive():
                     self._restart(p, f"{p.name} exited with code {p.popen.returncode}")
-            if cfg.progress_s and time.monotonic() - last_progress >= cfg.progress_s:
-                last_progress = time.monotonic()
-                rows = read_metrics(metrics) if metrics.exists() else []
-                if rows and bar is not None:
-                    from arpo.learner.metrics import ProgressLine
-
-                    bar.update_to(rows[-1]["step"], ProgressLine.format(rows[-1]["step"], rows[-1]))
-                elif rows:
-                    from arpo.learner.metrics import ProgressLine
-
-                    print(ProgressLine.format(rows[-1]["step"], rows[-1]), file=sys.stderr)
-                else:
-                    elapsed = time.monotonic() - start
-                    print(f"[{elapsed:5.0f} s] waiting for the first iteration ...",
+            if not cfg.progress_s or time.monotonic() - last_progress < cfg.progress_s:
+                continue
+            last_progress = time.monotonic()
+            rows = read_metrics(metrics) if metrics.exists() else []
+            waiting = _read_json(status)
+            for tid, r in (waiting.get("tasks_out") or {}).items():
+                if tid not in told_out:
+                    told_out.add(tid)
+                    print(f"arpo train: task {tid} is out of the run: {r.get('reason')}",
                           file=sys.stderr)  # fmt: skip
+            if rows and rows[-1]["step"] != step:
+                step, step_at = rows[-1]["step"], time.monotonic()
+            stuck = time.monotonic() - step_at
+            if (rows or waiting) and stuck > max(3 * cfg.progress_s, 30.0) and waiting:
+                print(f"[{time.monotonic() - start:5.0f} s] training: {max(step, 0)}/"
+                      f"{cfg.learner.iterations or '?'} iterations; waiting {stuck:.0f} s for "
+                      f"groups: {waiting.get('waiting_for', '?')}", file=sys.stderr)  # fmt: skip
+            elif rows and bar is not None:
+                bar.update_to(rows[-1]["step"], ProgressLine.format(rows[-1]["step"], rows[-1]))
+            elif rows:
+                print(ProgressLine.format(rows[-1]["step"], rows[-1]), file=sys.stderr)
+            else:
+                elapsed = time.monotonic() - start
+                print(f"[{elapsed:5.0f} s] waiting for the first iteration ...",
+                      file=sys.stderr)  # fmt: skip
         if bar is not None:
             bar.close()
 
@@ -850,17 +983,31 @@ class TrainRun:
         metrics = learner_dir / "metrics.jsonl"
         rows = read_metrics(metrics) if metrics.exists() else []
         ckpt = latest_checkpoint(learner_dir / "checkpoints", verify=False)
+        finished = bool(cfg.learner.iterations and rows
+                        and rows[-1]["step"] >= cfg.learner.iterations)  # fmt: skip
         out: dict[str, Any] = {
             "metrics": str(metrics),
             "iterations": len(rows),
+            "finished": finished,
             "checkpoint": str(ckpt) if ckpt else None,
             "restarts": dict(self.restarts),
         }
+        if self.stalled is not None:
+            out["stalled"] = self.stalled
+        if self.signalled is not None:
+            out["signal"] = self.signalled
+        if self.preflight_report is not None:
+            out["preflight"] = self.preflight_report
+        status = _read_json(learner_dir / "tasks_out.json")
+        out["tasks_out"] = status.get("tasks_out", {})
+        out["groups_given_up"] = status.get("groups_given_up", 0)
         if self.warm_eval is not None:
             out["eval_warm_start"] = self.warm_eval
         if self.prefill is not None:
             out["prefill"] = self.prefill
-        if ckpt is not None and cfg.eval_runs_per_task and cfg.sim_envs_per_actor:
+        if self.stalled is not None:
+            log.info("no final evaluation: the run stopped before its end (%s)", self.stalled)
+        elif ckpt is not None and cfg.eval_runs_per_task and cfg.sim_envs_per_actor:
             ev = self._evaluate(tasks, {"checkpoint": str(ckpt)}, self.run_dir / "eval")
             out["eval"] = str(self.run_dir / "eval" / "eval.md")
             out["eval_success_rate"] = ev["success_rate"]
@@ -1068,10 +1215,38 @@ def comparison(out: dict[str, Any]) -> str:
 
 
 def main(cfg: TrainConfig) -> int:
-    out = TrainRun(cfg).run()
+    """Run; the exit code: 0 when training finished (or its wall-clock budget ran out),
+    EXIT_STALLED (3) when it could not go on, 128 + the signal's number when a signal
+    stopped it before its end."""
+    try:
+        out = TrainRun(cfg).run()
+    except RunStalled as e:
+        print(f"arpo train: {e}", file=sys.stderr)
+        return EXIT_STALLED
     print(json.dumps(out, indent=2))
     if out.get("eval"):
         print(Path(out["eval"]).read_text())
     if out.get("eval_trained"):
         print(comparison(out))
+    if out.get("tasks_out"):
+        print(tasks_out_table(out["tasks_out"]))
+    if out.get("stalled"):
+        print(f"arpo train: stopped before its end: {out['stalled']} (details: "
+              f"{cfg.run_dir}/learner/tasks_out.json; the last checkpoint: "
+              f"{out.get('checkpoint')})", file=sys.stderr)  # fmt: skip
+        return EXIT_STALLED
+    if out.get("signal") is not None and not out.get("finished"):
+        return 128 + int(out["signal"])
     return 0
+
+
+def tasks_out_table(tasks_out: dict[str, Any]) -> str:
+    """The tasks that were out of the run (left out before it, or left during it), a line
+    each with their reason, failures and environments."""
+    lines = [f"{len(tasks_out)} task(s) out of the run:", "", "| task | failures | envs | "
+             "dropped | reason |", "|---|---|---|---|---|"]  # fmt: skip
+    for tid, r in sorted(tasks_out.items()):
+        reason = str(r.get("reason", "")).replace("|", "/").replace("\n", " ")[:300]
+        lines.append(f"| {tid} | {r.get('failures', 0)} | {r.get('envs', 0)} | "
+                     f"{r.get('dropped', 0)} | {reason} |")  # fmt: skip
+    return "\n".join(lines)

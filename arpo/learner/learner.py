@@ -863,10 +863,7 @@ class Learner:
             self._purge_tasks_out()
         if housekeeping and (now - self._status_at >= 2.0 or not stall):
             self._status_at = now
-            write_atomic(
-                Path(self.config.run_dir) / "tasks_out.json",
-                json.dumps(self.tasks_out(), indent=1, sort_keys=True),
-            )
+            self._write_tasks_out()
         if not stall or book.closed:
             return
         why = ""
@@ -878,6 +875,8 @@ class Learner:
                 f"(stall_s = {self.config.stall_s:g})"
             )
         if why:
+            if housekeeping:
+                self._write_tasks_out()
             names = "; ".join(f"{t}: {r['reason']}" for t, r in list(book.retired.items())[:20])
             more = len(book.retired) - 20
             raise RunStalled(
@@ -886,6 +885,12 @@ class Learner:
                 + (f"; and {more} more (tasks_out.json)" if more > 0 else "")
                 + f". Given-up groups: {book.given_up_groups}. Grants: {book.stats()}"
             )
+
+    def _write_tasks_out(self) -> None:
+        write_atomic(
+            Path(self.config.run_dir) / "tasks_out.json",
+            json.dumps(self.tasks_out(), indent=1, sort_keys=True),
+        )
 
     def _purge_tasks_out(self) -> None:
         book = self.grants.book

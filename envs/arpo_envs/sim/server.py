@@ -12,10 +12,12 @@
 | GET /terminal | - | {output: null, status} (no terminal; a liveness ping) |
 | GET /cursor_position | - | [x, y] |
 | GET /accessibility | - | {AT: xml} |
-| POST /reset | {} or {family, seed} | rebuilds the current scene (or loads the given one) |
+| POST /reset | {} or {family, seed} | rebuilds the current scene (or loads the given one); uploaded files go |
+| POST /setup/upload | multipart file_path, file_data | keeps the file in memory; text "File Uploaded: <n> bytes" |
+| POST /file | form or JSON file_path | an uploaded file's bytes; 404 if there is none |
 | POST /sim/scene | {family, seed, screen?} | loads a task scene; {status, task_id, instruction} |
 | POST /sim/state | {path: "a.b"} | {value} for checkers; 404 if the path does not exist |
-| GET /sim/stats | - | per named span (interpret, render_encode, scene): count, mean_ms, max_ms |
+| GET /sim/stats | - | per named span (interpret, render_encode, scene): count, mean_ms, max_ms; `files`: path -> sha256 of each uploaded file |
 
 Commands run through `interpreter` (pyautogui code interpreted from its syntax tree,
 never executed); like OSWorld's server, /execute answers status "success" whenever
@@ -28,12 +30,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
 from aiohttp import web
 
 from arpo_envs.server_common import (
@@ -47,6 +51,11 @@ from arpo_envs.sim.desktop import Desktop, StatePathError
 from arpo_envs.sim.interpreter import ProgramError, RunResult, command_to_code, execute
 from arpo_envs.sim.latency import LatencyConfig
 from arpo_envs.sim.tasks import FAMILIES, MIN_SCREEN, TaskSpec, load_scene
+
+MAX_FILES = 64
+"""Most files a simulated desktop keeps (`/setup/upload`)."""
+MAX_FILE_BYTES = 16 << 20
+"""Largest file a simulated desktop takes."""
 
 log = logging.getLogger("arpo_envs.sim")
 
@@ -130,6 +139,8 @@ class SimDesktopServer:
         self._lock = asyncio.Lock()
         # named timing spans of the work done in this server (not the added latency)
         self.spans: dict[str, Span] = {}
+        self.files: dict[str, bytes] = {}
+        """The desktop's files: what `/setup/upload` put there (cleared by `/reset`)."""
 
     def make_app(self) -> web.Application:
         app = make_app(ServerSecurity(self.config.host, self.config.token))
@@ -144,6 +155,8 @@ class SimDesktopServer:
         r.add_get("/cursor_position", self.cursor_position)
         r.add_get("/accessibility", self.accessibility)
         r.add_post("/reset", self.reset)
+        r.add_post("/setup/upload", self.upload)
+        r.add_post("/file", self.file)
         r.add_post("/sim/scene", self.scene)
         r.add_post("/sim/state", self.state)
         r.add_get("/sim/stats", self.stats)
@@ -285,6 +298,7 @@ class SimDesktopServer:
         """Back to the start of the current scene (or load `family`/`seed` if given)."""
         body = await read_json(request)
         async with self._lock:
+            self.files.clear()
             if "family" in body or "seed" in body:
                 for name, kind in (("family", str), ("seed", int)):
                     if name not in body:
@@ -306,8 +320,48 @@ class SimDesktopServer:
         return web.json_response({"value": value})
 
     async def stats(self, request: web.Request) -> web.Response:
-        """Count and duration of the server's own work per named span."""
-        return web.json_response({name: span.summary() for name, span in self.spans.items()})
+        """Count and duration of the server's own work per named span, and the sha256 of
+        every file uploaded since the last reset."""
+        spans = {name: span.summary() for name, span in self.spans.items()}
+        files = {p: hashlib.sha256(b).hexdigest() for p, b in self.files.items()}
+        return web.json_response({**spans, "files": files})
+
+    async def upload(self, request: web.Request) -> web.Response:
+        """OSWorld's `/setup/upload` (multipart `file_path`, `file_data`): the file is kept
+        in memory, at most MAX_FILES files of at most MAX_FILE_BYTES bytes."""
+        if not request.content_type.startswith("multipart/"):
+            raise RequestError("send multipart/form-data with fields file_path and file_data")
+        path, data = "", b""
+        async for part in await request.multipart():
+            if not isinstance(part, aiohttp.BodyPartReader):
+                raise RequestError("nested multipart is not accepted")
+            raw = bytearray()
+            while chunk := await part.read_chunk(1 << 16):
+                raw += chunk
+                if len(raw) > MAX_FILE_BYTES:
+                    raise RequestError(f"a file is at most {MAX_FILE_BYTES} bytes here", 413)
+            if part.name == "file_path":
+                path = raw.decode("utf-8", "replace")
+            elif part.name == "file_data":
+                data = bytes(raw)
+        if not path:
+            raise RequestError("file_path and file_data are required")
+        async with self._lock:
+            if path not in self.files and len(self.files) >= MAX_FILES:
+                raise RequestError(f"at most {MAX_FILES} files on a simulated desktop", 413)
+            self.files[path] = data
+        return web.Response(text=f"File Uploaded: {len(data)} bytes")
+
+    async def file(self, request: web.Request) -> web.Response:
+        """OSWorld's `/file` (form or JSON `file_path`): an uploaded file's bytes, 404 if none."""
+        if request.content_type == "application/json":
+            path = (await read_json(request, {"file_path": str}))["file_path"]
+        else:
+            path = str((await request.post()).get("file_path") or "")
+        data = self.files.get(path)
+        if data is None:
+            raise RequestError(f"File not found: {path}", 404)
+        return web.Response(body=data, content_type="application/octet-stream")
 
 
 # ---- several desktops in one process ----------------------------------------------------------

@@ -1,0 +1,150 @@
+"""A run always makes progress or stops and says why: a task whose setup always fails
+leaves the run and training finishes without it; a pool nobody can set up stops the run
+with exit code 3 naming its tasks; a learner that hears from nobody stops after stall_s."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from arpo.errors import EXIT_STALLED
+from arpo.learner.assemble import AssembleConfig
+from arpo.learner.checkpoint import CheckpointConfig
+from arpo.learner.metrics import read_metrics
+from arpo.policy.tiny import build_tiny_model
+from arpo.train import TrainConfig, main
+
+MISSING_URL = "https://files.invalid/nobody-has/report.xlsx"
+
+
+def _broken(task: dict, new_id: str) -> dict:
+    """`task` whose setup first downloads a file no cache holds: its setup fails on every
+    environment (FileCacheMiss, an environment-side error) after the desktop reset fine."""
+    out = json.loads(json.dumps(task))
+    out["id"] = new_id
+    out["config"].insert(0, {"type": "download", "parameters": {"files": [
+        {"url": MISSING_URL, "path": "/home/user/report.xlsx"}]}})  # fmt: skip
+    return out
+
+
+def _pool(root: Path, good: int, broken: int) -> list[str]:
+    from arpo_envs.sim.tasks import generate_tasks
+
+    tasks = generate_tasks("click_button", good + broken, seed=3)
+    ids = []
+    for i, t in enumerate(tasks):
+        if i >= good:
+            t = _broken(t, f"broken-{i - good}")
+        ids.append(t["id"])
+        (root / "click_button").mkdir(parents=True, exist_ok=True)
+        (root / "click_button" / f"{t['id']}.json").write_text(json.dumps(t))
+    return ids
+
+
+def _config(tmp_path: Path, model: Path, *, iterations: int, preflight: bool) -> TrainConfig:
+    base = TrainConfig()
+    return TrainConfig(
+        run_dir=str(tmp_path / "run"),
+        model=str(model),
+        warm_start=False,
+        tasks=str(tmp_path / "tasks"),
+        actors=1,
+        sim_envs_per_actor=2,
+        progress_s=0,
+        eval_runs_per_task=0,
+        prefill_runs_per_task=0,
+        prefill_demos_from_turns=0,
+        preflight=preflight,
+        learner=replace(
+            base.learner,
+            iterations=iterations,
+            stall_s=60.0,
+            assemble=AssembleConfig(group_size=2, groups_per_step=2, max_staleness=2),
+            checkpoint=CheckpointConfig(every=2, keep=2, verify=False),
+        ),
+        actor=replace(
+            base.actor,
+            episode=replace(
+                base.actor.episode,
+                max_steps=2,
+                max_new_tokens=16,
+                reset_retries=2,
+                reset_backoff_s=0.2,
+            ),
+        ),
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
+
+
+def test_a_task_whose_setup_always_fails_leaves_the_run_and_training_finishes(
+    tmp_path: Path, tiny: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ids = _pool(tmp_path / "tasks", good=3, broken=1)
+    cfg = _config(tmp_path, tiny, iterations=4, preflight=False)
+    assert main(cfg) == 0
+    out = capsys.readouterr().out
+    rows = read_metrics(Path(cfg.run_dir) / "learner" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]  # every iteration trained
+    summary = json.loads((Path(cfg.run_dir) / "summary.json").read_text())
+    # The broken task is out of the run, named with its reason, in the report and the output.
+    assert list(summary["tasks_out"]) == ["broken-0"]
+    reason = summary["tasks_out"]["broken-0"]["reason"]
+    assert "FileCacheMiss" in reason and MISSING_URL in reason
+    assert summary["tasks_out"]["broken-0"]["envs"] == 2
+    assert "broken-0" in out and "FileCacheMiss" in out
+    acc = summary["accounting"]
+    assert acc["unaccounted"] == 0 and acc["trained_twice"] == 0, acc
+    assert acc["finished_by_status"].get("setup_error", 0) >= 2
+    # Only the good tasks were trained on.
+    trained = (Path(cfg.run_dir) / "learner" / "trained.log").read_text()
+    assert "broken-0" not in trained
+    assert {line.split("\t")[1] for line in trained.splitlines()} and ids[:3]
+
+
+def test_a_pool_nobody_can_set_up_stops_the_run_with_exit_3_naming_its_tasks(
+    tmp_path: Path, tiny: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _pool(tmp_path / "tasks", good=0, broken=2)
+    cfg = _config(tmp_path, tiny, iterations=50, preflight=False)
+    t0 = time.monotonic()
+    assert main(cfg) == EXIT_STALLED
+    took = time.monotonic() - t0
+    err = capsys.readouterr().err
+    assert "cannot go on" in err and "every one of the 2 tasks has left the run" in err
+    assert "broken-0" in err and "broken-1" in err and "FileCacheMiss" in err
+    assert took < cfg.learner.stall_s + 60, took  # not the stall timer: at once, named
+    summary = json.loads((Path(cfg.run_dir) / "summary.json").read_text())
+    assert sorted(summary["tasks_out"]) == ["broken-0", "broken-1"]
+    assert summary["iterations"] == 0 and "eval" not in summary
+
+
+def test_the_learner_stops_after_stall_s_when_no_episode_arrives(
+    tmp_path: Path, tiny: Path
+) -> None:
+    _pool(tmp_path / "tasks", good=2, broken=0)
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "arpo.learner.cli", f"trainer.model={tiny}",
+         f"tasks={tmp_path / 'tasks'}", f"run_dir={tmp_path / 'learner'}", "iterations=5",
+         "stall_s=4", "transport.data=tcp://127.0.0.1:0", "transport.control=tcp://127.0.0.1:0"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == EXIT_STALLED, proc.stderr[-3000:]
+    assert "no episode has filled a grant's slot for" in proc.stderr
+    assert "stall_s = 4" in proc.stderr
+    assert time.monotonic() - t0 < 240
+    status = json.loads((tmp_path / "learner" / "tasks_out.json").read_text())
+    assert status["tasks_out"] == {} and "no episode has filled a slot" in status["waiting_for"]
