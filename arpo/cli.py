@@ -6,6 +6,7 @@ arpo sft [--config FILE] [field=value ...]            oracle demonstrations + su
 arpo offline --algo dpo|kto|rft [field=value ...]     offline baselines on collected trajectories
 arpo eval [--config FILE] [field=value ...]           success rates of a checkpoint / model
 arpo collect [--config FILE] [field=value ...]        N runs per task, trajectories kept on disk
+arpo audit-tasks [--config FILE] [field=value ...]    every task set up on its environments, checked
 arpo COMMAND --show-config                            every config field with its default and meaning
 """
 
@@ -43,6 +44,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
             "arpo.cli:_sft"),
     "offline": ("DPO / KTO / RFT on collected trajectories",
                 "arpo.offline.offline:OfflineConfig", "arpo.cli:_offline"),
+    "audit-tasks": ("set up every task on its environments; do-nothing and oracle scores",
+                    "arpo.pool.audit:AuditConfig", "arpo.pool.audit:main"),
 }  # fmt: skip
 
 

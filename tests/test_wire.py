@@ -416,6 +416,9 @@ def _control_messages() -> list[wire.Message]:
         wire.WeightsRequest(4, -1),
         wire.WeightsRequest(4, 2),
         wire.WeightsChunk(4, 2, 3, b"\x00" * 1808),
+        wire.FileRequest("ab" * 32, 0),
+        wire.FileChunk("ab" * 32, 1, 3, 9_000_000, "", b"\x01" * 1000),
+        wire.FileChunk("cd" * 32, 0, 0, 0, "no task file of this learner has that sha256"),
     ]
 
 
@@ -425,6 +428,11 @@ def test_control_message_roundtrip(msg: wire.Message) -> None:
     if isinstance(msg, wire.WeightsChunk):
         assert isinstance(out, wire.WeightsChunk)
         assert (out.version, out.index, out.total) == (msg.version, msg.index, msg.total)
+        assert bytes(out.data) == bytes(msg.data)
+    elif isinstance(msg, wire.FileChunk):
+        assert isinstance(out, wire.FileChunk)
+        assert (out.sha256, out.index, out.total, out.size, out.error) == (
+            msg.sha256, msg.index, msg.total, msg.size, msg.error)  # fmt: skip
         assert bytes(out.data) == bytes(msg.data)
     else:
         assert out == msg
@@ -485,6 +493,14 @@ _ANN = {"version": 1, "nbytes": 10, "chunks": 1, "chunk_bytes": 10, "sha256": "0
             "index must be an int in [0, 0]",
         ),
         (_control(8, {"version": 0, "index": 0, "total": 1}), "has 3 frames, got 2"),
+        (_control(10, {"sha256": "AB" * 32, "chunk": 0}), "64 lowercase hex characters"),
+        (_control(10, {"sha256": "ab" * 32}), "missing ['chunk']"),
+        (
+            _control(
+                11, {"sha256": "ab" * 32, "index": 0, "total": 1, "size": 1, "error": "gone"}, b"x"
+            ),
+            "both an error and data",
+        ),
         (_control(99, {}), "unknown message kind 99"),
     ],
 )
@@ -562,3 +578,16 @@ def test_ids_that_could_forge_ledger_lines_are_refused(bad: str) -> None:
         wire.Grant(bad, "t", "t/0", 0, 0, "{}")
     with pytest.raises(WireError, match="grant request actor contains"):
         wire.GrantRequest(bad, 1)
+
+
+def test_trajectories_carry_their_error_and_environment_and_old_headers_still_decode() -> None:
+    t = Trajectory(task_id="t", turns=(), checker_score=0.0, status=Status.SETUP_ERROR,
+                   error="setup: FileCacheMiss: x" + "y" * 5000, env="http://10.0.0.5:5000")  # fmt: skip
+    assert len(t.error) == 2000 and t.error.endswith("...")  # cut, not refused
+    out = wire.decode([bytes(f) for f in wire.encode(t)])
+    assert out == t and out.status == Status.SETUP_ERROR and out.env == "http://10.0.0.5:5000"
+    frames = [bytes(f) for f in wire.encode(t)]
+    header = msgpack.unpackb(frames[1])
+    del header["error"], header["env"]  # a record written before the fields existed
+    old = wire.decode([frames[0], msgpack.packb(header), *frames[2:]])
+    assert (old.error, old.env) == ("", "")

@@ -626,6 +626,8 @@ class Actor:
                 "episode_s": round(self.stats.episode_s, 3),
                 "envs": len(self.envs),
                 "envs_down": sum(not e.healthy for e in self.envs),
+                "files_fetched": self.files.fetched,
+                "files_refused": self.files.refused,
             }
             await self.link.heartbeat(
                 wire.Heartbeat(

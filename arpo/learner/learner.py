@@ -606,6 +606,7 @@ class Learner:
             try:
                 last = self._loop(pool)
             except RunStalled:
+                self._write_tasks_out()
                 if self.iteration > 0 and self._checkpointed_at != self.iteration:
                     self._announce("checkpoint")
                     self.save_checkpoint()
@@ -820,7 +821,8 @@ class Learner:
         out["data/ingest_rejected"] = float(sum(st["rejected"].values()))
         out["data/actors"] = float(st["actors"])
         out["data/grants_in_flight"] = float(self.grants.book.stats()["in_flight"])
-        keys = ("envs", "episode_s", "grant_wait_s", "weight_wait_s")
+        keys = ("envs", "episode_s", "grant_wait_s", "weight_wait_s", "files_fetched",
+                "files_refused")  # fmt: skip
         out.update({f"data/actor_{k}": v for k, v in self.ingest.actor_totals(keys).items()})
         return out
 

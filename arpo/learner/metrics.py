@@ -137,6 +137,10 @@ DATA: dict[str, str] = {
     "data/actor_grant_wait_s": "Environment-seconds the actors spent asking for grants.",
     "data/actor_weight_wait_s": "Environment-seconds the actors spent waiting for the policy "
     "version a grant asked for.",
+    "data/actor_files_fetched": "Task files the actors fetched from the learner by sha256 "
+    "(`arpo.env.taskfiles`; a file already in an actor's cache is not fetched again).",
+    "data/actor_files_refused": "Task files whose received bytes did not have the size or "
+    "sha256 their task names: refused, never used or cached (their task's setup fails).",
 }
 TIME: dict[str, str] = {
     "time/<span>_s": "Wall seconds spent in a named span this iteration (`Spans`): wait "
