@@ -714,7 +714,86 @@ class TrainRun:
         <run_dir>/preflight.{json,md} and <run_dir>/left_out.json (the learner's
         `left_out`). RunStalled when `preflight_fatal` and a task failed, or when every
         task failed."""
-        raise NotImplementedError
+        import asyncio
+
+        from arpo.env.task import load_pool
+        from arpo.env.taskfiles import BlobCache, FileSource, TaskFiles
+        from arpo.pool.audit import EnvSpec, audit_tasks, summarize
+
+        cfg = self.config
+        index = TaskFiles()
+        pool = load_pool(tasks, index)
+        runner = cfg.actor.runner.runner_config(reset_before_setup=cfg.actor.reset_before_setup)
+        specs: dict[str, list[EnvSpec]] = {}
+        if desktops is not None:
+            specs["desktop"] = [
+                EnvSpec(u, token=t, provider="desktop", runner=runner)
+                for u, t in zip(*desktops, strict=True)
+            ]
+        if fleet:
+            specs.setdefault(cfg.vm_pool, []).extend(EnvSpec.fleet_vms(fleet, runner))
+        kind = "desktop" if cfg.actor.reset_before_setup else "static"
+        specs.setdefault(cfg.env_urls_pool, []).extend(
+            EnvSpec(u, token=cfg.actor.env_token, provider=kind, runner=runner)
+            for u in cfg.env_urls
+        )
+        sims = min(4, cfg.actors * cfg.sim_envs_per_actor)
+        t0 = time.monotonic()
+
+        async def run() -> list[Any]:
+            runners: list[Any] = []
+            if sims:
+                from arpo_envs.sim.server import SimConfig, start_servers
+
+                runners, urls = await start_servers([SimConfig(port=0) for _ in range(sims)])
+                specs.setdefault(cfg.actor.sim_pool, []).extend(
+                    EnvSpec(u, provider="sim") for u in urls
+                )
+            try:
+                source = FileSource.local(index, BlobCache(self.run_dir / "preflight-files"))
+                return await audit_tasks(pool, specs, source, checks=False)
+            finally:
+                for r in runners:
+                    await r.cleanup()
+
+        log.info("preflight: setting up each of the %d tasks once on an environment of its "
+                 "pool", len(pool))  # fmt: skip
+        audits = asyncio.run(run())
+        left_out = {a.task_id: a.reason for a in audits if a.verdict != "ok"}
+        report = {
+            "seconds": round(time.monotonic() - t0, 1),
+            "summary": summarize(audits),
+            "left_out": left_out,
+            "tasks": [a.to_dict() for a in audits],
+        }
+        (self.run_dir / "preflight.json").write_text(json.dumps(report, indent=1))
+        lines = [f"# Preflight: {len(audits)} tasks set up once, {len(left_out)} left out "
+                 f"({report['seconds']} s)", "", "| task | pool | setup s | reason |",
+                 "|---|---|---|---|"]  # fmt: skip
+        lines += [f"| {a.task_id} | {a.pool} | {a.setup_s:.1f} | "
+                  f"{a.reason.replace('|', '/')[:300] or 'ok'} |" for a in audits]  # fmt: skip
+        (self.run_dir / "preflight.md").write_text("\n".join(lines) + "\n")
+        self.preflight_report = {
+            "tasks": len(audits),
+            "left_out": left_out,
+            "seconds": report["seconds"],
+            "report": str(self.run_dir / "preflight.md"),
+        }
+        log.info("preflight: %d of %d tasks set up in %.0f s on %s; %d left out%s", len(audits)
+                 - len(left_out), len(audits), report["seconds"],
+                 ", ".join(f"{len(v)} of pool {p!r}" for p, v in specs.items()), len(left_out),
+                 "".join(f"\n  {t}: {r}" for t, r in list(left_out.items())[:20]))  # fmt: skip
+        for t, r in left_out.items():
+            print(f"arpo train: preflight: task {t} left out: {r}", file=sys.stderr)
+        if left_out and (cfg.preflight_fatal or len(left_out) == len(audits)):
+            why = ("preflight_fatal is set" if len(left_out) < len(audits)
+                   else "no task could be set up")  # fmt: skip
+            raise RunStalled(
+                f"the preflight left out {len(left_out)} of {len(audits)} tasks and {why}: "
+                + "; ".join(f"{t}: {r}" for t, r in list(left_out.items())[:20])
+                + f" (all of them: {self.run_dir / 'preflight.md'})"
+            )
+        return left_out
 
     def _supervise(self, stop: dict[str, bool]) -> None:
         cfg = self.config

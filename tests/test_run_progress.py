@@ -148,3 +148,34 @@ def test_the_learner_stops_after_stall_s_when_no_episode_arrives(
     assert time.monotonic() - t0 < 240
     status = json.loads((tmp_path / "learner" / "tasks_out.json").read_text())
     assert status["tasks_out"] == {} and "no episode has filled a slot" in status["waiting_for"]
+
+
+def test_the_preflight_leaves_out_a_broken_task_before_training(
+    tmp_path: Path, tiny: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _pool(tmp_path / "tasks", good=2, broken=1)
+    cfg = _config(tmp_path, tiny, iterations=2, preflight=True)
+    assert main(cfg) == 0
+    err = capsys.readouterr().err
+    assert "preflight: task broken-0 left out" in err and "FileCacheMiss" in err
+    run = Path(cfg.run_dir)
+    assert "broken-0" in (run / "preflight.md").read_text()
+    summary = json.loads((run / "summary.json").read_text())
+    assert list(summary["preflight"]["left_out"]) == ["broken-0"]
+    assert summary["preflight"]["tasks"] == 3
+    out = summary["tasks_out"]["broken-0"]
+    assert out["reason"].startswith("left out before the run: ") and out["failures"] == 0
+    # It was never granted: no episode of it, and both iterations trained.
+    assert summary["accounting"]["finished_by_status"].get("setup_error", 0) == 0
+    assert [r["step"] for r in read_metrics(run / "learner" / "metrics.jsonl")] == [1, 2]
+
+
+def test_a_preflight_that_sets_up_no_task_stops_before_training(
+    tmp_path: Path, tiny: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _pool(tmp_path / "tasks", good=0, broken=2)
+    cfg = _config(tmp_path, tiny, iterations=5, preflight=True)
+    assert main(cfg) == EXIT_STALLED
+    err = capsys.readouterr().err
+    assert "no task could be set up" in err and "broken-1" in err
+    assert not (Path(cfg.run_dir) / "learner" / "metrics.jsonl").exists()

@@ -736,6 +736,8 @@ def run_audit(
     kinds: dict[str, collections.Counter[str]] = {}
 
     def add(pool_name: str, kind: str, items: list[EnvSpec]) -> None:
+        if not items:
+            return
         specs.setdefault(pool_name, []).extend(items)
         kinds.setdefault(pool_name, collections.Counter())[kind] += len(items)
 
@@ -789,7 +791,7 @@ def run_audit(
         "commit": _commit(),
         "machine": _machine(),
         "checks": cfg.checks,
-        "environments": {p: dict(sorted(c.items())) for p, c in kinds.items() if c.total()},
+        "environments": {p: dict(sorted(c.items())) for p, c in kinds.items()},
         "files": {"fetched": source.fetched, "hits": source.hits, "refused": source.refused},
         "summary": summarize(audits),
         "tasks": [a.to_dict() for a in audits],

@@ -1,0 +1,56 @@
+"""`make demo`'s own configuration, shortened: the default task set (the simulated tasks
+and the local suite, whose LibreOffice tasks upload their spreadsheets) on two real local
+desktops, started from a working folder outside the repository. Every task is set up by
+the preflight, and the run trains every iteration (this is what `make demo` runs)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from arpo.learner.metrics import read_metrics
+from arpo.policy.tiny import build_tiny_model
+
+REPO = Path(__file__).resolve().parents[1]
+MISSING = [b for b in ("Xvfb", "openbox", "soffice", "mousepad", "xterm") if not shutil.which(b)]
+
+
+@pytest.mark.skipif(bool(MISSING), reason=f"desktop programs missing: {MISSING} (make sysdeps)")
+def test_the_demo_configuration_sets_up_every_task_and_trains(tmp_path: Path) -> None:
+    model = build_tiny_model(tmp_path / "tiny", seed=0)
+    work = tmp_path / "elsewhere"  # not the repository: nothing may depend on its cwd
+    work.mkdir()
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "arpo.cli", "train", "run_dir=run", "local_desktops=2",
+         f"model={model}", "learner.iterations=3", "eval_runs_per_task=0",
+         "prefill_runs_per_task=0", "progress_s=0"],
+        cwd=work, env=env, capture_output=True, text=True, timeout=1200,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    run = work / "run"
+    summary = json.loads((run / "summary.json").read_text())
+    pre = summary["preflight"]
+    local = REPO / "envs" / "arpo_envs" / "tasks" / "local"
+    n_local = sum(1 for f in local.rglob("*.json") if "evaluator" in json.loads(f.read_text()))
+    assert pre["tasks"] == n_local + 8 and pre["left_out"] == {}, pre  # every task set up
+    assert summary["tasks_out"] == {}
+    calc = json.loads((run / "preflight.json").read_text())["tasks"]
+    assert sum(t["task_id"].startswith("calc-") and t["verdict"] == "ok" for t in calc) >= 10
+    rows = read_metrics(run / "learner" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    acc = summary["accounting"]
+    assert acc["unaccounted"] == 0 and acc["trained_twice"] == 0, acc
+    assert set(acc["finished_by_status"]) == {"ok"}, acc  # no setup or environment error
+    # the desktops' actor ran real episodes, its task files fetched by content
+    assert "actor-1" in {p.name for p in (run / "spool").iterdir()}
+    assert any((run / "task-files").rglob("*")), "no task file fetched by the actors"
