@@ -35,6 +35,7 @@ CONFIGS = [
     ("arpo eval", "arpo.pool.evaluate:EvalConfig"),
     ("arpo collect", "arpo.pool.collect:CollectConfig"),
     ("arpo select-tasks", "arpo.pool.select:SelectConfig"),
+    ("arpo audit-tasks", "arpo.pool.audit:AuditConfig"),
     ("arpo sft", "arpo.offline.sft:SFTConfig"),
     ("arpo offline", "arpo.offline.offline:OfflineConfig"),
 ]
