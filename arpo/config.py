@@ -31,6 +31,7 @@ import difflib
 import enum
 import json
 import math
+import re
 import sys
 import tomllib
 import types
@@ -72,6 +73,100 @@ class _FieldFailure(Exception):
 def fail(field: str, reason: str) -> typing.NoReturn:
     """Raise from a config's `validate()`: `field` is the field's name, `reason` the fix."""
     raise _FieldFailure(field, reason)
+
+
+# ---------------------------------------------------------------------------- range checks
+# Shared by the `validate()` of every component, so a field refused by `arpo train`, by
+# `arpo-actor`, by `arpo-learner` or by a pool command is refused with the same message.
+
+MAX_SECONDS = 7 * 24 * 3600.0
+"""Longest duration any setting in seconds accepts (a week): timeouts, deadlines, intervals
+and delays. A longer one is a typo that never fires (a failed call holding its grant for
+ever); 1e300 overflows the clocks of asyncio and `time.sleep` outright."""
+
+MAX_TEMPERATURE = 100.0
+"""Highest sampling temperature any setting accepts (episodes, evaluations, the learner's
+rollouts): a policy's logits span a few tens, so divided by more than 100 they sample
+nearly uniformly from the whole vocabulary, which writes no action."""
+
+SET_BY_TRAIN = "(set by arpo train)"
+"""The value of a field of `arpo train`'s embedded learner and actor that train fills in
+itself before it starts them (the model and the task pool: arpo.train); the checks of
+paths and model names let it through."""
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}(/[A-Za-z0-9][\w.-]{0,95})?$")
+
+
+def _num(x: float) -> str:
+    if isinstance(x, float) and x.is_integer() and abs(x) < 1e15:
+        return str(int(x))
+    return str(x)
+
+
+def check_range(
+    field: str, value: float, lo: float, hi: float, what: str = "", *, lo_open: bool = False
+) -> None:
+    """`fail(field, ...)` unless `value` is finite and in [lo, hi] ((lo, hi] with `lo_open`);
+    the message gives the value, the allowed range and `what` the field is."""
+    above = value > lo if lo_open else value >= lo
+    if not (above and value <= hi):  # nan fails both comparisons, inf the second
+        where = f"{'(' if lo_open else '['}{_num(lo)}, {_num(hi)}]"
+        fail(field, f"is {value!r}; must be in {where}" + (f" ({what})" if what else ""))
+
+
+def check_seconds(field: str, value: float, what: str = "", *, zero: str | None = None) -> None:
+    """A duration in seconds: in (0, MAX_SECONDS], or [0, MAX_SECONDS] when `zero` says what
+    0 means (e.g. "0: none")."""
+    note = "; ".join(x for x in ("seconds", what, zero) if x)
+    check_range(field, value, 0.0, MAX_SECONDS, note, lo_open=zero is None)
+
+
+def url_problem(url: str) -> str | None:
+    """Why `url` cannot be an environment server's address, or None: it needs the scheme
+    http:// or https://, a host, a valid port if any, and no whitespace."""
+    from urllib.parse import urlsplit
+
+    if not url or len(url) > 2048 or any(c.isspace() or not c.isprintable() for c in url):
+        return f"{url!r:.100} is not a URL of 1..2048 printable characters without spaces"
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 (raises ValueError for a port out of range)
+    except ValueError as e:
+        return f"{url!r} is not a URL: {e}"
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return (
+            f"{url!r} must be http://HOST[:PORT] or https://HOST[:PORT] (e.g. http://10.0.0.5:5000)"
+        )
+    return None
+
+
+def folder_problem(path: str) -> str | None:
+    """Why `path` cannot be a folder a command writes into, or None ('' is none): it exists
+    and is not a folder."""
+    if path and Path(path).exists() and not Path(path).is_dir():
+        return f"{path!r} exists and is not a folder"
+    return None
+
+
+def model_problem(model: str) -> str | None:
+    """Why `model` cannot name a policy to load, or None: it must be a folder holding a
+    Hugging Face `config.json`, or a Hugging Face hub id (`org/name`, looked up when it is
+    loaded). A path that does not exist and is not shaped like a hub id is refused."""
+    if model == SET_BY_TRAIN:
+        return None
+    p = Path(model)
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            return f"{model!r} is a folder without config.json (not a Hugging Face model folder)"
+        return None
+    if p.exists():
+        return f"{model!r} is not a folder (give a Hugging Face model folder or a hub id)"
+    if not _HUB_ID.match(model) or ".." in model or "--" in model:
+        return (
+            f"{model!r} does not exist and is not a Hugging Face hub id (org/name): give a "
+            "model folder (with config.json) or a hub id"
+        )
+    return None
 
 
 def field_docs(cls: type) -> dict[str, str]:

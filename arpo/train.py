@@ -53,8 +53,21 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from arpo.actor.config import ActorConfig
-from arpo.config import fail, option, to_toml, validate
+from arpo.actor.config import MAX_ENVS, ActorConfig, fleet_problem
+from arpo.actor.episode import MAX_STEPS_LIMIT
+from arpo.config import (
+    MAX_TEMPERATURE,
+    check_range,
+    check_seconds,
+    fail,
+    folder_problem,
+    model_problem,
+    option,
+    to_toml,
+    url_problem,
+    validate,
+)
+from arpo.env.task import pool_problem
 from arpo.errors import EXIT_STALLED, ArpoError, RunStalled
 from arpo.learner.checkpoint import latest_checkpoint
 from arpo.learner.learner import LearnerConfig
@@ -264,8 +277,6 @@ class TrainConfig:
             fail("vms", "must be >= 0")
         if self.seed < 0:
             fail("seed", "must be >= 0")
-        if self.prefill_demos_from_turns < 0:
-            fail("prefill_demos_from_turns", "must be >= 0 turns (0: only with prefill_demos)")
         if not self.tasks and self.sim_tasks_per_family < 1:
             fail("sim_tasks_per_family", "must be >= 1 (tasks generated per family)")
         if not self.tasks:
@@ -279,8 +290,18 @@ class TrainConfig:
                 )
         if self.vms and self.vm_fleet:
             fail("vms", "and vm_fleet both name VMs; give one (vms starts a fleet for the run)")
-        if self.vm_fleet and not Path(self.vm_fleet).is_file():
-            fail("vm_fleet", f"{self.vm_fleet!r} is not a fleet state file (<dir>/fleet.json)")
+        if self.vm_fleet and (problem := fleet_problem(self.vm_fleet)):
+            fail("vm_fleet", problem)
+        if len(self.env_urls) > MAX_ENVS:
+            fail(
+                "env_urls", f"lists {len(self.env_urls)} URLs; one actor drives at most {MAX_ENVS}"
+            )
+        for u in self.env_urls:
+            if problem := url_problem(u):
+                fail("env_urls", problem)
+        for name in ("vm_pool", "env_urls_pool"):
+            if not getattr(self, name) or len(getattr(self, name)) > 1024:
+                fail(name, "must be a pool name of 1..1024 characters (e.g. 'desktop')")
         envs = self.actors * self.sim_envs_per_actor + self.local_desktops + len(self.env_urls)
         if envs + self.vms == 0 and not self.vm_fleet:
             fail(
@@ -288,12 +309,30 @@ class TrainConfig:
                 "no environments: give actors and sim_envs_per_actor, local_desktops, vms, "
                 "vm_fleet or env_urls",
             )
-        if self.minutes < 0:
-            fail("minutes", "must be >= 0 (0: until learner.iterations)")
+        check_range(
+            "minutes", self.minutes, 0, 525_600, "a year at most; 0: until learner.iterations"
+        )
         if self.minutes == 0 and self.learner.iterations == 0:
             fail("minutes", "give minutes > 0 or learner.iterations > 0, or the run never ends")
-        if self.max_restarts < 0:
-            fail("max_restarts", "must be >= 0")
+        check_range("max_restarts", self.max_restarts, 0, 1000, "restarts per process")
+        check_range("sft_epochs", self.sft_epochs, 1, LIMITS["sft_epochs"][0], "warm-start epochs")
+        check_seconds("progress_s", self.progress_s, "between progress lines", zero="0: none")
+        check_range("eval_temperature", self.eval_temperature, 0, MAX_TEMPERATURE, "0: greedy")
+        check_range(
+            "sft_target_nll",
+            self.sft_target_nll,
+            0,
+            100,
+            "mean NLL of a demonstration token that stops the warm start; 0: run all "
+            "sft_epochs; a uniform guess over Qwen's 151,665 tokens scores 12",
+        )
+        check_range(
+            "prefill_demos_from_turns",
+            self.prefill_demos_from_turns,
+            0,
+            MAX_STEPS_LIMIT + 1,
+            "turns of an oracle, DONE included; 0: only with prefill_demos",
+        )
         if self.eval_runs_per_task < 0:
             fail("eval_runs_per_task", "must be >= 0")
         if self.prefill_runs_per_task < 0:
@@ -310,6 +349,17 @@ class TrainConfig:
                     f"sampling settings and sends them with every grant, so the actors' "
                     f"log-probs are the ones it scores; set learner.trainer.{name} only",
                 )
+        if problem := folder_problem(self.run_dir):
+            fail("run_dir", problem)
+        if self.model and (problem := model_problem(self.model)):
+            fail("model", problem)
+        # The pools are loaded here, before anything starts: a pool the learner cannot load
+        # (a duplicate id, a file that is not UTF-8, a missing folder) is refused on this
+        # command's output, naming the file and the task, instead of killing the learner.
+        if self.tasks and (problem := pool_problem(self.tasks)):
+            fail("tasks", problem)
+        if self.local_tasks and (problem := pool_problem(self.local_tasks)):
+            fail("local_tasks", problem)
 
     def pool_actor_args(self) -> list[str]:
         """Options of the local actor of an evaluation, selection or collection of this run's
@@ -575,7 +625,11 @@ class TrainRun:
         )
         validate(ac)
         path = self.run_dir / f"actor-{i}.toml"
-        path.write_text(to_toml(ac))
+        # It may hold the desktops' bearer tokens (env_tokens): readable by this user only.
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(to_toml(ac))
+        path.chmod(0o600)
         args = [sys.executable, "-m", "arpo.actor.cli", "--config", str(path)]
         return _Proc(f"actor-{i}", args, self.run_dir / "logs" / f"actor-{i}.log")
 
@@ -1119,22 +1173,24 @@ def account(run_dir: Path, checkpoint: Path | None) -> dict[str, Any]:
     Finished (the actors' spool ledgers, by status) against: trained (the learner's
     `trained.log`, as of the final checkpoint), dropped by the learner with a reason
     (stale, replaced by a replayed success, invalid, ...), still in the store (the final
-    checkpoint's snapshot) or in the journal after it, and still in an actor's spool
-    (never acknowledged). `unaccounted` lists `ok` trajectories found in none of them;
+    checkpoint's snapshot) or in the journal after it, still in an actor's spool (never
+    acknowledged), or kept aside there as refused for good by the learner. `unaccounted` lists `ok` trajectories found in none of them;
     `trained_twice` counts fresh trajectories trained in two iterations. Both must be 0."""
     import collections
 
     from arpo import wire
-    from arpo.actor.spool import SUFFIX, read_ledger
+    from arpo.actor.spool import REFUSED, SUFFIX, read_ledger
     from arpo.buffer import ReplayStore
     from arpo.learner.checkpoint import load_checkpoint
     from arpo.service.journal import list_segments, read_segment, segment_path
 
     finished: dict[str, tuple[str, str]] = {}
     in_spool: set[str] = set()
+    refused: set[str] = set()
     for d in sorted((run_dir / "spool").glob("*")):
         finished.update(read_ledger(d))
         in_spool |= {p.name[: -len(SUFFIX)] for p in d.glob("*" + SUFFIX)}
+        refused |= {p.name[: -len(SUFFIX)] for p in (d / REFUSED).glob("*" + SUFFIX)}
     trained: collections.Counter[str] = collections.Counter()
     dropped: dict[str, str] = {}
     ledger = run_dir / "learner" / "trained.log"
@@ -1165,7 +1221,7 @@ def account(run_dir: Path, checkpoint: Path | None) -> dict[str, Any]:
                 for rec in read_segment(segment_path(journal, seg)):
                     in_journal.add(wire.decode(rec.frames).trajectory_id)
     ok = {tid for tid, (status, _) in finished.items() if status == "ok"}
-    accounted = set(trained) | set(dropped) | in_store | in_journal | in_spool
+    accounted = set(trained) | set(dropped) | in_store | in_journal | in_spool | refused
     unaccounted = sorted(ok - accounted)
     return {
         "finished": len(finished),
@@ -1175,6 +1231,7 @@ def account(run_dir: Path, checkpoint: Path | None) -> dict[str, Any]:
         "in_store": len(in_store & ok),
         "in_journal": len(in_journal & ok),
         "in_spool": len(in_spool & ok),
+        "refused": len(refused & ok),
         "unaccounted": len(unaccounted),
         "unaccounted_ids": unaccounted[:20],
         "trained_twice": sum(1 for n in trained.values() if n > 1),

@@ -400,7 +400,8 @@ class ActorLink:
 
     - `send(frames)`: a trajectory on the data link (waits up to `send_timeout_s` for room);
     - acknowledgements and learner heartbeats arriving on the data link go to `on_ack(ids)`
-      and update `learner_version` / `last_heard["data"]`;
+      and update `learner_version` / `last_heard["data"]`; refusals to
+      `on_refuse(ids, reason)`;
     - `request(msg, match)`: one control request at a time, the first reply for which
       `match(reply)` is true, or None after `request_timeout_s`.
     """
@@ -411,10 +412,12 @@ class ActorLink:
         *,
         on_ack: Callable[[tuple[str, ...]], None],
         actor_id: str,
+        on_refuse: Callable[[tuple[str, ...], str], None] | None = None,
     ) -> None:
         self.config = config
         self.actor_id = actor_id
         self._on_ack = on_ack
+        self._on_refuse = on_refuse
         self._ctx = zmq.asyncio.Context()
         self.data = connect_dealer(self._ctx, config.data, config)
         self.control = connect_dealer(self._ctx, config.control, config)
@@ -476,6 +479,8 @@ class ActorLink:
             self._heard(msg, "data")
             if isinstance(msg, wire.Ack):
                 self._on_ack(msg.ids)
+            elif isinstance(msg, wire.Refuse) and self._on_refuse is not None:
+                self._on_refuse(msg.ids, msg.reason)
 
     async def heartbeat(self, hb: wire.Heartbeat) -> None:
         """Send a heartbeat on the data link (never waits: a full queue skips it). The

@@ -18,6 +18,10 @@ holding every turn's prompt ids (int32), response ids (int32) and log-probs
 
 Ack (kind 2): header `{"ids": [trajectory ids]}`, no payload frames.
 
+Refuse (kind 12): header `{"ids": [trajectory ids], "reason": str}`, no payload frames:
+the learner will never store these trajectories (e.g. one larger than its store's byte
+budget); the actor keeps them on disk, stops sending them and logs the reason.
+
 Control messages (no payload frames unless said):
 
 - grant request (3), actor -> learner: `{"actor", "req", "want", "pool"}`: ask for up
@@ -102,7 +106,8 @@ KIND_WEIGHTS_CHUNK = 8
 KIND_GRANT_RELEASE = 9
 KIND_FILE_REQUEST = 10
 KIND_FILE_CHUNK = 11
-_KINDS = frozenset(range(1, 12))
+KIND_REFUSE = 12
+_KINDS = frozenset(range(1, 13))
 
 MAX_HEADER_BYTES = 4 << 20
 """Largest accepted header frame (a 15-turn trajectory's header is about 1 KB)."""
@@ -155,6 +160,24 @@ class Ack:
         object.__setattr__(self, "ids", tuple(self.ids))
         for i in self.ids:
             _check_id(i, "ack id")
+
+
+@dataclass(frozen=True, slots=True)
+class Refuse:
+    """The learner refuses these trajectories for good (they are not stored, and sending
+    them again changes nothing): the actor keeps them aside and logs `reason`."""
+
+    ids: tuple[str, ...]
+    reason: str
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ids", tuple(self.ids))
+        if len(self.ids) > MAX_ACK_IDS:
+            raise WireError(f"refuse holds at most {MAX_ACK_IDS} ids")
+        for i in self.ids:
+            _check_id(i, "refuse id")
+        if type(self.reason) is not str or len(self.reason) > 1024:
+            raise WireError("refuse reason must be a string of at most 1024 characters")
 
 
 def _check_id(v: Any, name: str, *, allow_empty: bool = False) -> str:
@@ -446,6 +469,7 @@ def _check_sha256(v: Any, name: str) -> str:
 Message = (
     Trajectory
     | Ack
+    | Refuse
     | GrantRequest
     | GrantRelease
     | GrantReply
@@ -515,6 +539,8 @@ def encode(msg: Message) -> list[Frame]:
     if isinstance(msg, WeightsChunk):
         h = {"version": msg.version, "index": msg.index, "total": msg.total}
         return [_preamble(KIND_WEIGHTS_CHUNK), _pack(h), msg.data]
+    if isinstance(msg, Refuse):
+        return [_preamble(KIND_REFUSE), _pack({"ids": list(msg.ids), "reason": msg.reason})]
     if isinstance(msg, FileRequest):
         return [_preamble(KIND_FILE_REQUEST), _pack({"sha256": msg.sha256, "chunk": msg.chunk})]
     if isinstance(msg, FileChunk):
@@ -660,6 +686,14 @@ def decode(frames: Sequence[Any]) -> Message:
         return Ack(tuple(ids))
     if kind == KIND_TRAJECTORY:
         return decode_trajectory_parts(header, frames[2:], first_index=2)
+    if kind == KIND_REFUSE:
+        if len(frames) != 2:
+            raise WireError(f"refuse has 2 frames, got {len(frames)}")
+        if set(header) != {"ids", "reason"}:
+            raise WireError(f"refuse header must have the keys ids, reason; got {sorted(header)}")
+        if not isinstance(header["ids"], list):
+            raise WireError("refuse 'ids' must be a list of strings")
+        return Refuse(tuple(header["ids"]), header["reason"])
     return _decode_control(kind, header, frames)
 
 

@@ -136,7 +136,7 @@ def test_runner_section_is_validated_and_reaches_the_runners():
     assert load().runner.evaluator_config(5).workers == 2
     for bad, fix in (
         ("runner.evaluator=mine", "one of 'own', 'auto', 'osworld'"),
-        ("runner.osworld_timeout_s=0", "finite number of seconds > 0"),
+        ("runner.osworld_timeout_s=0", "is 0.0; must be in (0, 604800] (seconds"),
         ("runner.osworld_probe_timeout_s=-1", "0: no check"),
         ("runner.osworld_workers=-2", "min(environments, 2)"),
     ):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import json
 import re
 import subprocess
 import sys
@@ -132,15 +133,24 @@ def test_missing_file_names_the_path(tmp_path: Path) -> None:
 
 
 def test_to_toml_round_trips_nested_configs(tmp_path) -> None:
+    from arpo_envs.sim.tasks import generate_tasks
+
     from arpo.actor.config import ActorConfig
     from arpo.config import to_toml
     from arpo.learner.learner import LearnerConfig
 
+    pool = tmp_path / "tasks.json"  # the learner loads its pool when it starts
+    pool.write_text(json.dumps(generate_tasks("click_button", 1, seed=0)))
     for cfg in (
         load_config(
             LearnerConfig,
             None,
-            ['trainer.model="m"', 'tasks="t"', "trainer.lr=3e-06", 'assemble.replay.mode="add"'],
+            [
+                'trainer.model="m"',
+                f"tasks={str(pool)!r}",
+                "trainer.lr=3e-06",
+                'assemble.replay.mode="add"',
+            ],
         ),
         load_config(
             ActorConfig,

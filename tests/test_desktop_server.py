@@ -332,6 +332,37 @@ def test_upload_file_and_paths_as_the_apps_see_them(clean: Desk) -> None:
     assert r["output"].split() == ["200000", "/home/user", "/home/user"]
 
 
+def test_uploads_onto_kernel_files_devices_fifos_and_under_a_file_are_4xx(clean: Desk) -> None:
+    """Paths an upload cannot write are the client's mistake, answered 400 with the reason:
+    before, /proc/self/mem, /dev/full and a path under a regular file answered 500 with a
+    traceback in the log."""
+    assert clean.log is not None
+    logged = clean.log.stat().st_size
+    clean.sh("printf x > ~/plain.txt; rm -f ~/fifo; mkfifo ~/fifo")
+    cases = {
+        "/proc/self/mem": "file of the kernel",
+        "/dev/full": "file of the kernel",
+        "/home/user/plain.txt/inside": "a folder on its path is a file",
+        "/home/user/plain.txt/a/b": "not a directory",
+        "/home/user/fifo": "not a regular file",
+    }
+
+    async def upload(path: str) -> EnvHTTPError:
+        async with EnvClient(ClientConfig(base_url=clean.url, max_retries=0)) as env:
+            with pytest.raises(EnvHTTPError) as e:
+                await asyncio.wait_for(env.upload(path, b"hostile"), 30)
+            return e.value
+
+    for path, words in cases.items():
+        err = asyncio.run(upload(path))
+        assert err.status == 400, (path, err.status, err.body[:300])
+        assert words in err.body.lower(), (path, err.body[:300])
+    assert clean.act("print(1)")["output"] == "1\n"  # still serving
+    with open(clean.log, "rb") as f:
+        f.seek(logged)
+        assert b"Traceback" not in f.read()
+
+
 def test_run_python_and_run_bash_script(clean: Desk) -> None:
     r = clean.post("/run_python", {"code": "import os\nprint(os.getcwd())"}).json()
     assert (r["status"], r["output"], r["return_code"]) == ("success", "/home/user\n", 0)

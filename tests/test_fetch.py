@@ -9,7 +9,9 @@ downloads run at once, never more than -j; --dry-run downloads nothing."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
 import re
 import socket
 import threading
@@ -17,7 +19,7 @@ import time
 import uuid
 import zlib
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +40,7 @@ BLOBS = {
 }
 ANNOUNCED = {"short.bin": 1000}
 WAIT_S = 10.0  # longest wait of the server for the client; reached only when something is wrong
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def osworld_name(url: str, name: str) -> str:
@@ -176,16 +179,15 @@ def _no_proxy(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(var, raising=False)
 
 
-@pytest.fixture
-def server() -> Iterator[Server]:
-    srv = Server()
+@contextlib.contextmanager
+def serving(handle: Handler) -> Iterator[int]:
+    """`handle` answering GET /files/{name} on 127.0.0.1, in a thread of its own; the port."""
     loop = asyncio.new_event_loop()
     app = web.Application()
-    app.router.add_get("/files/{name}", srv.handle)
+    app.router.add_get("/files/{name}", handle)
     runner = web.AppRunner(app)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    srv.port = sock.getsockname()[1]
 
     async def start() -> None:
         await runner.setup()
@@ -194,11 +196,21 @@ def server() -> Iterator[Server]:
     loop.run_until_complete(start())
     t = threading.Thread(target=loop.run_forever, daemon=True)
     t.start()
-    yield srv
-    asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(timeout=10)
-    loop.call_soon_threadsafe(loop.stop)
-    t.join(timeout=10)
-    loop.close()
+    try:
+        yield sock.getsockname()[1]
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(timeout=10)
+        loop.call_soon_threadsafe(loop.stop)
+        t.join(timeout=10)
+        loop.close()
+
+
+@pytest.fixture
+def server() -> Iterator[Server]:
+    srv = Server()
+    with serving(srv.handle) as port:
+        srv.port = port
+        yield srv
     assert srv.errors == []
 
 
@@ -554,3 +566,358 @@ def test_the_benchmark_task_set_is_listed(
     assert total == 369 and 0 < needing < total and 0 < urls <= files
     assert F.main(args) == 0  # the folder searched without the index: the same tasks
     assert capsys.readouterr().out.splitlines()[0] == head
+
+
+# ---------------------------------------------------------------------------- hostile servers
+# Each test below plays one misbehaving server (or cache, or task folder) against the real
+# download path, and checks that the command ends, writes nothing outside the cache, and
+# fails only the file concerned, with its reason.
+
+
+class Hostile:
+    """A server that misbehaves on purpose: `handlers[name]` answers /files/<name> (404 when
+    there is none); every GET is recorded as (name, its Range header)."""
+
+    def __init__(self) -> None:
+        self.port = 0
+        self.requests: list[tuple[str, str | None]] = []
+        self.handlers: dict[str, Handler] = {}
+
+    def url(self, name: str) -> str:
+        return f"http://127.0.0.1:{self.port}/files/{name}"
+
+    def of(self, name: str) -> list[str | None]:
+        return [rng for n, rng in self.requests if n == name]
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        name = request.match_info["name"]
+        self.requests.append((name, request.headers.get("Range")))
+        handler = self.handlers.get(name)
+        if handler is None:
+            return web.Response(status=404)
+        return await handler(request)
+
+
+@pytest.fixture
+def hostile() -> Iterator[Hostile]:
+    srv = Hostile()
+    with serving(srv.handle) as port:
+        srv.port = port
+        yield srv
+
+
+def streaming(piece: bytes, every_s: float, length: int | None = None) -> Handler:
+    """A 200 whose body is `piece` every `every_s` seconds, announced as `length` bytes and
+    ending there (None: chunked, without end), for WAIT_S at most: a client that works has
+    gone long before."""
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse()
+        if length is not None:
+            resp.content_length = length
+        await resp.prepare(request)
+        end, sent = time.monotonic() + WAIT_S, 0
+        with contextlib.suppress(ConnectionError):  # the client hung up
+            while time.monotonic() < end and (length is None or sent < length):
+                await resp.write(piece)
+                sent += len(piece)
+                await asyncio.sleep(every_s)
+        return resp
+
+    return handle
+
+
+def run_bounded(*args: str, limit_s: float = 15.0) -> int:
+    """F.main in a thread of its own: its exit code; the test fails if it has not ended within
+    `limit_s` (the thread is left behind, blocked)."""
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["rc"] = F.main(["--backoff", "0.001", *args])
+        except BaseException as e:
+            box["error"] = e
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    t.join(limit_s)
+    assert not t.is_alive(), f"fetch did not end within {limit_s} s"
+    if "error" in box:
+        raise box["error"]
+    return int(box["rc"])
+
+
+def test_links_in_the_cache_are_replaced_never_followed(server: Server, tmp_path: Path) -> None:
+    tasks = simple_tasks(tmp_path, server, {"t1": ["a.txt", "b.bin", "c.bin"]})
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    victims = {n: outside / n for n in ("part", "named", "tmp", "hard")}
+    for n, v in victims.items():
+        v.write_bytes(f"precious {n}\n".encode())
+    a, b, c = (osworld_name(server.url(n), n) for n in ("a.txt", "b.bin", "c.bin"))
+    (cache / f"{a}.part").symlink_to(victims["part"])  # a download would continue "into" it
+    (cache / b).symlink_to(victims["named"])  # "already cached", but a file outside
+    (cache / f"{F.REPORT}.tmp").symlink_to(victims["tmp"])
+    (cache / F.LOCK).symlink_to(outside / "lock")  # dangling: opening it would make the file
+    os.link(victims["hard"], cache / f"{c}.part")  # the same file as one outside
+    assert run_bounded("--tasks", str(tasks), "--cache", str(cache)) == 0
+    for n, v in victims.items():
+        assert v.read_bytes() == f"precious {n}\n".encode()
+    assert sorted(p.name for p in outside.iterdir()) == ["hard", "named", "part", "tmp"]
+    for name, blob in ((a, "a.txt"), (b, "b.bin"), (c, "c.bin")):
+        assert not (cache / name).is_symlink()
+        assert (cache / name).read_bytes() == BLOBS[blob]
+    assert sorted(p.name for p in cache.iterdir()) == sorted([a, b, c, F.LOCK, F.REPORT])
+    assert not any(p.is_symlink() for p in cache.iterdir())
+    assert all(r.range is None for r in server.requests)  # nothing "continued" from a link
+
+
+def test_a_fifo_in_the_cache_is_replaced_never_opened(server: Server, tmp_path: Path) -> None:
+    tasks = simple_tasks(tmp_path, server, {"t1": ["d.bin"]})
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    d = osworld_name(server.url("d.bin"), "d.bin")
+    fifo = cache / f"{d}.part"
+    os.mkfifo(fifo)  # opening it to write would wait for a reader forever
+    try:
+        assert run_bounded("--tasks", str(tasks), "--cache", str(cache)) == 0
+    finally:
+        with contextlib.suppress(OSError):  # frees a fetch stuck on the FIFO
+            os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))
+    assert (cache / d).read_bytes() == BLOBS["d.bin"]
+    assert sorted(p.name for p in cache.iterdir()) == sorted([d, F.LOCK, F.REPORT])
+
+
+@pytest.mark.parametrize("always", [False, True])
+def test_a_206_of_unknown_total_is_never_stored(
+    hostile: Hostile, tmp_path: Path, always: bool
+) -> None:
+    blob = bytes(range(256)) * 40
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        rng = request.headers.get("Range")
+        if rng is None and not always:
+            return web.Response(body=blob)
+        start = int(rng.removeprefix("bytes=").split("-")[0]) if rng else 0
+        return web.Response(
+            status=206, body=b"?" * 100, headers={"Content-Range": f"bytes {start}-{start + 99}/*"}
+        )
+
+    hostile.handlers["f.bin"] = handle
+    url = hostile.url("f.bin")
+    tasks = write_tasks(tmp_path / "tasks", {"t1": {"config": [download(url, "/f.bin")]}})
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    name = osworld_name(url, "f.bin")
+    (cache / f"{name}.part").write_bytes(blob[:1000])
+    rc = run_bounded("--tasks", str(tasks), "--cache", str(cache))
+    # the unprovable 206 is not used: the whole file is asked for, once, without Range
+    assert hostile.of("f.bin") == ["bytes=1000-", None]
+    if not always:
+        assert rc == 0
+        assert (cache / name).read_bytes() == blob
+    else:
+        assert rc == 1
+        (failed,) = report(cache)["failed"]
+        assert "206" in failed["reason"] and "total the server does not know" in failed["reason"]
+        assert not (cache / name).exists()
+
+
+def test_an_endless_or_too_large_body_stops_at_max_size(hostile: Hostile, tmp_path: Path) -> None:
+    hostile.handlers["endless.bin"] = streaming(b"z" * 65536, 0.0)  # chunked, never ends
+    hostile.handlers["big.bin"] = streaming(b"z" * 65536, 0.0, length=2 << 20)
+    u = hostile.url
+    tasks = write_tasks(
+        tmp_path / "tasks",
+        {"t1": {"config": [download(u("endless.bin"), "/e.bin"), download(u("big.bin"), "/b")]}},
+    )
+    cache = tmp_path / "cache"
+    t0 = time.monotonic()
+    assert run_bounded("--tasks", str(tasks), "--cache", str(cache), "--max-size", "1M") == 1
+    assert time.monotonic() - t0 < 10
+    reasons = {f["url"]: f["reason"] for f in report(cache)["failed"]}
+    assert "grew past max_bytes (1048576" in reasons[u("endless.bin")]
+    assert "the file has 2097152 bytes, more than max_bytes" in reasons[u("big.bin")]
+    assert len(hostile.of("endless.bin")) == len(hostile.of("big.bin")) == 1  # not retried
+    assert sorted(p.name for p in cache.iterdir()) == [F.LOCK, F.REPORT]  # no .part left
+
+
+def test_a_trickle_is_a_stall_and_a_slow_file_runs_out_of_time(
+    hostile: Hostile, tmp_path: Path
+) -> None:
+    hostile.handlers["trickle.bin"] = streaming(b"t", 0.05, length=10**6)  # 20 bytes/s
+    hostile.handlers["slow.bin"] = streaming(b"s" * 8192, 0.02, length=10**9)  # steady, long
+    u = hostile.url
+    tasks = write_tasks(
+        tmp_path / "tasks",
+        {"t1": {"config": [download(u("trickle.bin"), "/t"), download(u("slow.bin"), "/s")]}},
+    )
+    cache = tmp_path / "cache"
+    t0 = time.monotonic()
+    args = ["--tasks", str(tasks), "--cache", str(cache), "--retries", "1", "--max-size", "2G"]
+    limits = ["--stall", "0.3", "--stall-bytes", "1K", "--file-timeout", "2"]
+    assert run_bounded(*args, *limits) == 1
+    assert time.monotonic() - t0 < 8
+    reasons = {f["url"]: f["reason"] for f in report(cache)["failed"]}
+    assert reasons[u("trickle.bin")].startswith("stalled: ")
+    assert "after 2 tries" in reasons[u("trickle.bin")]
+    assert len(hostile.of("trickle.bin")) == 2
+    assert reasons[u("slow.bin")].startswith("not done within file_timeout_s (2 s")
+    part = cache / f"{osworld_name(u('slow.bin'), 's')}.part"
+    assert part.stat().st_size > 100_000  # kept, for the next run to continue
+
+
+def test_numbers_out_of_range_exit_2_naming_the_option(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    tasks = tmp_path / "t.json"
+    tasks.write_text(json.dumps({"id": "t", "instruction": "x", "evaluator": {"func": "x"}}))
+    cases = [
+        ("--backoff", "inf"),
+        ("--backoff", "1e308"),
+        ("--backoff", "nan"),
+        ("--backoff", "-1"),
+        ("-j", "0"),
+        ("-j", "100000"),
+        ("--retries", "-1"),
+        ("--retries", "1000000000"),
+        ("--max-size", "0"),
+        ("--max-size", "5000T"),
+        ("--max-size", "lots"),
+        ("--file-timeout", "inf"),
+        ("--file-timeout", "0"),
+        ("--stall", "1e9"),
+        ("--stall-bytes", "0"),
+    ]
+    for flag, value in cases:
+        for more in ([], ["--dry-run"]):
+            rc = F.main(["--tasks", str(tasks), "--cache", str(tmp_path / "c"), flag, value, *more])
+            err = capsys.readouterr().err
+            assert rc == 2, (flag, value)
+            assert flag in err, (flag, value, err)
+    assert not (tmp_path / "c").exists()
+    with pytest.raises(ValueError, match=r"--backoff \(backoff_s\) must be a finite number"):
+        F.FetchConfig(backoff_s=float("inf"), backoff_max_s=float("inf"))
+    with pytest.raises(ValueError, match="connect_timeout_s"):
+        F.FetchConfig(connect_timeout_s=float("nan"))
+
+
+def test_bad_names_and_folders_in_the_way_fail_alone(server: Server, tmp_path: Path) -> None:
+    u = server.url
+    long_name = "L" * 250 + ".txt"
+    tasks = write_tasks(
+        tmp_path / "tasks",
+        {
+            "t1": {"config": [download(u("a.txt"), f"/home/user/{long_name}")]},
+            "t2": {"config": [download(u("b.bin"), "/home/user/b\0.bin")]},
+            "t3": {"config": [download("http://[::1/x.bin", "/home/user/x.bin")]},
+            "t4": {"config": [download(u("c.bin"), "/home/user/c.bin")]},
+            "t5": {"config": [download(u("d.bin"), "/home/user/d.bin")]},
+            "t6": {"config": [download(u("e.txt"), "/home/user/e.txt")]},
+        },
+    )
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    c, d, e = (osworld_name(u(n), n) for n in ("c.bin", "d.bin", "e.txt"))
+    (cache / f"{c}.part").mkdir()  # a folder where the download goes
+    (cache / d).mkdir()  # a folder where the file goes
+    assert run_bounded("--tasks", str(tasks), "--cache", str(cache)) == 1
+    failed = {f["tasks"][0]: f["reason"] for f in report(cache)["failed"]}
+    assert sorted(failed) == ["t1", "t2", "t3", "t4", "t5"]
+    assert "too long for the cache" in failed["t1"]
+    assert "NUL" in failed["t2"]
+    assert "not a URL" in failed["t3"]
+    assert "folder is in the way" in failed["t4"] and f"{c}.part" in failed["t4"]
+    assert "folder is in the way" in failed["t5"] and d in failed["t5"]
+    assert (cache / e).read_bytes() == BLOBS["e.txt"]
+    assert (cache / f"{c}.part").is_dir() and (cache / d).is_dir()  # left alone
+    assert [r.name for r in server.requests] == ["e.txt"]  # the others: no request at all
+
+
+def test_a_cache_path_that_is_not_a_folder_exits_2(
+    server: Server, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    tasks = simple_tasks(tmp_path, server, {"t1": ["a.txt"]})
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    dangling = tmp_path / "dangling"
+    dangling.symlink_to(tmp_path / "nowhere" / "cache")
+    for cache, says in (
+        (a_file, "is a file, not a folder"),
+        (a_file / "sub", "Not a directory"),
+        (dangling, "is a symbolic link to"),
+    ):
+        for more in ([], ["--dry-run"]):
+            assert run(tasks, cache, *more) == 2
+            assert says in capsys.readouterr().err
+    assert a_file.read_text() == "x"
+    assert not (tmp_path / "nowhere").exists()
+    assert server.requests == []
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "link").symlink_to(real)  # a link to a folder is the operator's choice: used
+    assert run(tasks, tmp_path / "link") == 0
+    assert (real / osworld_name(server.url("a.txt"), "a.txt")).read_bytes() == BLOBS["a.txt"]
+
+
+def test_a_fifo_named_json_is_left_out_never_read(server: Server, tmp_path: Path) -> None:
+    tasks = simple_tasks(tmp_path, server, {"good": ["a.txt"]})
+    fifo = tasks / "fifo.json"
+    os.mkfifo(fifo)  # reading it would wait for a writer forever
+    cache = tmp_path / "cache"
+    try:
+        assert run_bounded("--tasks", str(tasks), "--cache", str(cache)) == 1
+    finally:
+        with contextlib.suppress(OSError):  # frees a fetch stuck on the FIFO
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    rep = report(cache)
+    assert (rep["downloaded"], rep["failed"]) == (1, [])
+    assert rep["task_files_left_out"] == [
+        {"file": str(fifo), "reason": "a FIFO, not a regular file; not read"}
+    ]
+
+
+def test_task_files_that_cannot_be_read_are_left_out_alone(server: Server, tmp_path: Path) -> None:
+    tasks = simple_tasks(tmp_path, server, {"good": ["a.txt"]})
+    nested = "[" * 100_000 + "]" * 100_000
+    (tasks / "deep.json").write_text(f'{{"id": "deep", "instruction": "x", "evaluator": {nested}}}')
+    (tasks / "latin1.json").write_bytes(b'{"id": "caf\xe9", "evaluator": {}}')
+    # far below any depth a task set has (not deeper: pytest's rmtree recurses per level)
+    deep = tasks.joinpath(*["d"] * 40)
+    deep.mkdir(parents=True)
+    write_tasks(deep / "t", {"nested": {"config": [download(server.url("b.bin"), "/b.bin")]}})
+    cache = tmp_path / "cache"
+    assert run_bounded("--tasks", str(tasks), "--cache", str(cache)) == 1
+    rep = report(cache)
+    assert FileCache(cache).lookup(server.url("a.txt"), "a.txt").read_bytes() == BLOBS["a.txt"]
+    assert (rep["downloaded"], rep["failed"], rep["tasks"]) == (1, [], 1)
+    left = {Path(x["file"]).name: x["reason"] for x in rep["task_files_left_out"]}
+    assert sorted(left) == ["d", "deep.json", "latin1.json"]
+    assert left["deep.json"] == "JSON nested too deeply to read"
+    assert left["latin1.json"].startswith("not UTF-8 text")
+    assert left["d"].startswith(f"deeper than {F.TASK_FOLDER_DEPTH} folders")
+    assert [r.name for r in server.requests] == ["a.txt"]
+
+
+def test_an_index_names_only_plain_task_files(server: Server, tmp_path: Path) -> None:
+    root = tmp_path / "evaluation_examples"
+    (root / "examples").mkdir(parents=True)
+    write_tasks(
+        root / "examples" / "dom", {"good": {"config": [download(server.url("a.txt"), "/a")]}}
+    )
+    # a task outside the examples folder, which the index must not be able to name
+    write_tasks(tmp_path / "secret", {"x": {"config": [download(server.url("b.bin"), "/b")]}})
+    (root / "examples" / "dom" / "link.json").symlink_to(tmp_path / "secret" / "x.json")
+    index = {"dom": ["good", "../../../secret/x", "link"], "../../secret": ["x"]}
+    (root / "index.json").write_text(json.dumps(index))
+    cache = tmp_path / "cache"
+    assert run(root, cache, "--index", "index.json") == 1
+    rep = report(cache)
+    assert (rep["downloaded"], rep["tasks"]) == (1, 1)
+    left = [x["reason"] for x in rep["task_files_left_out"]]
+    assert len(left) == 3
+    assert sum("must be plain names" in r for r in left) == 2
+    assert sum("leads out of" in r for r in left) == 1
+    assert [r.name for r in server.requests] == ["a.txt"]

@@ -38,7 +38,7 @@ from arpo.env import (
     unsupported,
 )
 from arpo.env.task import Task
-from arpo.errors import FileCacheMiss
+from arpo.errors import TaskError
 
 OSWORLD_DIR = Path(
     os.environ.get("ARPO_OSWORLD_DIR", Path(__file__).resolve().parents[2] / "shared" / "osworld")
@@ -161,12 +161,11 @@ def test_upload_file_relative_path_is_read_from_the_task_folder(tmp_path, monkey
             await client.close()
             await peer.stop()
 
-    monkeypatch.chdir(tmp_path / "cwd")  # OSWorld's rule first: relative to the working dir
-    assert asyncio.run(main(load_task(folder / "t1.json"))) == b"from cwd"
-    monkeypatch.chdir(tmp_path)  # then the task file's folder
+    # Only the task file's folder: never the working directory, whatever it holds.
+    monkeypatch.chdir(tmp_path / "cwd")
     assert asyncio.run(main(load_task(folder / "t1.json"))) == b"shipped"
-    no_path = Task.from_dict(raw, domain="calc")  # a task not read from a file: only the cwd
-    with pytest.raises(FileCacheMiss, match=r"t1/in\.txt"):
+    no_path = Task.from_dict(raw, domain="calc")  # not read from a file, no content reference
+    with pytest.raises(TaskError, match="not read from a file"):
         asyncio.run(main(no_path))
 
 

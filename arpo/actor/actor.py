@@ -51,6 +51,7 @@ from arpo import wire
 from arpo.actor.config import ActorConfig, default_actor_id
 from arpo.actor.episode import Environment, run_episode
 from arpo.actor.spool import Spool
+from arpo.env.client import EnvAuthError
 from arpo.env.osworld.client import OSWorldEvaluator
 from arpo.env.provider import FleetLink, FleetVMProvider, StaticProvider
 from arpo.env.runner import RunnerConfig
@@ -86,6 +87,8 @@ class ActorStats:
     resent: int = 0
     acked: int = 0
     abandoned: int = 0
+    refused: int = 0
+    """Trajectories the learner refused for good (kept in the spool's `refused/`)."""
     released: int = 0
     """Grants given back to the learner at once (their episode ended without a trajectory)."""
     grants: int = 0
@@ -240,7 +243,9 @@ class Actor:
             for i, (u, _, cfg, prov) in enumerate(envs)
         ]  # fmt: skip
         self.env_pools = {i: pool for i, (_, pool, _, _) in enumerate(envs)}
-        self.link = ActorLink(c.transport, on_ack=self._acked, actor_id=self.actor_id)
+        self.link = ActorLink(
+            c.transport, on_ack=self._acked, on_refuse=self._on_refuse, actor_id=self.actor_id
+        )
         self.link.start()
         if len(self.spool):
             log.info(
@@ -399,34 +404,48 @@ class Actor:
     async def _worker(self, env: Environment) -> None:
         """Episodes on `env` until the actor stops. An environment that becomes unhealthy
         (its resets failed `episode.reset_retries` times) is probed every `env_recheck_s`
-        and rejoins when it answers; with `env_recheck_s=0` it is retired for good, and the
-        actor stops when no environment is left."""
+        and rejoins when it answers; with `env_recheck_s=0` it is retired for good. One that
+        refuses its token (`Environment.retired`) is retired at once, said once at ERROR
+        with its URL: no recheck makes a wrong token right. The actor stops when every
+        environment is retired."""
         c = self.config
         while True:
             await self._episodes(env)
             if env.healthy or self._stopping.is_set():
                 return
-            if c.env_recheck_s > 0 and not env.replaceable:
+            if not env.retired and c.env_recheck_s > 0 and not env.replaceable:
                 log.error(
                     "actor %s: env %d (%s) is unhealthy; asking it every %g s, it rejoins "
                     "when it answers", self.actor_id, env.index, env.url, c.env_recheck_s,
                 )  # fmt: skip
                 if await self._recheck(env):
                     continue
-                return
-            log.error(
-                "actor %s: env %d (%s) retired as unhealthy", self.actor_id, env.index, env.url
-            )
-            if not any(e.healthy for e in self.envs):
-                log.error("actor %s: no healthy environment left", self.actor_id)
+                if not env.retired:
+                    return  # stopping
+            if env.retired:
+                log.error("actor %s: env %d (%s) retired: %s", self.actor_id, env.index, env.url,
+                          env.retired)  # fmt: skip
+            else:
+                env.retired = "unhealthy"
+                log.error(
+                    "actor %s: env %d (%s) retired as unhealthy", self.actor_id, env.index, env.url
+                )
+            if all(e.retired for e in self.envs):
+                log.error("actor %s: no environment left", self.actor_id)
                 self.stop()
             return
 
     async def _recheck(self, env: Environment) -> bool:
-        """Wait until `env` answers again (True: it is healthy again), or the actor stops."""
+        """Wait until `env` answers again (True: it is healthy again), or the actor stops,
+        or it refuses the token (False, `env.retired` says so). An answer that is not valid
+        HTTP is no answer."""
         t0 = time.monotonic()
         probe = env.client.wait_ready(deadline_s=math.inf, interval_s=self.config.env_recheck_s)
-        await self._unless_stopping(probe)
+        try:
+            await self._unless_stopping(probe)
+        except EnvAuthError as e:
+            env.retire_refused(e)
+            return False
         if self._stopping.is_set():
             return False
         env.healthy = True
@@ -573,6 +592,17 @@ class Actor:
 
     # ---- delivery ---------------------------------------------------------------------
 
+    def _on_refuse(self, ids: tuple[str, ...], reason: str) -> None:
+        """The learner will never store these: kept aside in the spool (`refused/`), not
+        sent again, counted and logged."""
+        for tid in ids:
+            self._inflight.pop(tid, None)
+            if self.spool.set_aside(tid, reason):
+                self.stats.refused += 1
+                log.error("actor %s: the learner refuses trajectory %s for good (%s); kept in "
+                          "%s", self.actor_id, tid, reason, self.spool.refused_dir)  # fmt: skip
+        self._wake_sender.set()
+
     def _acked(self, ids: tuple[str, ...]) -> None:
         for tid in ids:
             self._inflight.pop(tid, None)
@@ -626,6 +656,7 @@ class Actor:
                 "episode_s": round(self.stats.episode_s, 3),
                 "envs": len(self.envs),
                 "envs_down": sum(not e.healthy for e in self.envs),
+                "refused": self.stats.refused,
                 "files_fetched": self.files.fetched,
                 "files_refused": self.files.refused,
             }

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import math
+import json
 import os
 import socket
 from dataclasses import dataclass
@@ -10,11 +10,13 @@ from pathlib import Path
 from typing import Literal
 
 from arpo.actor.episode import EpisodeConfig
-from arpo.config import fail, option
+from arpo.config import check_range, check_seconds, fail, folder_problem, option, url_problem
 from arpo.env.osworld.client import EvaluatorConfig, find_python
 from arpo.env.runner import RunnerConfig
 from arpo.policy.engine import EngineConfig
+from arpo.record import ident_problem
 from arpo.transport import TransportConfig
+from arpo.wire import MAX_ACK_IDS, MAX_ID_BYTES
 
 
 def default_actor_id() -> str:
@@ -51,7 +53,7 @@ class ActorRunnerConfig:
         0,
         "OSWorld evaluator worker processes shared by all environments of this actor, about "
         "240 MiB and 2.5 s of start-up each, started when a task first needs one "
-        "(0: min(environments, 2)).",
+        "(0: min(environments, 2); at most MAX_OSWORLD_WORKERS).",
     )
     cache_dir: str = option(
         "", "Local file cache for `download` steps and `cloud_file` getters ('': none)."
@@ -65,13 +67,24 @@ class ActorRunnerConfig:
                 "or set runner.osworld_python (or $ARPO_OSWORLD_PYTHON) to its python "
                 f"(not found: {self.osworld_python or '.venv-osworld/bin/python'})",
             )
-        if not (math.isfinite(self.osworld_timeout_s) and self.osworld_timeout_s > 0):
-            fail("osworld_timeout_s", "must be a finite number of seconds > 0")
-        probe = self.osworld_probe_timeout_s
-        if not (math.isfinite(probe) and probe >= 0):
-            fail("osworld_probe_timeout_s", "must be a finite number of seconds >= 0 (0: no check)")
-        if self.osworld_workers < 0:
-            fail("osworld_workers", "must be >= 0 (0: min(environments, 2))")
+        check_seconds(
+            "osworld_timeout_s", self.osworld_timeout_s, "one OSWorld setup or evaluation"
+        )
+        check_seconds(
+            "osworld_probe_timeout_s",
+            self.osworld_probe_timeout_s,
+            "GET /platform before each OSWorld call",
+            zero="0: no check",
+        )
+        check_range(
+            "osworld_workers",
+            self.osworld_workers,
+            0,
+            MAX_OSWORLD_WORKERS,
+            "OSWorld evaluator processes of about 240 MiB; 0: min(environments, 2)",
+        )
+        if problem := folder_problem(self.cache_dir):
+            fail("cache_dir", problem)
 
     def runner_config(self, *, reset_before_setup: bool) -> RunnerConfig:
         """The RunnerConfig of an `envs` URL's runner."""
@@ -98,15 +111,19 @@ class ActorRunnerConfig:
 class ActorConfig:
     """One actor process: its environments, its policy, its spool, its links to the learner."""
 
-    actor_id: str = option("", "Name of this actor in records and logs (default: host-pid).")
+    actor_id: str = option(
+        "",
+        "Name of this actor in records and logs (default: host-pid): printable characters "
+        "without whitespace, at most 1024 bytes.",
+    )
     envs: list[str] = option(
         doc="Environment servers (OSWorld VMs or local desktops), e.g. http://10.0.0.5:5000.",
         factory=list,
     )
     env_token: str = option("", "Bearer token for the environment servers (local desktops).")
     env_tokens: list[str] = option(
-        doc="Bearer token of each `envs` URL, in order (`arpo-envs up --tokens` gives every "
-        "desktop its own, listed in its state file); empty = env_token for all.",
+        doc="Bearer token of each `envs` URL, in order (`arpo-envs up --tokens --tokens-file "
+        "F` gives every desktop its own and writes them to F); empty = env_token for all.",
         factory=list,
     )
     env_pool: str = option(
@@ -121,7 +138,9 @@ class ActorConfig:
     )
     vm_count: int = option(0, "VMs of vm_fleet to drive (0: all of them).")
     vm_pool: str = option("desktop", "Pool of the fleet's VMs: they get only its tasks.")
-    sim_envs: int = option(0, "Also start this many simulated desktops in this process.")
+    sim_envs: int = option(
+        0, "Also start this many simulated desktops in this process (0..MAX_SIM_ENVS)."
+    )
     sim_pool: str = option("sim", "Pool of the simulated desktops: they get only its tasks.")
     sim_latency: str = option(
         "none", "Simulated desktops' step latency: none, fixed:<ms>, lognormal:<ms>[,<sigma>]."
@@ -185,38 +204,137 @@ class ActorConfig:
     )
 
     def validate(self) -> None:
+        if self.actor_id:
+            if len(self.actor_id.encode("utf-8", "surrogatepass")) > MAX_ID_BYTES:
+                fail(
+                    "actor_id",
+                    f"is {len(self.actor_id)} characters; give at most "
+                    f"{MAX_ID_BYTES} bytes (it names every trajectory of this actor)",
+                )
+            if why := ident_problem(self.actor_id):
+                fail("actor_id", f"{why} (it is written into ledgers, one id a line)")
         if not self.envs and self.sim_envs < 1 and not self.vm_fleet:
             fail(
                 "envs",
                 "give environment URLs, vm_fleet=<fleet.json>, or sim_envs=N to start "
                 "simulated desktops",
             )
-        if self.vm_fleet and not Path(self.vm_fleet).is_file():
-            fail("vm_fleet", f"{self.vm_fleet!r} is not a file; `arpo-envs vm up` writes "
-                 "<dir>/fleet.json (default /tmp/arpo-vm-fleet-<uid>/fleet.json)")  # fmt: skip
-        if self.vm_count < 0:
-            fail("vm_count", "must be >= 0 (0: every VM of the fleet)")
+        if self.vm_fleet and (problem := fleet_problem(self.vm_fleet)):
+            fail("vm_fleet", problem)
+        check_range("vm_count", self.vm_count, 0, MAX_ENVS, "0: every VM of the fleet")
+        if len(self.envs) > MAX_ENVS:
+            fail("envs", f"lists {len(self.envs)} URLs; one actor drives at most {MAX_ENVS}")
         for u in self.envs:
-            if not u.startswith(("http://", "https://")):
-                fail("envs", f"{u!r} must start with http:// or https://")
+            if problem := url_problem(u):
+                fail("envs", problem)
         if self.env_tokens and len(self.env_tokens) != len(self.envs):
-            fail("env_tokens", f"{len(self.env_tokens)} tokens for {len(self.envs)} `envs` URLs: "
-                 "give one per URL, in the same order, or none")  # fmt: skip
-        if self.sim_envs < 0:
-            fail("sim_envs", "must be >= 0")
+            fail(
+                "env_tokens",
+                f"{len(self.env_tokens)} tokens for {len(self.envs)} `envs` URLs: "
+                "give one per URL, in the same order, or none",
+            )
+        for name, tokens in (("env_token", [self.env_token]), ("env_tokens", self.env_tokens)):
+            for t in tokens:
+                if problem := token_problem(t):
+                    fail(name, problem)
+        check_range(
+            "sim_envs", self.sim_envs, 0, MAX_SIM_ENVS, "simulated desktops started in this process"
+        )
+        if self.sim_envs:
+            from arpo_envs.sim.latency import LatencyConfig
+
+            try:
+                LatencyConfig.parse(self.sim_latency)
+            except ValueError as e:
+                fail("sim_latency", str(e))
+        if self.sim_slow_env != -1:
+            check_range(
+                "sim_slow_env",
+                self.sim_slow_env,
+                0,
+                max(0, self.sim_envs - 1),
+                "index of a simulated desktop of this actor; -1: none",
+            )
+        check_range(
+            "sim_slow_factor", self.sim_slow_factor, 0, 1000, "latency multiplier", lo_open=True
+        )
         for name in ("env_pool", "sim_pool", "vm_pool"):
             pool = getattr(self, name)
             if not pool or len(pool) > 1024:
                 fail(name, "must be a pool name of 1..1024 characters (e.g. 'desktop', 'sim')")
         if self.policy == "engine" and self.engine.model in ("", "-"):
             fail("engine.model", "is required with policy='engine' (or use policy='scripted')")
+        for name in ("scripted_quit_prob", "scripted_garbage_prob", "scripted_error_prob"):
+            check_range(name, getattr(self, name), 0, 1, "a probability")
+        if not self.spool_dir:
+            fail("spool_dir", "must name a folder (trajectories not yet acknowledged)")
+        for name in ("spool_dir", "file_cache_dir", "weights_dir"):
+            if problem := folder_problem(getattr(self, name)):
+                fail(name, problem)
         if self.spool_max_bytes < 1:
             fail("spool_max_bytes", "must be >= 1")
-        if self.env_recheck_s < 0:
-            fail("env_recheck_s", "must be >= 0 seconds (0: an unhealthy environment retires)")
-        if self.max_unacked < 1:
-            fail("max_unacked", "must be >= 1")
-        if self.weights_delay_s < 0:
-            fail("weights_delay_s", "must be >= 0 seconds")
-        if self.shutdown_deadline_s < 0 or self.flush_deadline_s < 0:
-            fail("shutdown_deadline_s", "deadlines must be >= 0 seconds")
+        check_seconds(
+            "env_recheck_s",
+            self.env_recheck_s,
+            "between checks of an unhealthy environment",
+            zero="0: it retires",
+        )
+        check_range(
+            "max_unacked",
+            self.max_unacked,
+            1,
+            MAX_ACK_IDS,
+            "trajectories in flight; one acknowledgement holds at most this many ids",
+        )
+        check_seconds("weights_delay_s", self.weights_delay_s, zero="0 in real runs")
+        check_seconds("shutdown_deadline_s", self.shutdown_deadline_s, zero="0: none")
+        check_seconds("flush_deadline_s", self.flush_deadline_s, zero="0: none")
+        if self.max_episodes < 0:
+            fail("max_episodes", f"is {self.max_episodes}; must be >= 0 (0: run until stopped)")
+        check_seconds("progress_s", self.progress_s, "between progress lines", zero="0: none")
+
+
+MAX_ENVS = 1024
+"""Most environments one actor drives of each kind (`envs` URLs, fleet VMs): `arpo train`
+allows as many simulated desktops per actor; spread more over several actors."""
+MAX_SIM_ENVS = 1024
+"""Most simulated desktops one actor starts in its own process (as `arpo train`'s
+`sim_envs_per_actor`): each is a web server and a renderer sharing this process's cores."""
+MAX_OSWORLD_WORKERS = 64
+"""Most OSWorld evaluator workers of one actor: about 240 MiB each, so 64 take 15 GiB; more
+than its environments never run at once."""
+MAX_TOKEN_CHARS = 4096
+"""Longest bearer token accepted (`arpo-envs up --tokens` makes 43 characters)."""
+
+
+def token_problem(token: str) -> str | None:
+    """Why `token` cannot be a bearer token in an HTTP header, or None ('' is no token)."""
+    if len(token) > MAX_TOKEN_CHARS:
+        return f"is {len(token)} characters; a bearer token has at most {MAX_TOKEN_CHARS}"
+    if any(c.isspace() or not c.isprintable() or not c.isascii() for c in token):
+        return "holds a space, a control or a non-ASCII character: not an HTTP bearer token"
+    return None
+
+
+def fleet_problem(path: str) -> str | None:
+    """Why `path` is not a VM fleet's state file (`arpo-envs vm up`: <dir>/fleet.json), or
+    None: a regular JSON file with the fleet's control URL, token and list of VMs."""
+    fix = "`arpo-envs vm up` writes <dir>/fleet.json (default /tmp/arpo-vm-fleet-<uid>/fleet.json)"
+    p = Path(path)
+    if not p.is_file():
+        return f"{path!r} is not a file; {fix}"
+    if p.stat().st_size > 1 << 20:
+        return f"{path!r} is larger than 1 MiB: not a fleet state file; {fix}"
+    try:
+        st = json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        return f"{path!r} is not a fleet state file (not JSON: {e}); {fix}"
+    if not (
+        isinstance(st, dict)
+        and isinstance(st.get("control"), str)
+        and url_problem(st["control"]) is None
+        and isinstance(st.get("token"), str)
+        and isinstance(st.get("vms"), list)
+    ):
+        return f"{path!r} is not a fleet state file (no control URL, token and vms); {fix}"
+    return None

@@ -32,6 +32,7 @@ expires on the learner side.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import random
@@ -43,8 +44,8 @@ from typing import Any, Literal, Protocol
 import numpy as np
 
 from arpo import wire
-from arpo.config import fail, option
-from arpo.env.client import ClientConfig, EnvClient
+from arpo.config import MAX_TEMPERATURE, check_range, check_seconds, fail, option
+from arpo.env.client import ClientConfig, EnvAuthError, EnvClient, auth_failure
 from arpo.env.osworld.client import OSWorldEvaluator
 from arpo.env.provider import TaskQuarantined
 from arpo.env.runner import RunnerConfig, TaskRunner
@@ -75,17 +76,22 @@ class EpisodeConfig:
         "STEP_SLACK turns (finished() and two more), at most MAX_STEPS (15); any other "
         "task MAX_STEPS. `arpo train` uses 0.",
     )
-    history_images: int = option(15, "Screenshots kept in the model's context.")
+    history_images: int = option(
+        15, "Screenshots kept in the model's context (1..MAX_STEPS_LIMIT)."
+    )
     temperature: float = option(
         1.0,
         "Sampling temperature of episodes whose grant carries none (pool runs); a training "
-        "learner's grants carry its trainer.temperature, which wins.",
+        "learner's grants carry its trainer.temperature, which wins (0..MAX_TEMPERATURE).",
     )
     top_p: float = option(
         1.0, "Nucleus of episodes whose grant carries none; a learner's grants carry theirs."
     )
     max_new_tokens: int = option(512, "Longest response per turn.")
-    format_weight: float = option(0.5, "reward = checker score + format_weight * format reward.")
+    format_weight: float = option(
+        0.5,
+        "reward = checker score + format_weight * format reward (0..MAX_FORMAT_WEIGHT).",
+    )
     on_parse_failure: Literal["end", "continue"] = option(
         "end",
         "A response that does not parse: 'end' ends the episode (the reference); 'continue' "
@@ -93,10 +99,20 @@ class EpisodeConfig:
         "sampled and the next turn starts from a new screenshot (the step budget still "
         "counts it). Either way the format reward is -1.",
     )
-    scroll_clicks: int = option(5, "Wheel clicks per scroll action (the reference's 5).")
-    reset_retries: int = option(3, "Tries of reset + setup before the environment is unhealthy.")
-    reset_backoff_s: float = option(1.0, "Delay before the second try; doubles, capped at 30 s.")
-    step_timeout_s: float = option(600.0, "Longest policy call plus action of one turn.")
+    scroll_clicks: int = option(
+        5, "Wheel clicks per scroll action (the reference's 5; 1..MAX_SCROLL_CLICKS)."
+    )
+    reset_retries: int = option(
+        3, "Tries of reset + setup before the environment is unhealthy (1..MAX_RESET_RETRIES)."
+    )
+    reset_backoff_s: float = option(
+        1.0,
+        "Delay before the second try; doubles, capped at RESET_BACKOFF_CAP_S (30 s), which "
+        "bounds it too (0: none).",
+    )
+    step_timeout_s: float = option(
+        600.0, "Longest policy call plus action of one turn (> 0, at most a week)."
+    )
 
     def validate(self) -> None:
         if not 0 <= self.max_steps <= MAX_STEPS_LIMIT:
@@ -107,20 +123,55 @@ class EpisodeConfig:
                 f"must be in [1, {MAX_NEW_TOKENS_LIMIT}] (tokens of one response; the "
                 "paper's agent writes about 100)",
             )
-        if self.temperature < 0:
-            fail("temperature", "must be >= 0")
-        if self.reset_retries < 1:
-            fail("reset_retries", "must be >= 1")
-        if self.history_images < 1:
-            fail("history_images", "must be >= 1")
-        if not 0 < self.top_p <= 1:
-            fail("top_p", "must be in (0, 1]")
+        check_range("temperature", self.temperature, 0, MAX_TEMPERATURE, "0: greedy")
+        check_range("top_p", self.top_p, 0, 1, "the nucleus", lo_open=True)
+        check_range(
+            "history_images", self.history_images, 1, MAX_STEPS_LIMIT, "screenshots in the context"
+        )
+        check_range(
+            "format_weight",
+            self.format_weight,
+            0,
+            MAX_FORMAT_WEIGHT,
+            "weight of the format reward beside a checker score in [0, 1]",
+        )
+        check_range(
+            "scroll_clicks",
+            self.scroll_clicks,
+            1,
+            MAX_SCROLL_CLICKS,
+            "wheel clicks per scroll; the direction gives the sign",
+        )
+        check_range(
+            "reset_retries", self.reset_retries, 1, MAX_RESET_RETRIES, "tries of reset + setup"
+        )
+        check_range(
+            "reset_backoff_s",
+            self.reset_backoff_s,
+            0,
+            RESET_BACKOFF_CAP_S,
+            "seconds; the delay doubles up to this cap",
+        )
+        check_seconds("step_timeout_s", self.step_timeout_s, "one policy call plus its action")
 
 
 MAX_STEPS_LIMIT = 1000
 """Largest `max_steps` accepted (OSWorld's own runs go to 100)."""
 MAX_NEW_TOKENS_LIMIT = 1 << 17
 """Largest `max_new_tokens` accepted (a long-context model's whole window)."""
+MAX_FORMAT_WEIGHT = 100.0
+"""Largest `format_weight`: checker scores are in [0, 1], so beyond 100 the format reward
+is all a group's advantages see (and 1e308 overflows them to inf)."""
+MAX_SCROLL_CLICKS = 100
+"""Most wheel clicks in one scroll action: 100 clicks move about 300 lines (3 a click on
+common desktops), more than any window shows; beyond it every scroll jumps to an end."""
+MAX_RESET_RETRIES = 20
+"""Most tries of reset + setup: with the delay between tries capped at RESET_BACKOFF_CAP_S,
+20 tries wait at most 19 x 30 s (under 10 minutes) before the environment is unhealthy
+and the grant is handed back."""
+RESET_BACKOFF_CAP_S = 30.0
+"""The cap of the doubling delay between tries of reset + setup (`prepare`), and so the
+largest `reset_backoff_s`: a larger first delay would hold the grant past the cap."""
 MAX_STEPS = 15
 """The reference's step budget: the most turns a fitted budget (max_steps = 0) gives."""
 STEP_SLACK = 3
@@ -141,8 +192,10 @@ def step_budget(task: Task | dict[str, Any], max_steps: int) -> int:
 
 class Environment:
     """One environment server, its provider and the runner driving it. `healthy` turns False
-    after repeated reset failures of an environment nobody replaces (the actor then stops
-    using it); a fleet VM instead waits until the fleet has it serving again."""
+    after repeated reset failures of an environment nobody replaces (the actor then asks it
+    every `env_recheck_s` until it answers); a fleet VM instead waits until the fleet has it
+    serving again. `retired` says why it is given up for good: an environment that refuses
+    the client's token is never asked again (until its configuration changes)."""
 
     def __init__(
         self,
@@ -173,8 +226,20 @@ class Environment:
         """Tasks not set up again (a bad task, or the fleet's verdict), with the reason; the
         actor shares one dict between its environments."""
         self.healthy = True
+        self.retired = ""
+        """Why this environment is given up for good ("" while it may serve again): it
+        refuses the token, or it is unhealthy and nobody rechecks it."""
         self.busy_s = 0.0
         """Seconds this environment spent in requests (reset, screenshots, actions, checks)."""
+
+    def retire_refused(self, refused: EnvAuthError) -> None:
+        """Give this environment up for good: it refuses the client's token."""
+        self.healthy = False
+        self.retired = (
+            f"it refuses the token (HTTP {refused.status}): the token configured for "
+            f"{self.url} is wrong (the actor's env_tokens / env_token, or the fleet's state "
+            "file); it is not asked again until its configuration changes"
+        )
 
     async def close(self) -> None:
         self.runner.close()
@@ -198,11 +263,26 @@ class Environment:
             await asyncio.sleep(max(0.5, h.retry_s))
 
 
+@functools.lru_cache(maxsize=4)
+def _saved_processor(model: str) -> Any:
+    """The image processor and tokenizer saved with `model` (loaded once per process)."""
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(model)
+
+
 def _prompt_for(
     policy: Any, instruction: str, cfg: EpisodeConfig
 ) -> tuple[EpisodePrompt, int, int]:
-    """The episode's prompt builder and the (min, max) pixels of the model's image processor."""
+    """The episode's prompt builder and the (min, max) pixels of the model's image processor:
+    the policy's own processor (transformers engine), its `min_pixels` / `max_pixels` /
+    `tokenizer` (the scripted policy), else the processor saved with its model (`config.model`
+    of the vLLM and OpenAI-compatible engines, which keep none in the actor)."""
     processor = getattr(policy, "processor", None)
+    if processor is None and not hasattr(policy, "min_pixels"):
+        model = getattr(getattr(policy, "config", None), "model", "")
+        if model:
+            processor = _saved_processor(str(model))
     if processor is not None:
         lo, hi = pixel_bounds(processor)
         tok = processor.tokenizer
@@ -236,9 +316,15 @@ async def reset_env(env: Environment, task: Task, cfg: EpisodeConfig) -> SetupFa
     """Revert + setup with retries; None on success, else why the episode cannot start.
 
     Who is at fault decides the outcome:
-    - the revert / reset failed (ResetError): the environment's fault. Retried with
-      capped backoff; after `reset_retries` tries an environment nobody replaces is marked
-      unhealthy (the actor rechecks it), a fleet VM waits for its replacement; env_error.
+    - the environment refuses the token (401, or 403 outside the file endpoints, from the
+      revert or any step; `auth_failure`): final until its configuration changes. Not
+      retried: the environment is unhealthy and `retired` says why (the actor logs it once
+      and never asks it again); env_error.
+    - the revert / reset failed (ResetError; that includes any malformed, oversize or late
+      answer of the environment to it, and a reset answered with a status other than
+      success): the environment's fault, never the task's. Retried with capped backoff;
+      after `reset_retries` tries an environment nobody replaces is marked unhealthy (the
+      actor rechecks it), a fleet VM waits for its replacement; env_error.
     - the task is broken (TaskError: an unknown step, bad parameters, a refused path, a
       task file whose bytes do not match its hash, or the fleet quarantined it; or any
       other exception of its setup code): quarantined on this actor, setup_error at once.
@@ -269,12 +355,17 @@ async def reset_env(env: Environment, task: Task, cfg: EpisodeConfig) -> SetupFa
             env.quarantined[task.id] = str(e)
             log.error("env %d: %s; its grants end as setup_error", env.index, e)
             return SetupFailure(Status.SETUP_ERROR, str(e))
-        except ResetError as e:
-            err, reset_failed = f"reset: {e}", True
-            log.warning(
-                "env %d (%s): reset failed (try %d): %s", env.index, env.url, attempt + 1, e
-            )
         except EnvError as e:
+            refused = auth_failure(e)
+            if refused is not None:
+                env.retire_refused(refused)
+                return SetupFailure(Status.ENV_ERROR, f"token refused: {refused}")
+            if isinstance(e, ResetError):
+                err, reset_failed = f"reset: {e}", True
+                log.warning(
+                    "env %d (%s): reset failed (try %d): %s", env.index, env.url, attempt + 1, e
+                )
+                continue
             err, reset_failed = f"setup: {type(e).__name__}: {e}", False
             log.warning(
                 "env %d (%s): setup of task %s failed (try %d): %s",

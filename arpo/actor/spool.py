@@ -1,7 +1,7 @@
 """The actor's spool: every finished trajectory on local disk until the learner acknowledged it.
 
     spool = Spool("runs/actor-0/spool", max_bytes=2 << 30)
-    spool.put(traj)              # encode, write <tid>.tmp, fsync, rename to <tid>.traj, fsync dir
+    spool.put(traj)              # encode, write <tid>.traj.tmp, fsync, rename to <tid>.traj, fsync dir
     frames = spool.frames(tid)   # the wire frames again, to (re)send
     spool.remove(tid)            # once acknowledged
     spool.ids()                  # what is waiting, oldest first (resent on start)
@@ -9,8 +9,14 @@
 A spool file is the trajectory's wire message (`arpo.wire`) framed for a file:
 b"ARPOSPL1", the frame count (u32), each frame's length (u64), then the frames. Reading
 it back runs the wire decoder, so a damaged file is detected; it is moved to `bad/`
-and logged, never sent. Left-over `.tmp` files (a crash while writing) are deleted on
-open: their trajectory was not yet reported as spooled, so nothing acknowledged is lost.
+and logged, never sent. Left-over `<id>.traj.tmp` files (a crash while writing) are
+deleted on open: their trajectory was not yet reported as spooled, so nothing
+acknowledged is lost. A trajectory the learner refuses for good (`arpo.wire.Refuse`) is
+moved to `refused/` with its reason, never sent again.
+
+The spool owns only what it writes: it opens a folder that has its marker file
+(`.arpo-spool`), is empty, or holds only a spool's files; any other folder (a user's
+files, the working directory) is refused with the reason.
 
 `full` is true once the spool holds `max_bytes`: the actor then starts no new episode
 (it never drops a finished one).
@@ -18,8 +24,10 @@ open: their trajectory was not yet reported as spooled, so nothing acknowledged 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import re
 import struct
 import threading
 from pathlib import Path
@@ -40,9 +48,19 @@ LEDGER = "finished.log"
 trajectory itself leaves the spool), so a run can account for what its actors finished."""
 
 
+MARKER = ".arpo-spool"
+"""The file that says a folder is a spool: the spool deletes or moves only what it wrote,
+in a folder it created or found empty (or holding only a spool's files: an older spool)."""
+TMP_SUFFIX = SUFFIX + ".tmp"
+REFUSED = "refused"
+"""Subfolder of trajectories the learner refused for good (kept, never sent again)."""
+_OWN = re.compile(r"^[0-9A-Za-z_-]{1,200}(\.traj|\.traj\.tmp)$")
+"""Names a spool writes (ids are printable without whitespace; the spool's own are hex)."""
+
+
 def write_frames(path: Path, frames: list[wire.Frame]) -> int:
     """Write `frames` to `path` atomically (tmp + fsync + rename + fsync of the folder)."""
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_name(path.name + ".tmp")
     head = (
         MAGIC + _COUNT.pack(len(frames)) + b"".join(_LEN.pack(memoryview(f).nbytes) for f in frames)
     )
@@ -97,17 +115,60 @@ class Spool:
     def __init__(self, folder: str | Path, max_bytes: int = 2 << 30) -> None:
         if max_bytes < 1:
             raise ValueError(f"spool max_bytes must be >= 1, got {max_bytes}")
+        if not str(folder).strip():
+            raise ValueError("the spool folder is empty: give spool_dir a folder of its own")
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
+        self._claim()
         self.max_bytes = max_bytes
         self._lock = threading.Lock()
         self._sizes: dict[str, int] = {}
-        for tmp in self.folder.glob("*.tmp"):
+        for tmp in self.folder.glob("*" + TMP_SUFFIX):
             log.warning("spool: deleting %s, left by a crash while it was written", tmp.name)
             tmp.unlink(missing_ok=True)
         files = sorted(self.folder.glob("*" + SUFFIX), key=lambda p: (p.stat().st_mtime, p.name))
         for p in files:
             self._sizes[p.name[: -len(SUFFIX)]] = p.stat().st_size
+
+    def _claim(self) -> None:
+        """Make sure the folder is this spool's: it has the marker, or is empty, or holds
+        only what a spool writes (its files, ledger, bad/ and refused/: an older spool);
+        then it gets the marker. ValueError naming the folder otherwise: the spool deletes
+        its leftovers, so it never opens a folder that holds anybody else's files."""
+        if (self.folder / MARKER).is_file():
+            return
+        foreign = [
+            p.name
+            for p in self.folder.iterdir()
+            if not (
+                (p.name in (LEDGER, "bad", REFUSED) and not p.is_symlink())
+                or (_OWN.match(p.name) and p.is_file() and not p.is_symlink())
+            )
+        ]
+        if foreign:
+            raise ValueError(
+                f"spool folder {self.folder} holds files a spool did not write "
+                f"({', '.join(sorted(foreign)[:5])}{', ...' if len(foreign) > 5 else ''}); "
+                "give spool_dir a new or empty folder of its own"
+            )
+        (self.folder / MARKER).write_text("arpo actor spool\n")
+
+    @property
+    def refused_dir(self) -> Path:
+        return self.folder / REFUSED
+
+    def set_aside(self, tid: str, reason: str) -> bool:
+        """Move a trajectory the learner refused for good to `refused/` (kept, never sent
+        again), with the reason beside it; False if it was not in the spool."""
+        with self._lock:
+            if self._sizes.pop(tid, None) is None:
+                return False
+        self.refused_dir.mkdir(exist_ok=True)
+        path = self._path(tid)
+        with contextlib.suppress(FileNotFoundError):
+            os.replace(path, self.refused_dir / path.name)
+        (self.refused_dir / f"{tid}.reason").write_text(reason + "\n", encoding="utf-8")
+        return True
 
     def _path(self, tid: str) -> Path:
         if not tid or "/" in tid or "\\" in tid or tid.startswith("."):

@@ -8,12 +8,21 @@ plus the local desktop's `POST /reset` and the simulated desktop's `/sim/scene` 
         out = await env.execute_pyautogui("pyautogui.click(10, 20)")
 
 Failure policy (every call):
-- a timeout on every request (`ClientConfig.timeout_s`, overridable per call);
+- a total timeout on every request, the answer's body included (`ClientConfig.timeout_s`,
+  overridable per call);
 - retries only on transport errors, with capped exponential backoff: a refused connection is
   retried for every request (nothing reached the server); a reset connection or a timeout is
   retried only for idempotent requests (GETs, `/file`, `/screen_size`, `/sim/state`), because
   re-sending an action that may already have run would run it twice;
-- an HTTP error status is never retried: it raises `EnvHTTPError` with the status and body.
+- an HTTP error status is never retried: it raises `EnvHTTPError` with the status and body;
+  401, and 403 outside the file endpoints, raise `EnvAuthError`: the server refuses the
+  token, which no retry mends;
+- an answer that is not a valid one (not HTTP, a malformed status line or header, a body
+  that is not UTF-8 or not the JSON expected, JSON nested too deeply, or more bytes than
+  the limit of its kind: `max_screenshot_bytes`, `max_file_bytes`, `max_answer_bytes`)
+  raises `EnvProtocolError` (`EnvAnswerTooLarge` for the size), never retried: the
+  environment is at fault. No other exception leaves this client for anything the server
+  sends.
 """
 
 from __future__ import annotations
@@ -21,15 +30,49 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import reprlib
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+from aiohttp.http_exceptions import HttpProcessingError
 
-from arpo.errors import EnvError, EnvHTTPError, EnvTimeout, EnvTransportError
+from arpo.errors import EnvError, EnvHTTPError, EnvTimeout, EnvTransportError, ResetError
 
 # OSWorld's host controller wraps every action like this (desktop_env/controllers/python.py).
 PYAUTOGUI_PREFIX = "import pyautogui; import time; pyautogui.FAILSAFE = False; "
+
+ERROR_BODY_BYTES = 64 << 10
+"""Bytes of an error answer's body kept for the message; the rest is not read."""
+FILE_ENDPOINTS = frozenset({"/setup/upload", "/file"})
+"""Endpoints where a 403 is about a file (the desktop server's answer for a path it may not
+read or write), not about the token."""
+
+
+class EnvProtocolError(EnvError):
+    """The environment answered something that is not a valid answer: not HTTP, a malformed
+    status line or header, a body that is not UTF-8 or not the JSON expected, JSON nested
+    too deeply. The environment's fault, never the task's."""
+
+
+class EnvAnswerTooLarge(EnvProtocolError):
+    """An answer is larger than the client's limit for its kind (ClientConfig); the message
+    names the limit."""
+
+
+class EnvAuthError(EnvHTTPError):
+    """The environment refuses the client's bearer token (401, or 403 outside the file
+    endpoints): final for that environment until its configuration changes."""
+
+
+def auth_failure(exc: BaseException | None) -> EnvAuthError | None:
+    """The EnvAuthError `exc` is, or was raised from (a ResetError wrapping one), else None."""
+    seen = 0
+    while exc is not None and seen < 16:
+        if isinstance(exc, EnvAuthError):
+            return exc
+        exc, seen = exc.__cause__, seen + 1
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +97,17 @@ class ClientConfig:
     """Delay before the first retry; doubles on every retry."""
     backoff_max_s: float = 2.0
     """Cap of the retry delay."""
+    max_screenshot_bytes: int = 64 << 20
+    """Largest `/screenshot` answer (64 MiB): a PNG of a 4K screen is 5-30 MB (3840x2160
+    RGBA uncompressed is 33 MB); more is refused with EnvAnswerTooLarge."""
+    max_file_bytes: int = 256 << 20
+    """Largest `/file` answer (256 MiB): the files OSWorld's checkers fetch from the desktop
+    are documents and images of at most tens of MB."""
+    max_answer_bytes: int = 48 << 20
+    """Largest answer of any other endpoint, JSON or text (48 MiB): `/execute` and the other
+    command endpoints carry a command's output, which the local desktop caps at 32 MiB of
+    JSON (`arpo_envs.desktop.executor.MAX_ANSWER_BYTES`); the rest are a few KB, the
+    accessibility tree of a busy OSWorld VM a few MB."""
 
     def __post_init__(self) -> None:
         if not self.base_url.startswith(("http://", "https://")):
@@ -65,6 +119,9 @@ class ClientConfig:
                 raise ValueError(f"ClientConfig.{name} must be > 0, got {getattr(self, name)}")
         if self.max_retries < 0:
             raise ValueError(f"ClientConfig.max_retries must be >= 0, got {self.max_retries}")
+        for name in ("max_screenshot_bytes", "max_file_bytes", "max_answer_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ClientConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.backoff_initial_s < 0 or self.backoff_max_s < self.backoff_initial_s:
             raise ValueError(
                 "ClientConfig needs 0 <= backoff_initial_s <= backoff_max_s, got "
@@ -83,15 +140,105 @@ class ExecResult:
 
     @classmethod
     def from_json(cls, data: Any) -> ExecResult:
+        """EnvProtocolError for an answer that is not an object or whose return code is not
+        an integer."""
         if not isinstance(data, dict):
-            raise EnvError(f"expected a JSON object from the server, got {type(data).__name__}")
+            raise EnvProtocolError(
+                f"expected a JSON object from the server, got {type(data).__name__}"
+            )
         rc = data.get("returncode", data.get("return_code"))
+        if rc is not None and (type(rc) is not int or abs(rc) > 1 << 31):
+            raise EnvProtocolError(f"the answer's returncode is not an exit code: {brief(rc, 80)}")
         return cls(
-            status=str(data.get("status", "")),
-            output=str(data.get("output") or ""),
-            error=str(data.get("error") or ""),
-            returncode=int(rc) if rc is not None else None,
+            status=text_field(data, "status"),
+            output=text_field(data, "output"),
+            error=text_field(data, "error"),
+            returncode=rc,
         )
+
+
+def text_field(data: dict[str, Any], key: str) -> str:
+    """`data[key]` as text: a string, a number or bool written out, "" when absent or null;
+    EnvProtocolError for a list or an object (rendering a deeply nested one would raise
+    RecursionError)."""
+    value = data.get(key)
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, int | float):
+        return str(value)
+    raise EnvProtocolError(f"the answer's {key!r} is not text: {brief(value)}")
+
+
+def one_line(text: str, n: int = 200) -> str:
+    """One line of at most `n` characters of `text` (an answer's bytes can be anything)."""
+    text = " ".join(text[: 4 * n + 16].split())
+    return text if len(text) <= n else text[:n] + "..."
+
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, 120, 120
+
+
+def brief(value: Any, n: int = 200) -> str:
+    """A short one-line picture of a value decoded from an answer: its depth and length are
+    cut before it is rendered (the repr of deeply nested JSON would raise RecursionError)."""
+    return one_line(value if isinstance(value, str) else _REPR.repr(value), n)
+
+
+async def _read_some(resp: aiohttp.ClientResponse, n: int) -> bytes:
+    """At most `n` bytes of the body (an error answer: the rest is not read)."""
+    try:
+        return await resp.content.read(n)
+    except (aiohttp.ClientError, OSError, HttpProcessingError):
+        return b""
+
+
+async def read_limited(resp: aiohttp.ClientResponse, limit: int, what: str) -> bytes:
+    """The whole body, refused with EnvAnswerTooLarge as soon as it exceeds `limit` bytes
+    (a declared Content-Length over it is refused before anything is read)."""
+    if resp.content_length is not None and resp.content_length > limit:
+        resp.close()  # the connection is dropped, not drained
+        raise EnvAnswerTooLarge(
+            f"{what}: the answer declares {resp.content_length} bytes, more than the limit of "
+            f"{limit} bytes for this kind of answer (ClientConfig)"
+        )
+    chunks, size = [], 0
+    while True:
+        chunk = await resp.content.read(1 << 20)
+        if not chunk:
+            break
+        size += len(chunk)
+        if size > limit:
+            resp.close()
+            raise EnvAnswerTooLarge(
+                f"{what}: the answer exceeds the limit of {limit} bytes for this kind of "
+                "answer (ClientConfig)"
+            )
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _decode(raw: bytes, expect: str, what: str) -> Any:
+    """The body as `expect` ("bytes", "text" or "json"); EnvProtocolError when it is not
+    UTF-8, not JSON, or JSON nested too deeply for Python's parser."""
+    if expect == "bytes":
+        return raw
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise EnvProtocolError(f"{what}: the answer is not UTF-8 text ({e})") from None
+    if expect == "text":
+        return text
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise EnvProtocolError(f"{what}: the answer is JSON nested too deeply") from None
+    except ValueError as e:  # JSONDecodeError, or a number of too many digits
+        raise EnvProtocolError(
+            f"{what}: the server sent a body that is not JSON ({e}): {brief(text)}"
+        ) from None
 
 
 class EnvClient:
@@ -134,14 +281,17 @@ class EnvClient:
         timeout: float | None = None,
         idempotent: bool | None = None,
         expect: str = "bytes",
+        limit: int | None = None,
     ) -> Any:
         """One logical call: retries transport errors, maps failures to the project's errors.
 
-        `expect` is "bytes", "text" or "json": how to read a successful body.
+        `expect` is "bytes", "text" or "json": how to read a successful body. `limit`: most
+        bytes of the body read (default `max_answer_bytes`); more is EnvAnswerTooLarge.
         """
         if idempotent is None:
             idempotent = method == "GET"
         total = timeout if timeout is not None else self.config.timeout_s
+        limit = limit if limit is not None else self.config.max_answer_bytes
         client_timeout = aiohttp.ClientTimeout(
             total=total, sock_connect=min(self.config.connect_timeout_s, total)
         )
@@ -154,49 +304,63 @@ class EnvClient:
             session = self._ensure_session()
             try:
                 body_data = data() if callable(data) else data
-                async with session.request(
-                    method, url, json=json_body, data=body_data, timeout=client_timeout
-                ) as resp:
-                    raw = await resp.read()
+                # The total timeout bounds the whole exchange, body included (aiohttp's
+                # `total`); the outer one also covers a body read that aiohttp would not.
+                async with (
+                    asyncio.timeout(total + 1.0),
+                    session.request(
+                        method, url, json=json_body, data=body_data, timeout=client_timeout
+                    ) as resp,
+                ):
                     if resp.status >= 400:
+                        raw = await _read_some(resp, ERROR_BODY_BYTES)
                         text = raw.decode("utf-8", "replace")
-                        raise EnvHTTPError(
+                        kind = EnvHTTPError
+                        if resp.status == 401 or (
+                            resp.status == 403 and path not in FILE_ENDPOINTS
+                        ):
+                            kind = EnvAuthError
+                        raise kind(
                             f"{method} {path} -> HTTP {resp.status}: {text[:500]}",
                             status=resp.status,
                             body=text,
                         )
-                    if expect == "bytes":
-                        return raw
-                    text = raw.decode("utf-8", "replace")
-                    if expect == "text":
-                        return text
-                    try:
-                        return json.loads(text)
-                    except json.JSONDecodeError as e:
-                        raise EnvError(
-                            f"{method} {path}: the server sent a body that is not JSON: {text[:200]!r}"
-                        ) from e
+                    raw = await read_limited(resp, limit, f"{method} {path}")
+                    return _decode(raw, expect, f"{method} {path}")
             except aiohttp.ClientConnectorError as e:
                 # Nothing reached the server: safe to retry any request.
                 last_exc = e
-            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
-                last_exc = e
-                if not idempotent:
-                    raise EnvTransportError(
-                        f"{method} {path}: connection lost ({e}); not retried because the request "
-                        "may already have run on the server"
-                    ) from e
-            except TimeoutError as e:
+            except TimeoutError as e:  # aiohttp's own timeouts are TimeoutErrors too
                 last_exc = e
                 if not idempotent:
                     raise EnvTimeout(
                         f"{method} {path}: no reply within {total} s (not retried: the request "
                         "may be running on the server); pass a larger timeout for slow calls"
                     ) from e
-            except aiohttp.ClientPayloadError as e:
+            except aiohttp.ClientResponseError as e:
+                # aiohttp's reading of the answer failed: not HTTP, a malformed status line,
+                # an oversize header. The server answered, wrongly.
+                raise EnvProtocolError(
+                    f"{method} {url}: the answer is not valid HTTP ({e.status}: "
+                    f"{one_line(e.message)})"
+                ) from e
+            except (
+                aiohttp.ServerDisconnectedError,
+                aiohttp.ClientOSError,
+                aiohttp.ClientPayloadError,
+                aiohttp.ClientConnectionError,
+                OSError,
+            ) as e:
                 last_exc = e
                 if not idempotent:
-                    raise EnvTransportError(f"{method} {path}: truncated reply ({e})") from e
+                    raise EnvTransportError(
+                        f"{method} {path}: connection lost or reply cut ({one_line(str(e))}); "
+                        "not retried because the request may already have run on the server"
+                    ) from e
+            except (aiohttp.ClientError, HttpProcessingError) as e:
+                raise EnvProtocolError(
+                    f"{method} {url}: the exchange failed ({type(e).__name__}: {one_line(str(e))})"
+                ) from e
         if isinstance(last_exc, TimeoutError):
             raise EnvTimeout(
                 f"{method} {path}: no reply within {total} s after {attempts} attempts"
@@ -213,18 +377,22 @@ class EnvClient:
     # ---- observation -----------------------------------------------------------------------
 
     async def screenshot(self, *, timeout: float | None = None) -> bytes:
-        """PNG bytes of the whole screen."""
-        return await self._request("GET", "/screenshot", timeout=timeout)
+        """PNG bytes of the whole screen (at most `max_screenshot_bytes`)."""
+        return await self._request(
+            "GET", "/screenshot", timeout=timeout, limit=self.config.max_screenshot_bytes
+        )
 
     async def accessibility(self, *, timeout: float | None = None) -> str:
         """The accessibility tree as XML text."""
         data = await self._request("GET", "/accessibility", timeout=timeout, expect="json")
-        return str(data.get("AT") or "") if isinstance(data, dict) else ""
+        return text_field(data, "AT") if isinstance(data, dict) else ""
 
     async def terminal(self, *, timeout: float | None = None) -> str | None:
         """Text of the focused terminal, or None; also a liveness ping."""
         data = await self._request("GET", "/terminal", timeout=timeout, expect="json")
-        return data.get("output") if isinstance(data, dict) else None
+        if not isinstance(data, dict) or data.get("output") is None:
+            return None
+        return text_field(data, "output")
 
     async def platform(self, *, timeout: float | None = None) -> str:
         """Operating system name, e.g. `Linux`."""
@@ -235,17 +403,28 @@ class EnvClient:
         data = await self._request(
             "POST", "/screen_size", timeout=timeout, idempotent=True, expect="json"
         )
-        return int(data["width"]), int(data["height"])
+        w, h = (data.get(k) for k in ("width", "height")) if isinstance(data, dict) else (0, 0)
+        if not (_pixels(w) and _pixels(h)):
+            raise EnvProtocolError(f"/screen_size answered {brief(data)}, not a screen size")
+        return w, h
 
     async def cursor_position(self, *, timeout: float | None = None) -> tuple[int, int]:
         """(x, y) of the mouse pointer."""
         data = await self._request("GET", "/cursor_position", timeout=timeout, expect="json")
-        return int(data[0]), int(data[1])
+        if not (isinstance(data, list) and len(data) == 2 and all(map(_coordinate, data))):
+            raise EnvProtocolError(f"/cursor_position answered {brief(data)}, not [x, y]")
+        return data[0], data[1]
 
     async def get_file(self, path: str, *, timeout: float | None = None) -> bytes:
-        """Bytes of a file on the environment; a missing file raises EnvHTTPError (404)."""
+        """Bytes of a file on the environment (at most `max_file_bytes`); a missing file
+        raises EnvHTTPError (404)."""
         return await self._request(
-            "POST", "/file", data={"file_path": path}, timeout=timeout, idempotent=True
+            "POST",
+            "/file",
+            data={"file_path": path},
+            timeout=timeout,
+            idempotent=True,
+            limit=self.config.max_file_bytes,
         )
 
     # ---- commands --------------------------------------------------------------------------
@@ -385,11 +564,24 @@ class EnvClient:
 
     async def reset(
         self, params: dict[str, Any] | None = None, *, timeout: float | None = None
-    ) -> Any:
-        """`POST /reset` of the local desktop server (not part of OSWorld's VM server); JSON reply."""
-        return await self._request(
+    ) -> dict[str, Any]:
+        """`POST /reset` of the local or simulated desktop (not part of OSWorld's VM server).
+
+        Both answer a JSON object with `"status": "success"` once the desktop is clean
+        (`arpo_envs.desktop.server`, `arpo_envs.sim.server`); any other answer (another
+        status, not an object) raises ResetError with the server's message: the desktop is
+        not known to be clean."""
+        data = await self._request(
             "POST", "/reset", json_body=params or {}, timeout=timeout, expect="json"
         )
+        status = data.get("status") if isinstance(data, dict) else None
+        if status != "success":
+            message = data.get("message") or data.get("error") if isinstance(data, dict) else ""
+            raise ResetError(
+                f"POST {self._base}/reset answered status {brief(status, 80)!r} instead of "
+                "'success'" + (f": {brief(message, 500)}" if message else f" ({brief(data)})")
+            )
+        return data
 
     async def sim_scene(self, params: dict[str, Any], *, timeout: float | None = None) -> Any:
         """`POST /sim/scene` of the simulated desktop: build the scene described by `params`."""
@@ -409,20 +601,33 @@ class EnvClient:
             expect="json",
         )
         if not isinstance(body, dict) or "value" not in body:
-            raise EnvError(f"/sim/state answered {body!r:.200} without a 'value' key")
+            raise EnvError(f"/sim/state answered {brief(body)} without a 'value' key")
         return body["value"]
 
     async def wait_ready(self, *, deadline_s: float = 60.0, interval_s: float = 0.5) -> None:
-        """Poll `/terminal` until the server answers; raises EnvTimeout after `deadline_s`."""
+        """Poll `/terminal` until the server answers HTTP (any status: a server without a
+        terminal is still up); raises EnvTimeout after `deadline_s`. A refused token
+        (EnvAuthError) is raised at once; an answer that is not valid HTTP counts as no
+        answer (the server is not serving)."""
         loop = asyncio.get_running_loop()
         end = loop.time() + deadline_s
         while True:
             try:
                 await self._request("GET", "/terminal", timeout=min(10.0, deadline_s))
                 return
+            except EnvAuthError:
+                raise
             except EnvHTTPError:
                 return  # it answered; a server without a terminal still is up
-            except (EnvTransportError, EnvTimeout) as e:
+            except EnvError as e:
                 if loop.time() + interval_s > end:
                     raise EnvTimeout(f"{self._base} not ready within {deadline_s} s: {e}") from e
             await asyncio.sleep(interval_s)
+
+
+def _pixels(v: Any) -> bool:
+    return type(v) is int and 0 < v <= 1 << 16
+
+
+def _coordinate(v: Any) -> bool:
+    return type(v) is int and abs(v) <= 1 << 20

@@ -12,7 +12,11 @@ task, then runs the task's setup. The task runner does the same through one of t
 
 The interface (start, revert_to_snapshot, health, report, stop) follows OSWorld's provider
 methods where they match. A revert that fails raises `EnvError` with the reason: the
-episode is `env_error`, never a failure of the agent. `report` tells the fleet how the
+episode is `env_error`, never a failure of the agent. Whatever an environment or the
+fleet's control API answers, a provider call raises nothing but `EnvError` (`health`
+returns a `Health`; `TaskQuarantined` is the fleet's explicit verdict on a task): answers
+are bounded in size (`CONTROL_MAX_BYTES`) and time, and one that is not the JSON expected
+is the environment's failure. A refused token (`EnvAuthError`) is final. `report` tells the fleet how the
 task's setup went, so it can tell a broken task (quarantined) from a broken VM (replaced).
 A future `fork(n)` (several environments started from one running state) fits here.
 
@@ -22,6 +26,7 @@ A future `fork(n)` (several environments started from one running state) fits he
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from dataclasses import dataclass
@@ -29,11 +34,23 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import aiohttp
+from aiohttp.http_exceptions import HttpProcessingError
 
-from arpo.env.client import EnvClient
-from arpo.errors import EnvError, TaskError
+from arpo.env.client import (
+    EnvAuthError,
+    EnvClient,
+    EnvProtocolError,
+    brief,
+    one_line,
+    read_limited,
+)
+from arpo.errors import EnvError, EnvTimeout, TaskError
 
 log = logging.getLogger("arpo.env.provider")
+
+CONTROL_MAX_BYTES = 1 << 20
+"""Largest answer read from a fleet's control API (1 MiB): its answers are small JSON
+objects (`GET /fleet` of a hundred VMs is tens of KB)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +106,8 @@ class StaticProvider:
     async def health(self) -> Health:
         try:
             await self.client.platform(timeout=10.0)
+        except EnvAuthError as e:
+            return Health(False, str(e), final=True)
         except EnvError as e:
             return Health(False, str(e), retry_s=5.0)
         return Health(True)
@@ -167,44 +186,81 @@ class FleetVMProvider:
             )
         return self._session
 
-    async def _call(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+    async def _call(self, method: str, path: str, body: Any = None) -> tuple[int, dict[str, Any]]:
+        """(status, answer) of one control API call. The answer is a JSON object (an error
+        answer that is not one becomes {"error": <its text>}); at most CONTROL_MAX_BYTES
+        within `timeout_s`. EnvAuthError when the fleet refuses the token, EnvError for
+        anything else that goes wrong; no other exception."""
+        url = f"{self.link.control}{path}"
         try:
-            async with self._http().request(
-                method,
-                f"{self.link.control}{path}",
-                json=body,
-                timeout=aiohttp.ClientTimeout(total=self.timeout_s),
-            ) as r:
-                try:
-                    data = await r.json(content_type=None)
-                except (ValueError, aiohttp.ContentTypeError):
-                    data = {"error": (await r.text())[:300]}
-                return r.status, data
-        except (aiohttp.ClientError, TimeoutError, OSError) as e:
-            raise EnvError(f"VM fleet at {self.link.control} unreachable: {e}") from e
+            async with (
+                asyncio.timeout(self.timeout_s + 1.0),
+                self._http().request(
+                    method, url, json=body, timeout=aiohttp.ClientTimeout(total=self.timeout_s)
+                ) as r,
+            ):
+                status = r.status
+                raw = await read_limited(r, CONTROL_MAX_BYTES, f"VM fleet {method} {path}")
+        except TimeoutError as e:
+            raise EnvTimeout(f"VM fleet at {url}: no answer within {self.timeout_s} s") from e
+        except EnvError:
+            raise
+        except (aiohttp.ClientError, HttpProcessingError, OSError) as e:
+            raise EnvError(
+                f"VM fleet at {self.link.control} unreachable or its answer is not HTTP "
+                f"({type(e).__name__}: {one_line(str(e))})"
+            ) from e
+        try:
+            data: Any = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError, RecursionError) as e:
+            if status == 200:
+                raise EnvProtocolError(
+                    f"VM fleet {method} {path}: the answer is not JSON ({type(e).__name__})"
+                ) from None
+            data = {"error": one_line(raw[:300].decode("utf-8", "replace"))}
+        if not isinstance(data, dict):
+            if status == 200:
+                raise EnvProtocolError(
+                    f"VM fleet {method} {path}: the answer is not a JSON object: {brief(data)}"
+                )
+            data = {"error": brief(data)}
+        if status in (401, 403):
+            raise EnvAuthError(
+                f"VM fleet at {self.link.control} refuses its token (HTTP {status}): the "
+                "token of the fleet's state file is wrong or stale",
+                status=status,
+                body=brief(data.get("error", ""), 500),
+            )
+        return status, data
 
     async def start(self) -> None:
         return None
 
     async def revert_to_snapshot(self, task_id: str = "") -> None:
         status, data = await self._call("POST", f"/vms/{self.name}/revert", {"task_id": task_id})
-        err = data.get("error") if isinstance(data, dict) else str(data)
-        if status == 409:
+        err = brief(data.get("error", ""), 500)
+        if status == 409 and data.get("quarantined") is True:
             raise TaskQuarantined(f"task {task_id}: {err}")
         if status != 200:
             raise EnvError(f"VM {self.name}: revert failed ({status}): {err}")
+        if data.get("status") != "ok":
+            raise EnvProtocolError(
+                f"VM {self.name}: the fleet answered the revert with {brief(data)}, not status 'ok'"
+            )
         # The guest's TCP state is the snapshot's now: connections kept alive before are dead.
         await self.client.close()
 
     async def health(self) -> Health:
         try:
             status, data = await self._call("GET", f"/vms/{self.name}/health")
+        except EnvAuthError as e:
+            return Health(False, str(e), final=True)
         except EnvError as e:
             return Health(False, str(e), retry_s=5.0)
-        if status == 200 and isinstance(data, dict) and data.get("ok"):
+        if status == 200 and data.get("ok") is True:
             return Health(True)
-        reason = data.get("error", "") if isinstance(data, dict) else str(data)
-        state = data.get("state", "?") if isinstance(data, dict) else "?"
+        reason = brief(data.get("error", ""), 500)
+        state = brief(data.get("state", "?"), 40)
         return Health(False, f"{state}: {reason}", retry_s=2.0, final=state == "failed")
 
     async def report(self, task_id: str, ok: bool, error: str = "") -> None:

@@ -300,14 +300,16 @@ class TaskRunner:
         await self.run_steps(task.config, task_id=task.id, phase="config")
 
     async def revert(self, task: Task) -> None:
-        """The provider's revert before `task`; any environment failure of it is raised as
-        ResetError (the environment's fault, never the task's). TaskError (the fleet
-        quarantined the task) passes through."""
+        """The provider's revert before `task`; any failure of it is raised as ResetError
+        (the environment's fault, never the task's), the error it wraps as its cause (a
+        refused token: `arpo.env.client.auth_failure` finds it). Only TaskError (the fleet
+        quarantined the task) passes through: whatever else a provider raises, an
+        environment's answer cannot make its task look broken."""
         try:
             await self.provider.revert_to_snapshot(task.id)
-        except ResetError:
+        except (ResetError, TaskError):
             raise
-        except EnvError as e:
+        except Exception as e:
             raise ResetError(f"{type(e).__name__}: {e}") from e
 
     def _start_episode(self, task: Task) -> None:
@@ -409,31 +411,39 @@ class TaskRunner:
             await self.client.upload(path, data)
 
     def upload_source(self, local_path: str) -> Path:
-        """The host file an `upload_file` step sends. OSWorld reads a relative local_path from
-        the working directory; a task suite that ships its files beside its task files
-        (arpo_envs.tasks) names them relative to the task file, so that folder is tried
-        second. A path that is absolute, or leads out of those folders (`..`, a symbolic
-        link), is refused with TaskError: a task must not hand any host file to the desktop."""
+        """The host file an `upload_file` step sends, named by `local_path` relative to the
+        task file's folder, and read only from there: never the working directory (OSWorld
+        reads relative paths from it, which handed any file under the actor's working
+        directory to the desktop), never an absolute path, no `..`, no symbolic link that
+        leads out. TaskError for a refused path, or for a task without a folder (not read
+        from a file; such a task names its files by content, `upload_path`);
+        FileCacheMiss when the file is not there."""
         rel = PurePosixPath(str(local_path))
         if rel.is_absolute() or ".." in rel.parts or not rel.parts:
             raise TaskError(
                 f"upload_file step: local_path {local_path!r} must be a relative path inside "
-                "the working directory or the task file's folder (no absolute path, no '..')"
+                "the task file's folder (no absolute path, no '..')"
             )
-        bases = [Path.cwd()] + ([self._task_dir] if self._task_dir is not None else [])
-        for base in bases:
-            cand = (base / rel).resolve()
-            if cand.is_file():
-                if not cand.is_relative_to(base.resolve()):
-                    raise TaskError(
-                        f"upload_file step: local_path {local_path!r} leads out of {base} "
-                        "(a symbolic link); refused"
-                    )
-                return cand
-        raise FileCacheMiss(
-            f"upload_file step: local file {local_path} does not exist (relative paths are "
-            "tried from the working directory and the task file's folder)"
-        )
+        base = self._task_dir
+        if base is None:
+            raise TaskError(
+                f"upload_file step: local_path {local_path!r}: the task was not read from a "
+                "file, so there is no folder to read it from; such a task names its files by "
+                "content ('sha256' and 'size', arpo.env.taskfiles) and the runner fetches them "
+                "from its file source (TaskRunner(files=...))"
+            )
+        root = base.resolve()
+        cand = (root / rel).resolve()
+        if not cand.is_relative_to(root):
+            raise TaskError(
+                f"upload_file step: local_path {local_path!r} leads out of {base} (a symbolic "
+                "link); refused"
+            )
+        if not cand.is_file():
+            raise FileCacheMiss(
+                f"upload_file step: local file {local_path} is not in the task file's folder {base}"
+            )
+        return cand
 
     async def upload_path(self, entry: Mapping[str, Any]) -> Path:
         """The local file an `upload_file` entry sends: by content when it names its

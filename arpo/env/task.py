@@ -19,6 +19,8 @@ as read-only.
 from __future__ import annotations
 
 import json
+import os
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +28,8 @@ from typing import Any
 
 from arpo.env.taskfiles import TaskFiles
 from arpo.errors import ConfigError, TaskError
+from arpo.record import ident_problem
+from arpo.wire import MAX_ID_BYTES, MAX_STR_BYTES
 
 _KNOWN_TASK_KEYS = frozenset(
     {
@@ -213,6 +217,9 @@ class Task:
         tid = raw.get("id")
         if not isinstance(tid, str) or not tid:
             raise TaskError(f"{where}: missing or empty string 'id'")
+        if problem := task_id_problem(tid):
+            shown = repr(tid[:60]) + ("..." if len(tid) > 60 else "")
+            raise TaskError(f"{where}: task id {shown} {problem}")
         where = f"{path or 'task'} (id {tid})"
         instruction = raw.get("instruction")
         if not isinstance(instruction, str):
@@ -310,18 +317,9 @@ class PoolTask:
 
     task: dict[str, Any]
     source: str
-    """The file (and line, for .jsonl) the task was read from."""
+    """The file the task was read from, with `:<line>` for a .jsonl file and `[<index>]`
+    for a task of a list."""
     domain: str
-
-
-def _task_dicts(raw: Any, where: str) -> list[dict[str, Any]]:
-    if isinstance(raw, dict) and isinstance(raw.get("tasks"), list):
-        raw = raw["tasks"]
-    if isinstance(raw, dict):
-        raw = [raw]
-    if not isinstance(raw, list):
-        raise TaskError(f"{where}: expected a task object or a list of tasks")
-    return raw
 
 
 def task_domain(task: Mapping[str, Any], folder: str = "") -> str:
@@ -335,61 +333,173 @@ def task_domain(task: Mapping[str, Any], folder: str = "") -> str:
     return tid.split("-", 1)[0] if "-" in tid and tid.split("-", 1)[0] else "unknown"
 
 
+MAX_TASK_ID_BYTES = MAX_ID_BYTES
+"""Longest task id (UTF-8 bytes): the wire's bound on an id in a grant or a record."""
+MAX_TASK_JSON_BYTES = MAX_STR_BYTES
+"""Largest task, as the JSON a grant carries (UTF-8 bytes, its files named by content): the
+wire's bound on a string (1 MiB). OSWorld's largest task is 13 KB; large data belongs in
+files its `upload_file` steps send."""
+MAX_TASK_DEPTH = 64
+"""Deepest nesting of objects and lists in a task (OSWorld's deepest is 10 levels): deeper
+JSON is refused before code that walks it recursively meets it."""
+MAX_POOL_FILE_BYTES = 1 << 30
+"""Largest file of a pool (a task, a list of tasks or a .jsonl file), read whole."""
+
+
+def task_id_problem(tid: str) -> str | None:
+    """Why `tid` cannot be a task id, or None: it crosses the wire in every grant and record
+    and is written one a line into ledgers (`arpo.record.ident_problem`)."""
+    n = len(tid.encode("utf-8", "surrogatepass"))
+    if n > MAX_TASK_ID_BYTES:
+        return f"is {n} bytes long; task ids have at most {MAX_TASK_ID_BYTES} bytes"
+    return ident_problem(tid)
+
+
+def _read_pool_file(path: Path) -> str:
+    """The text of one file of a pool. Only a regular file is read (opened without blocking,
+    so a FIFO or a device named *.json is refused instead of waited on), of at most
+    MAX_POOL_FILE_BYTES, in UTF-8."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise TaskError(f"{path}: cannot read the task file: {e.strerror or e}") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise TaskError(
+                f"{path}: not a regular file (a FIFO, socket or device); a pool is made of "
+                "task JSON files"
+            )
+        data = f.read(MAX_POOL_FILE_BYTES + 1)
+    if len(data) > MAX_POOL_FILE_BYTES:
+        raise TaskError(f"{path}: larger than {MAX_POOL_FILE_BYTES} bytes; split the pool")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise TaskError(f"{path}: not UTF-8 text ({e}); task files are UTF-8 JSON") from None
+
+
+def _parse_json(text: str, where: str) -> Any:
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise TaskError(
+            f"{where}: JSON nested too deeply (a task has at most {MAX_TASK_DEPTH} levels)"
+        ) from None
+    except ValueError as e:  # JSONDecodeError, or an integer of more than 4300 digits
+        raise TaskError(f"{where}: not valid JSON: {e}") from None
+
+
+def _depth(value: Any) -> int:
+    """Levels of nested objects and lists in `value` (1 for a scalar), without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        deepest = max(deepest, d)
+        if isinstance(v, dict):
+            stack.extend((c, d + 1) for c in v.values())
+        elif isinstance(v, list):
+            stack.extend((c, d + 1) for c in v)
+    return deepest
+
+
+def _is_task(raw: Any) -> bool:
+    """A JSON value that claims to be a task: an object with an evaluator, or with an id and
+    an instruction (it must then be a whole task: `Task.from_dict` says what is missing)."""
+    return isinstance(raw, dict) and ("evaluator" in raw or ("id" in raw and "instruction" in raw))
+
+
+def _folder_tasks(raw: Any, where: str) -> list[tuple[Any, str]]:
+    """The tasks of one JSON file of a folder pool, each with where it is (the file, and
+    `[i]` for the i-th of a list): a task, a list of tasks, or an object whose "tasks" is
+    one; none for a file that holds no task object (an index such as test_all.json, a list
+    of ids, settings)."""
+    if _is_task(raw):
+        return [(raw, where)]
+    items = raw.get("tasks") if isinstance(raw, dict) else raw
+    if isinstance(items, list) and any(isinstance(t, dict) for t in items):
+        return [(t, f"{where}[{i}]") for i, t in enumerate(items)]
+    return []
+
+
 def load_pool(path: str | Path, files: TaskFiles | None = None) -> list[PoolTask]:
     """The tasks of a pool, each checked as an OSWorld task, its files named by content.
 
-    A pool is a folder searched recursively for task JSON files (other JSON files there,
-    such as index files, are skipped), a .json file with a task or a list of tasks, or a
-    .jsonl file with one task per line. A task's domain is its "domain" field if it has
-    one, else the name of the folder its file is in when the pool is a folder (OSWorld's
-    `examples/<domain>/<id>.json` and the simulated tasks' `<family>/<id>.json`), else the
-    task id's part before the first '-', else "unknown".
+    A pool is a folder searched recursively for JSON files, a .json file with a task or a
+    list of tasks, or a .jsonl file with one task per line. In a folder, a file may hold a
+    task, a list of tasks or {"tasks": [...]}, as a .json pool does (every task of a list
+    is loaded); files that hold no task, such as index files (test_all.json), are skipped.
+    A task's domain is its "domain" field if it has one, else the name of the folder its
+    file is in when the pool is a folder (OSWorld's `examples/<domain>/<id>.json` and the
+    simulated tasks' `<family>/<id>.json`), else the task id's part before the first '-',
+    else "unknown".
 
     Every file an `upload_file` step sends (a `local_path` relative to the task file's
     folder or the pool's folder) is hashed and named in the task by `sha256` and `size`
     (`arpo.env.taskfiles`): a grant then carries no path of this filesystem, and the
     learner serves the bytes from `files` (a `TaskFiles` index; None: not kept).
 
-    Raises `TaskError` naming the file for a malformed task, a task id given twice, or an
-    `upload_file` whose file is missing, absolute, has `..` or leads out of its folder.
+    Raises `TaskError` naming the file (and the task id) for: a file that is not a regular
+    file (a FIFO named *.json is refused, never waited on), not UTF-8 or not JSON; a task
+    nested deeper than MAX_TASK_DEPTH, larger than MAX_TASK_JSON_BYTES as a grant carries
+    it, or malformed; a task id longer than MAX_TASK_ID_BYTES, holding whitespace or
+    control characters, or given twice; an `upload_file` whose file is missing, absolute,
+    has `..` or leads out of its folder.
     """
     files = files if files is not None else TaskFiles()
     p = Path(path)
-    found: list[tuple[dict[str, Any], str, str]] = []  # task, where, folder
+    found: list[tuple[Any, str, str, Path]] = []  # task, where, folder, its file
     if p.is_dir():
         for f in sorted(p.rglob("*.json")):
-            try:
-                raw = json.loads(f.read_text(encoding="utf-8"))
-            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-                raise TaskError(f"{f}: cannot read a task file: {e}") from None
-            # A task has an id and an evaluator; index files and the like are skipped.
-            if isinstance(raw, dict) and "id" in raw and "evaluator" in raw:
-                found.append((raw, str(f), f.parent.name))
-    elif p.is_file():
-        try:
-            text = p.read_text(encoding="utf-8")
-            if p.suffix == ".jsonl":
-                found = [
-                    (json.loads(line), f"{p}:{i + 1}", "")
-                    for i, line in enumerate(text.splitlines())
-                    if line.strip()
-                ]
+            if f.is_dir():
+                continue  # a folder named *.json: rglob lists what is inside it
+            raw = _parse_json(_read_pool_file(f), str(f))
+            found += [(t, w, f.parent.name, f) for t, w in _folder_tasks(raw, str(f))]
+    elif p.exists():
+        text = _read_pool_file(p)
+        if p.suffix == ".jsonl":
+            found = [
+                (_parse_json(line, f"{p}:{i + 1}"), f"{p}:{i + 1}", "", p)
+                for i, line in enumerate(text.splitlines())
+                if line.strip()
+            ]
+        else:
+            raw = _parse_json(text, str(p))
+            if isinstance(raw, dict) and isinstance(raw.get("tasks"), list):
+                raw = raw["tasks"]
+            if isinstance(raw, dict):
+                found = [(raw, str(p), "", p)]
+            elif isinstance(raw, list):
+                found = [(t, f"{p}[{i}]", "", p) for i, t in enumerate(raw)]
             else:
-                found = [(t, str(p), "") for t in _task_dicts(json.loads(text), str(p))]
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise TaskError(f"{p}: cannot read the task list: {e}") from None
+                raise TaskError(f"{p}: expected a task object or a list of tasks")
     else:
-        raise TaskError(f"{p}: no such task folder or file")
+        raise TaskError(
+            f"{p}: does not exist (a task pool is a folder of task JSON files, a .json or a "
+            ".jsonl file)"
+        )
     root = p if p.is_dir() else p.parent
     pool: list[PoolTask] = []
     where_of: dict[str, str] = {}
-    for raw, where, folder in found:
-        task = Task.from_dict(raw, path=where)  # TaskError names the file
+    for raw, where, folder, src in found:
+        if _depth(raw) > MAX_TASK_DEPTH:
+            raise TaskError(
+                f"{where}: a task nested {_depth(raw)} levels deep; at most {MAX_TASK_DEPTH}"
+            )
+        task = Task.from_dict(raw, path=where)  # TaskError names the file and the id
         try:
-            src = Path(where.rsplit(":", 1)[0] if p.suffix == ".jsonl" and p.is_file() else where)
             raw = files.address(raw, src.parent, root)
         except TaskError as e:
             raise TaskError(f"{where}: {e}") from None
+        except OSError as e:
+            raise TaskError(f"{where}: task {task.id}: cannot read an upload_file: {e}") from None
+        size = len(json.dumps(raw, ensure_ascii=False).encode("utf-8", "surrogatepass"))
+        if size > MAX_TASK_JSON_BYTES:
+            raise TaskError(
+                f"{where}: task {task.id} is {size} bytes of JSON; a grant carries at most "
+                f"{MAX_TASK_JSON_BYTES} (arpo.wire.MAX_STR_BYTES): put large data in files "
+                "its upload_file steps send"
+            )
         check_steps(task, where)
         if task.id in where_of:
             raise TaskError(f"{where}: task id {task.id} is also in {where_of[task.id]}")
@@ -398,6 +508,16 @@ def load_pool(path: str | Path, files: TaskFiles | None = None) -> list[PoolTask
     if not pool:
         raise TaskError(f"{p}: holds no tasks (JSON objects with 'id' and 'evaluator')")
     return pool
+
+
+def pool_problem(path: str | Path) -> str | None:
+    """Why the task pool at `path` cannot be loaded (`load_pool`'s error, naming the file
+    and the task), or None: what the configs that name a pool check when a command starts."""
+    try:
+        load_pool(path)
+    except TaskError as e:
+        return str(e)
+    return None
 
 
 STEP_TYPES = (

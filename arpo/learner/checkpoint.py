@@ -49,9 +49,13 @@ The pause lasts as long as the snapshot (about 0.2 s for a 200 MB store on the p
 machine); the model and optimizer are written before it, while trajectories flow.
 
 Validity: a checkpoint is valid iff its MANIFEST parses and every listed file exists
-with the listed size and sha256 (`verify=False` checks sizes only: much faster for a
-large model, blind to flipped bytes). `latest_checkpoint` returns the newest valid one;
-it skips an invalid one with a logged warning that says why.
+with the listed size and sha256. `verify=False` skips the sha256 of the bulk files only
+(BULK_SUFFIXES: weights, trainer.pt, store.snap, seen.log, where the time goes): much
+faster for a large model, blind to flipped bytes in those; the small files that say how to
+read them (the model's and processor's configs, the tokenizer, state.json) are hashed
+either way. `latest_checkpoint` returns the newest valid one; it skips an invalid one with
+a logged warning that says why. `check_model_dir` loads the model's config and processor
+and checks the weights' shapes against them, for a resume that must not stop on them.
 """
 
 from __future__ import annotations
@@ -72,7 +76,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from arpo.config import fail, option
+from arpo.config import check_range, fail, option
 from arpo.errors import SnapshotError
 from arpo.files import fsync_dir as _fsync_dir
 
@@ -86,6 +90,11 @@ MANIFEST = "MANIFEST.json"
 _NAME = re.compile(r"^ckpt-(\d{8,})$")
 _TMP = re.compile(r"^\.tmp-.*-(\d+)$")
 _CHUNK = 8 << 20
+BULK_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".snap", ".log")
+"""Files whose sha256 `verify=False` skips (weights, optimizer state, the store snapshot, the
+seen-id log). Every other file is hashed in both modes: it is small, and a digit flipped in
+a model's config.json mostly loads without an error as another model (76 of 110 one-digit
+flips of the tiny model's config.json did), so only its hash can tell."""
 
 
 @dataclass
@@ -97,19 +106,21 @@ class CheckpointConfig:
     keep: int = option(3, "Newest complete checkpoints kept; older ones are deleted.")
     verify: bool = option(
         True,
-        "Check the sha256 of every file when loading. False checks sizes only (faster on a "
-        "large model): the loaders' own checks (state, safetensors headers, the store's "
-        "checksum) still run and a damaged checkpoint still falls back to the one before, "
-        "but a bit flipped inside the model's weights goes unseen.",
+        "Check the sha256 of every file when loading. False skips it for the bulk files "
+        "(weights, trainer.pt, store.snap, seen.log: faster on a large model) and still "
+        "hashes the configs, tokenizer and state; the loaders' own checks (state, "
+        "safetensors headers, model config and processor, the store's checksum) still run "
+        "and a damaged checkpoint still falls back to the one before, but a bit flipped "
+        "inside the model's weights goes unseen.",
     )
 
     def validate(self) -> None:
         if not self.dir:
             fail("dir", "must name a folder (e.g. runs/checkpoints)")
-        if self.every < 0:
-            fail("every", "must be >= 0 (0: only at the end of the run)")
-        if self.keep < 1:
-            fail("keep", "must be >= 1 (the newest checkpoint is always kept)")
+        if Path(self.dir).exists() and not Path(self.dir).is_dir():
+            fail("dir", f"{self.dir!r} exists and is not a folder")
+        check_range("every", self.every, 0, 1 << 31, "iterations; 0: only at the end of the run")
+        check_range("keep", self.keep, 1, 1000, "the newest checkpoint is always kept")
 
     def due(self, iteration: int, *, final: bool = False) -> bool:
         """True when a checkpoint is due after `iteration` (always at the end of the run)."""
@@ -389,7 +400,8 @@ def verify_checkpoint(path: str | Path, *, hashes: bool = True) -> dict[str, Any
     """Check a checkpoint folder against its manifest; returns the manifest.
 
     Raises `SnapshotError` naming the file and what is wrong (no manifest: an incomplete
-    write; a file missing, of the wrong size, or with the wrong sha256 when `hashes`).
+    write; a file missing, of the wrong size, or with the wrong sha256: checked for every
+    file when `hashes`, else for every file but the bulk ones, BULK_SUFFIXES).
     """
     path = Path(path)
     manifest_path = path / MANIFEST
@@ -430,9 +442,57 @@ def verify_checkpoint(path: str | Path, *, hashes: bool = True) -> dict[str, Any
             raise SnapshotError(f"{f}: missing") from None
         if size != meta.get("size"):
             raise SnapshotError(f"{f}: {size} bytes, the manifest says {meta.get('size')}")
-        if hashes and _sha256(f) != meta.get("sha256"):
+        if (hashes or not rel.endswith(BULK_SUFFIXES)) and _sha256(f) != meta.get("sha256"):
             raise SnapshotError(f"{f}: sha256 differs from the manifest (corrupted)")
     return manifest
+
+
+def check_model_dir(model_dir: str | Path) -> None:
+    """Load what `from_pretrained` reads besides the weights' data: the model's config (with
+    transformers' own validation), the processor (tokenizer, image processor, chat
+    template), and the shape of every parameter the config implies against the safetensors
+    headers (as a multiset: the files may name tensors the way an older transformers did).
+    The model is built on the meta device, so no weight is read or allocated.
+
+    Raises `SnapshotError` naming the folder and what does not load: a checkpoint whose
+    config a flipped digit made invalid, or describe other shapes, is then skipped for the
+    one before instead of stopping the resume."""
+    import collections
+
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoProcessor, Qwen2_5_VLForConditionalGeneration
+
+    d = Path(model_dir)
+    try:
+        config = AutoConfig.from_pretrained(d)
+    except Exception as e:  # transformers raises many kinds (strict dataclass checks among them)
+        raise SnapshotError(
+            f"{d / 'config.json'}: the model config does not load: {type(e).__name__}: {e}"
+        ) from e
+    try:
+        AutoProcessor.from_pretrained(d)
+    except Exception as e:
+        raise SnapshotError(f"{d}: the processor does not load: {type(e).__name__}: {e}") from e
+    try:
+        with torch.device("meta"):
+            model = Qwen2_5_VLForConditionalGeneration._from_config(config)
+    except Exception as e:
+        raise SnapshotError(
+            f"{d / 'config.json'}: no model can be built from it: {type(e).__name__}: {e}"
+        ) from e
+    want = collections.Counter(tuple(p.shape) for p in model.parameters())
+    have: collections.Counter[tuple[int, ...]] = collections.Counter()
+    for f in sorted(d.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
+                have[tuple(st.get_slice(name).get_shape())] += 1
+    if want != have:
+        missing, extra = sorted((want - have).elements()), sorted((have - want).elements())
+        raise SnapshotError(
+            f"{d}: the weights do not have the shapes config.json describes (wanted and "
+            f"missing: {missing[:3]}{'...' if len(missing) > 3 else ''}; present and not "
+            f"wanted: {extra[:3]}{'...' if len(extra) > 3 else ''})"
+        )
 
 
 def latest_checkpoint(root: str | Path, verify: bool = True) -> Path | None:

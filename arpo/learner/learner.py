@@ -62,8 +62,16 @@ from typing import Any
 import numpy as np
 
 from arpo import wire
-from arpo.config import fail, option, validate
-from arpo.env.task import load_selection, load_task_pool
+from arpo.config import (
+    SET_BY_TRAIN,
+    check_range,
+    check_seconds,
+    fail,
+    folder_problem,
+    option,
+    validate,
+)
+from arpo.env.task import load_selection, load_task_pool, pool_problem
 from arpo.env.taskfiles import TaskFiles
 from arpo.errors import ArpoError, ConfigError, RunStalled, SnapshotError
 from arpo.files import write_atomic
@@ -89,6 +97,13 @@ from arpo.transport import TransportConfig
 log = logging.getLogger("arpo.learner")
 
 _DEFAULT_CKPT_DIR = CheckpointConfig().dir
+
+MIN_STORE_BYTES = 64 << 20
+"""Smallest replay-store budget the learner accepts (`store_max_bytes`). A 15-turn
+trajectory of 1920x1080 PNG screenshots is about 1.5 MB, so 64 MiB holds some forty: a
+few groups. Below one trajectory the store refuses everything it is sent."""
+MAX_STORE_BYTES = 1 << 50
+"""Largest replay-store budget accepted (1 PiB): more is a typo, not memory."""
 
 
 def _check_model_files(model_dir: Path) -> None:
@@ -185,22 +200,45 @@ class LearnerConfig:
     def validate(self) -> None:
         if not self.run_dir:
             fail("run_dir", "must name a folder")
+        if problem := folder_problem(self.run_dir):
+            fail("run_dir", problem)
         if not self.tasks:
             fail("tasks", "give the task pool (a folder of task JSON files, or a JSON/JSONL file)")
+        if self.tasks != SET_BY_TRAIN and (problem := pool_problem(self.tasks)):
+            fail("tasks", problem)
+        for name in ("selection", "left_out"):
+            path = getattr(self, name)
+            if path and not Path(path).is_file():
+                fail(name, f"{path!r} is not a file")
         if self.iterations < 0:
             fail("iterations", "must be >= 0 (0: until stopped)")
-        if self.publish_keep < 1:
-            fail("publish_keep", "must be >= 1")
-        if self.store_max_bytes < 1:
-            fail("store_max_bytes", "must be >= 1 byte (the replay store's budget, e.g. 8 GiB)")
-        if self.seed < 0:
-            fail("seed", "must be >= 0")
-        if not self.step_delay_s >= 0:
-            fail("step_delay_s", "must be >= 0 seconds")
-        if not (self.stall_s >= 0 and math.isfinite(self.stall_s)):
-            fail("stall_s", "must be >= 0 seconds (0: never stop for a stall)")
+        check_range(
+            "success_score", self.success_score, 0, 1, "checker scores are in [0, 1]", lo_open=True
+        )
+        check_range("publish_keep", self.publish_keep, 1, 1000, "published weight files kept")
+        if self.publish_dir not in ("", "-") and (problem := folder_problem(self.publish_dir)):
+            fail("publish_dir", problem)
+        check_seconds("wait_log_s", self.wait_log_s, "between lines while waiting for groups")
+        check_range(
+            "store_max_bytes",
+            self.store_max_bytes,
+            MIN_STORE_BYTES,
+            MAX_STORE_BYTES,
+            "bytes of the replay store: at least MIN_STORE_BYTES (64 MiB), some forty "
+            "15-turn trajectories of full-HD screenshots; e.g. 8 GiB",
+        )
+        check_range("seed", self.seed, 0, 2**63 - 1, "the store's sampling seed")
+        check_seconds("step_delay_s", self.step_delay_s, zero="0 in real runs")
+        check_seconds("stall_s", self.stall_s, zero="0: never stop for a stall")
         if self.store_fresh_capacity < self.assemble.group_size:
             fail("store_fresh_capacity", "must be at least assemble.group_size")
+        check_range(
+            "store_fresh_capacity",
+            self.store_fresh_capacity,
+            1,
+            1 << 24,
+            "fresh trajectories kept per task",
+        )
         default = GrantConfig()
         for name, owner in (
             ("group_size", "assemble"),
@@ -339,18 +377,21 @@ class Learner:
 
     def _usable_checkpoint(self) -> tuple[Any, Any]:
         """(checkpoint, restored store) of the newest checkpoint that loads whole, trying
-        older ones after any failure (logged): the manifest's sizes (and sha256 with
-        `checkpoint.verify`), state.json and trainer.pt, the model's safetensors headers and
-        the store snapshot's own checksum all run in both modes. (None, None) when none
-        loads. `verify=false` skips only the sha256 of every file: a bit flipped inside a
-        tensor's data then goes unseen."""
+        older ones after any failure (logged): the manifest's sizes and sha256 (of the
+        small files only with `checkpoint.verify` off), state.json and trainer.pt, the
+        model's safetensors headers, its config and processor and the weights' shapes
+        against that config (`check_model_dir`), and the store snapshot's own checksum all
+        run in both modes. (None, None) when none loads. `verify=false` skips only the
+        sha256 of the bulk files: a bit flipped inside a tensor's data then goes unseen."""
         from arpo.buffer import ReplayStore
+        from arpo.learner.checkpoint import check_model_dir
 
         cfg = self.config
         for path in reversed(list_checkpoints(cfg.checkpoint.dir)):
             try:
                 ckpt = load_checkpoint(path, verify=cfg.checkpoint.verify)
                 _check_model_files(ckpt.model_dir)
+                check_model_dir(ckpt.model_dir)
                 store = None
                 if ckpt.store_path is not None:
                     store = ReplayStore.restore(

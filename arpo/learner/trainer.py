@@ -48,9 +48,9 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from arpo.config import fail, option, validate
+from arpo.config import MAX_TEMPERATURE, check_range, fail, model_problem, option, validate
 from arpo.learner import distributed as D
-from arpo.learner.assemble import Batch, Sample
+from arpo.learner.assemble import MAX_STEP_TRAJECTORIES, Batch, Sample
 from arpo.learner.batch import TrainSequence, build_sequence, collate, token_logprobs
 from arpo.learner.distributed import DistConfig, DistInfo
 from arpo.learner.loss import LossConfig, arpo_loss, behaviour_drift
@@ -121,24 +121,45 @@ class TrainerConfig:
     def validate(self) -> None:
         if not self.model:
             fail("model", "give the folder of a Qwen2.5-VL checkpoint")
-        if self.lr <= 0:
-            fail("lr", "must be > 0")
-        if self.weight_decay < 0:
-            fail("weight_decay", "must be >= 0")
+        if problem := model_problem(self.model):
+            fail("model", problem)
+        if self.ref_model and (problem := model_problem(self.ref_model)):
+            fail("ref_model", problem)
+        try:
+            torch.device(self.device)
+        except (RuntimeError, ValueError) as e:
+            fail("device", f"{self.device!r} is not a torch device ({e}); e.g. 'cpu', 'cuda'")
+        check_range("lr", self.lr, 0, MAX_LR, "the AdamW learning rate", lo_open=True)
+        check_range("weight_decay", self.weight_decay, 0, 1, "AdamW's decoupled weight decay")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             fail("betas", "must be two numbers in [0, 1), e.g. [0.9, 0.999]")
+        check_range("adam_eps", self.adam_eps, 0, 1, "AdamW's epsilon", lo_open=True)
         if self.grad_clip < 0:
             fail("grad_clip", "must be >= 0 (0 turns clipping off)")
-        if self.epochs < 1:
-            fail("epochs", "must be >= 1")
-        if self.optimizer_steps < 1:
-            fail("optimizer_steps", "must be >= 1")
-        if self.micro_batch < 1:
-            fail("micro_batch", "must be >= 1")
-        if self.temperature <= 0:
-            fail("temperature", "must be > 0 (the rollout temperature, 1.0 in the reference)")
-        if self.seed < 0:
-            fail("seed", "must be >= 0 (torch takes seeds in [0, 2**64))")
+        check_range("epochs", self.epochs, 1, MAX_EPOCHS, "passes over each batch")
+        check_range(
+            "optimizer_steps",
+            self.optimizer_steps,
+            1,
+            MAX_STEP_TRAJECTORIES,
+            "mini-batches per epoch",
+        )
+        check_range(
+            "micro_batch",
+            self.micro_batch,
+            1,
+            MAX_STEP_TRAJECTORIES,
+            "trajectories per forward / backward pass",
+        )
+        check_range(
+            "temperature",
+            self.temperature,
+            0,
+            MAX_TEMPERATURE,
+            "the rollout temperature, 1.0 in the reference",
+            lo_open=True,
+        )
+        check_range("seed", self.seed, 0, 2**63 - 1, "torch takes seeds in [0, 2**64)")
         if self.top_p != 1.0:
             fail(
                 "top_p",
@@ -146,13 +167,34 @@ class TrainerConfig:
                 "trainer.temperature: rollouts sampled from a nucleus (top_p < 1) cannot be "
                 "scored exactly; set trainer.top_p = 1.0 (actors then sample with top_p 1.0)",
             )
-        if self.lr_warmup_steps < 0:
-            fail("lr_warmup_steps", "must be >= 0")
-        if self.lr_decay_steps < 0:
-            fail("lr_decay_steps", "must be >= 0 (0: no decay)")
+        check_range(
+            "lr_warmup_steps",
+            self.lr_warmup_steps,
+            0,
+            MAX_SCHEDULE_STEPS,
+            "optimizer steps; 0: no warm-up",
+        )
+        check_range(
+            "lr_decay_steps",
+            self.lr_decay_steps,
+            0,
+            MAX_SCHEDULE_STEPS,
+            "optimizer steps; 0: no decay",
+        )
         if not 0.0 <= self.lr_min_ratio <= 1.0:
             fail("lr_min_ratio", "must be in [0, 1]")
         self.loss.validate()
+
+
+MAX_LR = 1.0
+"""Largest learning rate accepted: AdamW moves every weight by about `lr` per step, so at
+1 each step overwrites the weights (fine-tuning a VLM takes 1e-7 to 1e-4)."""
+MAX_SCHEDULE_STEPS = 10_000_000
+"""Longest learning-rate warm-up or decay, in optimizer steps (months of training at a step
+a second): a warm-up of a few zeros more would keep the learning rate at about 0 for ever."""
+MAX_EPOCHS = 100
+"""Most passes over one batch (PPO epochs; the reference makes 1): more trains the same
+trajectories far off-policy, where the clipped ratios stop every gradient anyway."""
 
 
 def _chunks(seq: Sequence[int], n: int) -> list[list[int]]:

@@ -75,13 +75,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from arpo.actor.config import fleet_problem, token_problem
 from arpo.actor.episode import Environment
-from arpo.config import fail, option, to_dict
+from arpo.config import (
+    check_range,
+    check_seconds,
+    fail,
+    folder_problem,
+    option,
+    to_dict,
+    url_problem,
+)
 from arpo.env.client import EnvClient
 from arpo.env.osworld.client import EvaluatorConfig, OSWorldEvaluator, find_python
 from arpo.env.provider import FleetLink, FleetVMProvider, StaticProvider
 from arpo.env.runner import RunnerConfig
-from arpo.env.task import PoolTask, Task, load_pool, task_domain, task_pool
+from arpo.env.task import PoolTask, Task, load_pool, pool_problem, task_domain, task_pool
 from arpo.env.taskfiles import BlobCache, FileSource, TaskFiles
 from arpo.errors import ArpoError, EnvError, ResetError
 from arpo.files import write_atomic, write_json_atomic
@@ -529,8 +538,8 @@ class AuditConfig:
         factory=list,
     )
     env_tokens: list[str] = option(
-        doc="Bearer token of each env_urls server, in order (`arpo-envs up --tokens` lists "
-        "them in its state file); empty: none.",
+        doc="Bearer token of each env_urls server, in order (`arpo-envs up --tokens "
+        "--tokens-file F` writes them to F); empty: none.",
         factory=list,
     )
     env_pool: str = option("desktop", "The task pool of the env_urls servers.")
@@ -570,8 +579,8 @@ class AuditConfig:
     def validate(self) -> None:
         if not self.tasks:
             fail("tasks", "give the task pool to audit, e.g. tasks=envs/arpo_envs/tasks/local")
-        if not Path(self.tasks).exists():
-            fail("tasks", f"{self.tasks!r} does not exist (a task folder, .json or .jsonl)")
+        if problem := pool_problem(self.tasks):
+            fail("tasks", problem)
         if not self.out:
             fail("out", "give a path stem for the report, e.g. out=runs/task-audit")
         for name in ("sim_envs", "local_desktops", "vms"):
@@ -582,22 +591,25 @@ class AuditConfig:
             fail(
                 "vm_fleet", "give vms=N (a fleet started here) or vm_fleet (one running), not both"
             )
-        if self.vm_fleet and not Path(self.vm_fleet).is_file():
-            fail("vm_fleet", f"{self.vm_fleet!r} is not a file; `arpo-envs vm up` writes "
-                 "<dir>/fleet.json")  # fmt: skip
+        if self.vm_fleet and (problem := fleet_problem(self.vm_fleet)):
+            fail("vm_fleet", problem)
         for u in self.env_urls:
-            if not u.startswith(("http://", "https://")):
-                fail("env_urls", f"{u!r} must start with http:// or https://")
+            if problem := url_problem(u):
+                fail("env_urls", problem)
+        for t in self.env_tokens:
+            if problem := token_problem(t):
+                fail("env_tokens", problem)
         if self.env_tokens and len(self.env_tokens) != len(self.env_urls):
             fail("env_tokens", f"{len(self.env_tokens)} tokens for {len(self.env_urls)} "
                  "env_urls: give one per URL, in the same order, or none")  # fmt: skip
         for name in ("vm_pool", "env_pool"):
             if not getattr(self, name) or len(getattr(self, name)) > 1024:
                 fail(name, "must be a pool name of 1..1024 characters (e.g. 'desktop')")
-        if not (math.isfinite(self.task_timeout_s) and self.task_timeout_s > 0):
-            fail("task_timeout_s", "must be a finite number of seconds > 0")
-        if self.reset_failures < 1:
-            fail("reset_failures", "must be >= 1")
+        check_seconds("task_timeout_s", self.task_timeout_s, "the whole audit of one task")
+        check_range("reset_failures", self.reset_failures, 1, 100, "failed reverts in a row")
+        for name in ("cache_dir", "file_cache_dir"):
+            if problem := folder_problem(getattr(self, name)):
+                fail(name, problem)
         if self.evaluator == "osworld" and find_python(None) is None:
             fail("evaluator", "'osworld' needs OSWorld's evaluator environment: run "
                  "`make osworld-evaluator` or set $ARPO_OSWORLD_PYTHON")  # fmt: skip

@@ -54,7 +54,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from arpo.config import fail, option
+from arpo.config import check_range, option
 from arpo.env.task import load_pool
 from arpo.env.taskfiles import TaskFiles
 from arpo.errors import ArpoError, ConfigError
@@ -94,8 +94,13 @@ class CollectConfig(PolicyPoolConfig):
 
     def validate(self) -> None:
         super().validate()
-        if self.journal_fsync_every < 1:
-            fail("journal_fsync_every", "must be >= 1")
+        check_range(
+            "journal_fsync_every",
+            self.journal_fsync_every,
+            1,
+            1 << 20,
+            "records between fsyncs of the journal; 1: before every ack",
+        )
 
 
 # ---------------------------------------------------------------------------- reading

@@ -43,7 +43,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from arpo.config import fail, option
+from arpo.config import (
+    MAX_TEMPERATURE,
+    check_range,
+    check_seconds,
+    fail,
+    folder_problem,
+    model_problem,
+    option,
+)
+from arpo.env.task import pool_problem
 from arpo.env.taskfiles import TaskFiles
 from arpo.errors import ArpoError, ConfigError, SnapshotError
 from arpo.learner.checkpoint import MANIFEST, latest_checkpoint, verify_checkpoint
@@ -61,9 +70,9 @@ class PoolConfig:
 
     tasks: str = option(
         "",
-        "The task pool: a folder searched recursively for task JSON files (other JSON files "
-        "there, such as index files, are skipped), or a .json file with a list of tasks, or a "
-        ".jsonl file with one task per line.",
+        "The task pool: a folder searched recursively for JSON files of a task or a list of "
+        "tasks (files without tasks there, such as index files, are skipped), or a .json "
+        "file with a list of tasks, or a .jsonl file with one task per line.",
     )
     runs_per_task: int = option(16, "Episodes per task.")
     success_score: float = option(
@@ -99,23 +108,25 @@ class PoolConfig:
     def validate(self) -> None:
         if not self.tasks:
             fail("tasks", "is required: a folder of task JSON files, or a .json / .jsonl file")
-        if not Path(self.tasks).exists():
-            fail("tasks", f"{self.tasks!r} does not exist")
-        if self.runs_per_task < 1:
-            fail("runs_per_task", "must be >= 1")
-        if not 0.0 < self.success_score <= 1.0:
-            fail("success_score", "must be in (0, 1] (checker scores are in [0, 1])")
-        if self.grant_timeout_s <= 0:
-            fail("grant_timeout_s", "must be > 0 seconds")
-        if self.max_attempts < 1:
-            fail("max_attempts", "must be >= 1")
-        if self.timeout_s < 0:
-            fail("timeout_s", "must be >= 0 seconds (0: no limit)")
-        if self.progress_s < 0:
-            fail("progress_s", "must be >= 0 seconds (0: no progress line)")
+        if problem := pool_problem(self.tasks):
+            fail("tasks", problem)
+        check_range("runs_per_task", self.runs_per_task, 1, MAX_RUNS_PER_TASK, "episodes per task")
+        check_range(
+            "success_score", self.success_score, 0, 1, "checker scores are in [0, 1]", lo_open=True
+        )
+        check_seconds("grant_timeout_s", self.grant_timeout_s, "from a grant to its episode")
+        check_range("max_attempts", self.max_attempts, 1, 100, "grants of one run")
+        check_seconds("timeout_s", self.timeout_s, "of the whole run", zero="0: no limit")
+        check_range("seed", self.seed, 0, 2**63 - 1, "seed of the order of the tasks")
+        check_seconds("progress_s", self.progress_s, "between progress lines", zero="0: none")
         for a in self.local_actor_args:
             if "=" not in a:
                 fail("local_actor_args", f"{a!r} is not of the form field=value")
+
+
+MAX_RUNS_PER_TASK = 10_000
+"""Most episodes per task of one pool run (`runs_per_task`), as `arpo train` allows for its
+evaluations: a few zeros too many would keep a run going for months."""
 
 
 POLICY_ACTOR_FIELDS = {
@@ -140,7 +151,9 @@ class PolicyPoolConfig(PoolConfig):
         "", "A model folder or hub id instead of a checkpoint (a checkpoint folder works too)."
     )
     verify: bool = option(
-        True, "Check the checkpoint's sha256 hashes (false: sizes only, faster for big models)."
+        True,
+        "Check the checkpoint's sha256 hashes (false: of the small files only, the configs, "
+        "tokenizer and state; faster for big models).",
     )
     temperature: float = option(1.0, "Sampling temperature.")
     top_p: float = option(1.0, "Nucleus of the sampling.")
@@ -160,10 +173,18 @@ class PolicyPoolConfig(PoolConfig):
             fail("model", "give either checkpoint or model, not both")
         if self.checkpoint and not Path(self.checkpoint).exists():
             fail("checkpoint", f"{self.checkpoint!r} does not exist")
-        if self.temperature < 0:
-            fail("temperature", "must be >= 0 (0: greedy)")
-        if not 0.0 < self.top_p <= 1.0:
-            fail("top_p", "must be in (0, 1]")
+        if self.checkpoint and not Path(self.checkpoint).is_dir():
+            fail(
+                "checkpoint",
+                f"{self.checkpoint!r} is not a folder (a checkpoint, or a run's "
+                "checkpoints folder)",
+            )
+        if self.model and not Path(self.model).is_dir() and (problem := model_problem(self.model)):
+            fail("model", problem)
+        check_range("temperature", self.temperature, 0, MAX_TEMPERATURE, "0: greedy")
+        check_range("top_p", self.top_p, 0, 1, "the nucleus", lo_open=True)
+        if problem := folder_problem(self.out):
+            fail("out", problem)
         if not self.out:
             fail("out", "is required: the output folder")
         check_not_set(self.local_actor_args, POLICY_ACTOR_FIELDS, "local_actor_args")

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from arpo.config import fail, option
+from arpo.config import fail, folder_problem, option
 from arpo.env.task import load_task_pool
 from arpo.env.taskfiles import TaskFiles
 from arpo.errors import ArpoError, ConfigError
@@ -113,6 +113,10 @@ class SelectConfig(PoolConfig):
             fail("max_successes", "must be -1 (no upper bound) or >= min_successes")
         if not self.out:
             fail("out", "is required: the path of the result JSON")
+        if Path(self.out).is_dir():
+            fail("out", f"{self.out!r} is a folder; give the path of the result JSON")
+        if problem := folder_problem(self.trajectories):
+            fail("trajectories", problem)
 
 
 def _result(cfg: SelectConfig, counts: Mapping[str, Mapping[str, int]], complete: bool,

@@ -498,6 +498,8 @@ class GrantBook:
             g = self._groups.get(traj.group_id)
             if g is None or not 0 <= traj.slot < len(g.slots):
                 self.counts["unknown_group"] += 1
+                if traj.status == Status.OK:  # granted before a restart: still progress
+                    self.last_progress = time.monotonic()
                 return True
             s = g.slots[traj.slot]
             if s.state == "done" and s.trajectory_id == traj.trajectory_id:

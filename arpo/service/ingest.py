@@ -19,7 +19,10 @@ For each message on the data link (a ROUTER, `arpo.transport`):
 4. `on_trajectory(traj, stored)` lets the grant book close the slot (and say whether the
    slot was already filled by a re-issued grant: then the trajectory is a surplus and is
    not stored);
-5. only then the acknowledgement goes back: the actor deletes its spool file.
+5. only then the acknowledgement goes back: the actor deletes its spool file. A
+   trajectory the store can never take (larger than its whole byte budget) is refused
+   before step 3 (`Refuse`, counted as `refused_too_large`), never acknowledged: the
+   actor keeps it aside in its spool and logs the reason.
 
 Heartbeats are answered with the learner's heartbeat (policy version, counters).
 Malformed messages are counted by reason and logged (rate-limited); nothing a peer sends
@@ -79,7 +82,7 @@ from typing import Any
 
 from arpo import wire
 from arpo.config import fail, option
-from arpo.errors import BufferClosed, BufferError, WireError
+from arpo.errors import BufferClosed, WireError
 from arpo.record import Status, Trajectory
 from arpo.service.journal import Journal, replay_journal
 from arpo.transport import RouterServer, TransportConfig
@@ -364,7 +367,28 @@ class Ingest:
         if not isinstance(msg, Trajectory):
             self._reject("unexpected", f"a {type(msg).__name__} on the data link")
             return []
+        refused = self._refusal(msg)
+        if refused is not None:
+            self._reject("refused_too_large", f"{msg.trajectory_id}: {refused}")
+            return [wire.encode(wire.Refuse((msg.trajectory_id,), refused))]
         return [wire.encode(wire.Ack((msg.trajectory_id,)))] if self._ingest(msg, frames) else []
+
+    def _refusal(self, traj: Trajectory) -> str | None:
+        """Why the store can never take `traj` (it is larger than the store's whole byte
+        budget), or None. Such a trajectory is refused, never acknowledged: an actor deletes
+        what is acknowledged."""
+        budget = getattr(self.store, "max_bytes", None)
+        if traj.status != Status.OK or not isinstance(budget, int):
+            return None
+        if traj.png_bytes + 4 * traj.num_tokens <= budget // 2:
+            return None  # far below the budget: not worth measuring exactly
+        size = wire.to_item(traj).nbytes
+        if size <= budget:
+            return None
+        return (
+            f"the trajectory needs {size} bytes in the replay store, above its whole budget "
+            f"of {budget} bytes (learner store_max_bytes): it can never be stored"
+        )
 
     def actor_totals(self, keys: tuple[str, ...]) -> dict[str, float]:
         """Sums over actors of these counters of their last heartbeats (0 when none has)."""
@@ -435,8 +459,6 @@ class Ingest:
                     self.store.put(traj.task_id, wire.to_item(traj))
                 except BufferClosed:  # shutting down: not acknowledged, the actor sends it again
                     return False
-                except BufferError as e:  # can never fit (larger than the store's budget)
-                    self._reject("store", f"{tid}: {e}")
                 except Exception as e:  # the store refused it: never acknowledged as stored
                     self._reject("store_error", f"{tid}: {type(e).__name__}: {e}")
                     return False

@@ -7,7 +7,7 @@
     arpo-envs sim-bench -n 8                             # step latency and throughput
     arpo-envs up -n 8 --base-port 5200                   # 8 real Xvfb desktops (5200..5207)
     arpo-envs up -n 8 --detach; arpo-envs down           # in the background; stop from any shell
-    arpo-envs up -n 8 --tokens                           # each desktop its own token (state file)
+    arpo-envs up -n 8 --tokens --tokens-file t.json      # each desktop its own token (0600 file)
     arpo-envs vm build                                   # the test VM image (Debian packages)
     arpo-envs vm up -n 2 --detach                        # QEMU VMs, reverted before each episode
     arpo-envs vm status; arpo-envs vm down               # counters; stop, leaving nothing behind
@@ -99,8 +99,8 @@ def _up(args: argparse.Namespace) -> int:
     if os.environ.get("ARPO_ENV_TOKEN"):
         print(
             "arpo-envs up: ARPO_ENV_TOKEN is not used (one token for every desktop would let "
-            "code on one drive all); --tokens gives each desktop its own, listed in the state "
-            "file",
+            "code on one drive all); --tokens gives each desktop its own, written to "
+            "--tokens-file (mode 0600; the state file keeps only their sha256)",
             file=sys.stderr,
         )
     try:
@@ -110,6 +110,7 @@ def _up(args: argparse.Namespace) -> int:
             base_port=args.base_port,
             host=args.host,
             tokens=args.tokens,
+            tokens_file=Path(args.tokens_file) if args.tokens_file else None,
             width=args.width,
             height=args.height,
             files_template=args.files_template,
@@ -200,7 +201,7 @@ def _vm_down(args: argparse.Namespace) -> int:
 def _osworld_fetch(args: argparse.Namespace) -> int:
     from arpo.env.fetch import main as fetch
 
-    return fetch(args.rest)
+    return fetch(args.rest, prog="arpo-envs osworld fetch")
 
 
 def _add_vm_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -308,7 +309,13 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument(
         "--tokens",
         action="store_true",
-        help="each desktop its own random bearer token, listed in the state file (mode 0600)",
+        help="each desktop its own random bearer token (the state file keeps only its sha256)",
+    )
+    u.add_argument(
+        "--tokens-file",
+        default=None,
+        help="with --tokens: write the tokens here (mode 0600, removed by `down`), for an "
+        "actor started from another shell: its `env_tokens`",
     )
     u.add_argument("--width", type=int, default=1280)
     u.add_argument("--height", type=int, default=720)
@@ -327,10 +334,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:2] == ["osworld", "fetch"] and not {"-h", "--help"} & set(argv[2:3]):
-        from arpo.env.fetch import main as fetch  # its own options: passed through whole
+    if argv[:2] == ["osworld", "fetch"]:
+        from arpo.env.fetch import main as fetch  # its own options (and --help): passed whole
 
-        return fetch(argv[2:])
+        return fetch(argv[2:], prog="arpo-envs osworld fetch")
     args = build_parser().parse_args(argv)
     if getattr(args, "n", 1) < 1:
         print("arpo-envs: -n must be at least 1", file=sys.stderr)

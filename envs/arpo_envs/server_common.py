@@ -14,6 +14,12 @@ routes; the two middlewares make it behave the same as every other env server:
 
 Handlers read bodies with `await read_json(request, {"field": type, ...})`, which
 raises `RequestError` (400, naming the field) on anything malformed.
+
+Logs hold no secret (`protect_logs`, called by `make_app`): aiohttp's error for a
+malformed request quotes the offending header line, `Authorization: Bearer <token>`
+included, and a server's log is a file the desktop's programs can open; such a request
+is logged as one line naming the kind of error only, and a server's token is replaced by
+`<redacted>` in any record of the process's handlers.
 """
 
 from __future__ import annotations
@@ -22,11 +28,14 @@ import hmac
 import ipaddress
 import json
 import logging
+import re
+import traceback
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 log = logging.getLogger("arpo_envs.server")
 
@@ -142,8 +151,77 @@ async def json_error_middleware(request: web.Request, handler: Handler) -> web.S
         return error_response(f"internal error: {type(e).__name__}: {e}", 500)
 
 
+_AUTH_VALUE = re.compile(
+    r"""(authorization['"]?\s*[:=]\s*['"]?)(?:bearer\s+)?[^\s'"\\]+""", re.IGNORECASE
+)
+"""An Authorization header's value as a log line can show it (a header line, a dict's repr)."""
+
+
+class RedactSecrets(logging.Filter):
+    """Keeps secrets out of log records.
+
+    A malformed request (aiohttp's `HttpProcessingError`, whose message quotes the raw line
+    it could not parse, an Authorization header included) becomes one WARNING line naming
+    the kind of error, without its bytes or traceback. In any other record, every
+    registered secret and the value of any `Authorization:` shown is replaced by
+    `<redacted>`, the traceback included (rendered into the message then)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.secrets: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError):
+            head = self._redact(record.getMessage())
+            kind = str(exc.message or "").split(":", 1)[0].strip()[:80]
+            record.msg = "%s: malformed request refused (%s %s: %s); its bytes are not logged"
+            record.args = (head, type(exc).__name__, exc.code, kind)
+            record.exc_info = record.exc_text = None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+            return True
+        text = record.getMessage()
+        if record.exc_info:
+            text += "\n" + "".join(traceback.format_exception(*record.exc_info)).rstrip()
+        clean = self._redact(text)
+        if clean != text:
+            record.msg, record.args = clean, ()
+            record.exc_info = record.exc_text = None
+        return True
+
+    def _redact(self, text: str) -> str:
+        for secret in self.secrets:
+            for form in {secret, repr(secret.encode())[2:-1], json.dumps(secret)[1:-1]}:
+                text = text.replace(form, "<redacted>")
+        return _AUTH_VALUE.sub(r"\1<redacted>", text)
+
+
+REDACT = RedactSecrets()
+"""The process's one filter (see `protect_logs`)."""
+MIN_REDACTED_LEN = 8
+"""Shorter tokens are not searched for in log text (a test's "t" would blank every t of
+every line); the malformed-request and Authorization rules still apply to them."""
+SERVER_LOGGERS = ("aiohttp.server", "aiohttp.web", "aiohttp.access", "arpo_envs")
+
+
+def protect_logs(token: str | None) -> None:
+    """Keep `token` and malformed requests' bytes out of this process's logs: REDACT on the
+    loggers servers write to (aiohttp's and this package's) and on every handler the root
+    logger has now (which sees what any logger propagates). Idempotent."""
+    if token and len(token) >= MIN_REDACTED_LEN:
+        REDACT.secrets.add(token)
+    loggers = [logging.getLogger(n) for n in SERVER_LOGGERS]
+    loggers += [logging.getLogger(n) for n in list(logging.root.manager.loggerDict)
+                if n.startswith(("aiohttp.", "arpo_envs."))]  # fmt: skip
+    for target in [*loggers, *logging.getLogger().handlers]:
+        if REDACT not in target.filters:
+            target.addFilter(REDACT)
+
+
 def make_app(security: ServerSecurity, **app_kwargs: Any) -> web.Application:
-    """An aiohttp application with the shared middlewares (auth first, then JSON errors)."""
+    """An aiohttp application with the shared middlewares (auth first, then JSON errors);
+    its token is kept out of the process's logs (`protect_logs`)."""
+    protect_logs(security.token)
     return web.Application(
         middlewares=[auth_middleware(security.token), json_error_middleware], **app_kwargs
     )

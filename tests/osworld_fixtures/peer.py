@@ -207,7 +207,7 @@ class Peer:
     async def _reset(self, request: web.Request) -> web.Response:
         self.calls.append((request.path, await request.json()))
         self.files.clear()
-        return web.json_response({"ok": True})
+        return web.json_response({"status": "success"})
 
     async def _sim_scene(self, request: web.Request) -> web.Response:
         params = await request.json()

@@ -11,9 +11,10 @@ and every request has a timeout.
     score = await evaluator.metric("compare_table", [result, expected], {"rules": [...]})
     await evaluator.aclose()
 
-A worker that hangs past its timeout, dies or writes something that is not a reply is killed
-(its whole process group: OSWorld's getters may start a browser driver) and a fresh one starts
-for the next request. Every failure raises `OSWorldError` with `kind` saying whose it was:
+A worker that hangs past its timeout, dies, writes something that is not a reply (a line longer
+than MAX_REPLY_BYTES among them) or answers with a score that is not a number in [0, 1] is
+killed (its whole process group: OSWorld's getters may start a browser driver) and a fresh one
+starts for the next request. Every failure raises `OSWorldError` with `kind` saying whose it was:
 "env" (the environment could not be reached), "eval" (OSWorld's code raised), "request" (the
 request was malformed) or "worker" (the worker itself failed, hung or is not installed). The
 runner turns them into `env_error` / `eval_error` results, never a score.
@@ -32,6 +33,7 @@ import shutil
 import signal
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,8 +49,12 @@ REPO_VENV = Path(__file__).resolve().parents[3] / ".venv-osworld"
 PYTHON_ENV_VAR = "ARPO_OSWORLD_PYTHON"
 """Names the evaluator environment's python when it is not the repository's `.venv-osworld`."""
 KINDS = ("env", "eval", "request", "worker")
-MAX_REPLY_BYTES = 64 << 20
-"""Longest reply line read from a worker; a longer one is a protocol error (worker replaced)."""
+MAX_REPLY_BYTES = 1 << 20
+"""Longest reply line read from a worker; a longer one is a protocol error (worker replaced).
+The longest a worker writes is a failure (its error and traceback cut to 12,000 characters,
+at most 12 bytes each once JSON-escaped) or `hello`'s names (about 10 KB)."""
+MAX_ERROR_CHARS = 4000
+"""What is kept of the error a worker reports (`OSWorldError`'s message)."""
 STDERR_TAIL_BYTES = 16 << 10
 """What is kept of a worker's stderr for error messages (it is drained continuously)."""
 MARKER_ENV = "ARPO_OSWORLD_WORKER"
@@ -150,11 +156,12 @@ class _Worker:
                  MARKER_ENV: self.marker},
         )  # fmt: skip
         self._drain = asyncio.create_task(self._drain_stderr(self.proc))
-        names = await self.request({"op": "hello"}, self.start_timeout_s, what="start-up")
-        if not isinstance(names, dict):
+        result = await self.request({"op": "hello"}, self.start_timeout_s, what="start-up")
+        try:
+            self.names = _names(result)
+        except OSWorldError:
             self.kill()
-            raise OSWorldError("worker", f"OSWorld worker answered hello with {names!r:.200}")
-        self.names = names
+            raise
         self.started_s = time.perf_counter() - t0
         log.info(
             "OSWorld worker %d up in %.1f s (%s %s)",
@@ -235,7 +242,7 @@ class _Worker:
         ok = reply["ok"]
         if not ok:
             kind = reply.get("kind") if reply.get("kind") in KINDS else "eval"
-            raise OSWorldError(kind, str(reply.get("error", "unknown error")))
+            raise OSWorldError(kind, str(reply.get("error", "unknown error"))[:MAX_ERROR_CHARS])
         return reply.get("result")
 
     async def _reap(self) -> int | None:
@@ -303,8 +310,15 @@ class OSWorldEvaluator:
             "run `make osworld-evaluator`"
         )
 
-    async def call(self, msg: dict[str, Any], timeout_s: float | None = None) -> Any:
-        """Send one request to a free worker (starting one if needed) and return its result."""
+    async def call(
+        self,
+        msg: dict[str, Any],
+        timeout_s: float | None = None,
+        check: Callable[[Any], Any] | None = None,
+    ) -> Any:
+        """Send one request to a free worker (starting one if needed) and return its result,
+        or `check(result)` when given: an `OSWorldError` it raises kills the worker (a worker
+        that breaks the protocol serves nothing more)."""
         if self.python is None:
             raise OSWorldError("worker", self.missing_reason())
         timeout = self.config.request_timeout_s if timeout_s is None else timeout_s
@@ -326,13 +340,20 @@ class OSWorldEvaluator:
                     raise
             try:
                 self.requests += 1
-                return await worker.request(msg, timeout)
+                result = await worker.request(msg, timeout)
+                if check is None:
+                    return result
+                try:
+                    return check(result)
+                except OSWorldError:
+                    worker.kill()
+                    raise
             finally:
                 self._idle.append(worker)  # a dead one is replaced on its next turn
 
     async def hello(self) -> dict[str, Any]:
         """The installed package's version and the names it has (steps, getters, metrics)."""
-        return dict(await self.call({"op": "hello"}))
+        return await self.call({"op": "hello"}, check=_names)
 
     async def setup(
         self, env: dict[str, Any], task: dict[str, Any], cache_dir: str | Path, **kw: Any
@@ -358,14 +379,14 @@ class OSWorldEvaluator:
             "cache_dir": str(cache_dir),
             "actions": list(actions),
         }
-        return _score(await self.call(msg, **kw))
+        return await self.call(msg, check=_score, **kw)
 
     async def metric(
         self, func: str, args: list[Any], options: dict[str, Any] | None = None, **kw: Any
     ) -> float:
         """One of OSWorld's metrics applied to `args` (file paths, strings, rules) as is."""
         msg = {"op": "metric", "func": func, "args": list(args), "options": dict(options or {})}
-        return _score(await self.call(msg, **kw))
+        return await self.call(msg, check=_score, **kw)
 
     def kill(self) -> None:
         """Kill every worker now (sync; for a runner closed outside a coroutine)."""
@@ -389,11 +410,28 @@ def _describe(msg: dict[str, Any]) -> str:
     return f"{msg.get('op')} of task {tid}" if tid else f"{msg.get('op')} request"
 
 
+def _names(result: Any) -> dict[str, Any]:
+    """The result of `hello`: an object."""
+    if not isinstance(result, dict):
+        raise OSWorldError("worker", f"OSWorld worker answered hello with {result!r:.200}")
+    return result
+
+
 def _score(result: Any) -> float:
-    try:
-        score = float(result["score"])
-    except (TypeError, KeyError, ValueError) as e:
-        raise OSWorldError("worker", f"OSWorld worker returned {result!r:.200}, no score") from e
-    if not math.isfinite(score):
-        raise OSWorldError("eval", f"OSWorld's metric returned {score}, not a finite score")
-    return score
+    """The score of an evaluate / metric result `{"score": x}`: x a JSON number in [0, 1].
+
+    OSWorld's metrics return floats and ints 0 / 1, and the worker refuses anything else
+    with an "eval" failure, so a bool, a string, NaN, an infinity, a number outside
+    [0, 1] or an integer too large for a float here is a worker that broke the protocol
+    (the caller kills it). An integer is compared as it is, never converted first.
+    """
+    score = result.get("score") if isinstance(result, dict) else None
+    if isinstance(score, bool) or not isinstance(score, int | float):
+        raise OSWorldError(
+            "worker", f"OSWorld worker returned {result!r:.200}, not a score (a number in [0, 1])"
+        )
+    if not 0 <= score <= 1:  # NaN fails this too
+        raise OSWorldError(
+            "worker", f"OSWorld worker returned the score {score!s:.40}, not a number in [0, 1]"
+        )
+    return float(score)

@@ -27,7 +27,9 @@ file's JSON. `setup` runs the task's `config` steps with OSWorld's `SetupControl
 on a `DesktopEnv` built without a VM provider and pointed at ENV's URL. DIR is OSWorld's cache
 directory (`<DIR>/<task id>/`): the host puts the task's downloads there under OSWorld's cache
 names beforehand, so nothing is fetched from the network. `kind` says whose failure it was: the
-environment's (it could not be reached), the evaluator's, or a malformed request.
+environment's (it could not be reached), the evaluator's, or a malformed request. A score is a
+number in [0, 1] (a float, or an int 0 / 1 as many of OSWorld's metrics return); a metric that
+returns anything else (a bool, NaN, 1.5, ...) is an "eval" failure with the reason.
 
 What OSWorld's code prints goes to stderr: the replies use a private copy of stdout.
 `easyocr` (it needs torch, which this environment does not install) is a stub whose `Reader`
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import json
 import logging
+import numbers
 import os
 import sys
 import tempfile
@@ -218,10 +221,24 @@ class Worker:
 
 
 def _score(value: Any) -> float:
+    """A metric's (or `DesktopEnv.evaluate`'s) result as a score in [0, 1].
+
+    OSWorld's metrics return floats, ints 0 / 1 and numpy numbers; those are kept. A bool
+    (Python's or numpy's) is not a score, nor is anything that is not a real number, NaN,
+    an infinity, an int too large for a float, or a number outside [0, 1]: each raises, and
+    the request fails with kind "eval" and the reason.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"the metric returned {value!r:.200}, not a number")
     try:
-        return float(value)
-    except (TypeError, ValueError) as e:
-        raise TypeError(f"the metric returned {value!r:.200}, not a number") from e
+        score = float(value)
+    except OverflowError:
+        raise ValueError(
+            f"the metric returned a number too large for a float ({type(value).__name__})"
+        ) from None
+    if not 0.0 <= score <= 1.0:  # NaN fails this too
+        raise ValueError(f"the metric returned {score}, not a score in [0, 1]")
+    return score
 
 
 def _kind(exc: BaseException, requests: Any) -> str:

@@ -18,11 +18,19 @@ foreground `up` stops them all the same way `down` does:
 4. a sweep for any process of those trees still running (same pid and start time) or
    still carrying a desktop's marker (see `procs`), and removal of stale X lock files
    and LibreOffice lock files of those desktops.
+
+Tokens (`tokens=True`): each server gets its own random token through a pipe it inherits
+(`--token-fd`), reads and closes before it runs anything; the token is in no file, no
+environment and no command line. The state file keeps only each token's sha256
+(`token_sha256`: who holds a token can check which desktop it opens); the tokens
+themselves are returned to the caller of `up` (`Member.token`, in memory), and written
+to a file only where the caller asks (`FleetConfig.tokens_file`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import secrets
@@ -31,7 +39,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from dataclasses import asdict, dataclass, field
@@ -67,9 +74,15 @@ class FleetConfig:
     host: str = "127.0.0.1"
     """Address to bind; anything but loopback needs a token."""
     tokens: bool = False
-    """Give every desktop its own random bearer token, listed in the state file (mode 0600)
-    as each server's `token` (clients read it from there: `read_tokens`): code on one
-    desktop cannot drive another. Required for a host other than loopback."""
+    """Give every desktop its own random bearer token (handed to its server through a pipe;
+    the state file keeps only its sha256): code on one desktop cannot drive another.
+    Required for a host other than loopback. The caller of `up` gets the tokens in the
+    returned members; see `tokens_file` for clients started elsewhere."""
+    tokens_file: Path | None = None
+    """With `tokens`: also write `{url: token}` here (mode 0600, `read_tokens`) for clients
+    started from another shell. A program of the same user that finds the file can read
+    it: keep it out of the desktops' folders and the well-known places (not /tmp). None:
+    the tokens are in no file."""
     width: int = 1280
     """Screen width of every desktop."""
     height: int = 720
@@ -88,6 +101,8 @@ class FleetConfig:
             raise ValueError(f"n must be at least 1, got {self.n}")
         if self.base_port and not 0 < self.base_port + self.n <= 65536:
             raise ValueError(f"ports {self.base_port}..{self.base_port + self.n - 1} out of range")
+        if self.tokens_file is not None and not self.tokens:
+            raise ValueError("tokens_file needs tokens=True (there is no token to write)")
         if not self.tokens and self.host not in ("127.0.0.1", "localhost", "::1"):
             raise ValueError(
                 f"host {self.host!r} is exposed: set tokens=True (`arpo-envs up --tokens`) so "
@@ -103,7 +118,9 @@ class Member:
     display: str = ""
     root: str = ""
     token: str = ""
-    """This desktop's bearer token ('' = none)."""
+    """This desktop's bearer token ('' = none); in memory only, never in the state file."""
+    token_sha256: str = ""
+    """sha256 (hex) of the token, as the state file keeps it ('' = no token)."""
 
 
 def _server_cmd(cfg: FleetConfig, i: int, root: str) -> list[str]:
@@ -127,20 +144,45 @@ def _health(url: str, token: str | None, timeout_s: float = 5.0) -> bool:
         return False
 
 
-def write_state(path: Path, members: list[Member], up_pid: int | None) -> None:
-    """The state file, mode 0600 (it holds the desktops' tokens)."""
+def _private_write(path: Path, text: str) -> None:
+    """Write `text` to `path` atomically, mode 0600 from its creation."""
     tmp = path.with_suffix(".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         os.fchmod(f.fileno(), 0o600)
-        f.write(json.dumps({"up_pid": up_pid, "servers": [asdict(m) for m in members]}))
+        f.write(text)
     os.replace(tmp, path)
 
 
-def read_tokens(state_file: Path) -> dict[str, str]:
-    """URL -> bearer token of every desktop of a state file written by `up`."""
-    servers = json.loads(Path(state_file).read_text()).get("servers", [])
-    return {s["url"]: s.get("token", "") for s in servers if s.get("url")}
+def write_state(
+    path: Path, members: list[Member], up_pid: int | None, tokens_file: Path | None = None
+) -> None:
+    """The state file (mode 0600): pids, ports, displays, roots and each token's sha256,
+    never a token; where the tokens file is, if any (`down` removes it)."""
+    servers = [{k: v for k, v in asdict(m).items() if k != "token"} for m in members]
+    state = {"up_pid": up_pid, "servers": servers, "tokens_file": str(tokens_file or "")}
+    _private_write(path, json.dumps(state))
+
+
+def token_sha256(token: str) -> str:
+    """What the state file keeps of a token: its sha256 in hex ('' for no token)."""
+    return hashlib.sha256(token.encode()).hexdigest() if token else ""
+
+
+def read_tokens(tokens_file: Path) -> dict[str, str]:
+    """URL -> bearer token of every desktop, from the `tokens_file` of `up`."""
+    data = json.loads(Path(tokens_file).read_text())
+    return {str(u): str(t) for u, t in data.items()}
+
+
+def _pass_token(token: str) -> int:
+    """A pipe's read end holding `token` (the write end closed): the server's --token-fd."""
+    r, w = os.pipe()
+    try:
+        os.write(w, token.encode())  # a few bytes: far below the pipe's buffer
+    finally:
+        os.close(w)
+    return r
 
 
 def up(cfg: FleetConfig, announce=print) -> list[Member]:
@@ -153,9 +195,9 @@ def up(cfg: FleetConfig, announce=print) -> list[Member]:
             "(or set ARPO_DESKTOP_STATE for a second set)"
         )
     libreoffice_template()  # once here, not raced by N servers
-    # The token never goes into a server's environment or command line (a program on the
-    # desktop could read /proc/<server>/environ or cmdline): a 0600 file the server reads
-    # once and removes before it runs anything.
+    # The token never goes into a server's environment, command line or any file (a
+    # program on the desktop could read /proc/<server>/environ or cmdline, or the file):
+    # an inherited pipe the server reads and closes before it runs anything.
     env = {k: v for k, v in os.environ.items() if k != "ARPO_ENV_TOKEN"}
     members: list[Member] = []
     procs: list[subprocess.Popen] = []
@@ -170,23 +212,26 @@ def up(cfg: FleetConfig, announce=print) -> list[Member]:
             with open(os.path.join(root, "server.log"), "ab") as log:
                 cmd = _server_cmd(cfg, i, root)
                 token = secrets.token_urlsafe(24) if cfg.tokens else ""
-                if token:
-                    cfg.state_file.parent.mkdir(parents=True, exist_ok=True)
-                    fd, token_file = tempfile.mkstemp(prefix=".token-", dir=cfg.state_file.parent)
-                    with os.fdopen(fd, "w") as f:
-                        f.write(token)
-                    cmd += ["--token-file", token_file]
-                p = subprocess.Popen(
-                    cmd,
-                    env=env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=subprocess.PIPE,
-                    stderr=log,
-                    start_new_session=True,
-                    text=True,
-                )
+                pipe = _pass_token(token) if token else None
+                if pipe is not None:
+                    cmd += ["--token-fd", str(pipe)]
+                try:
+                    p = subprocess.Popen(
+                        cmd,
+                        env=env,
+                        stdin=subprocess.DEVNULL,
+                        stdout=subprocess.PIPE,
+                        stderr=log,
+                        start_new_session=True,
+                        text=True,
+                        pass_fds=(pipe,) if pipe is not None else (),
+                    )
+                finally:
+                    if pipe is not None:
+                        os.close(pipe)
             procs.append(p)
-            members.append(Member(i, p.pid, root=root, token=token))
+            members.append(Member(i, p.pid, root=root, token=token,
+                                  token_sha256=token_sha256(token)))  # fmt: skip
             assert p.stdout is not None
             sel.register(p.stdout, selectors.EVENT_READ, i)
         write_state(cfg.state_file, members, os.getpid())
@@ -218,7 +263,10 @@ def up(cfg: FleetConfig, announce=print) -> list[Member]:
         for m in members:
             if not _health(m.url, m.token or None):
                 raise RuntimeError(f"desktop {m.index} at {m.url} does not answer GET /platform")
-        write_state(cfg.state_file, members, os.getpid())
+        write_state(cfg.state_file, members, os.getpid(), cfg.tokens_file)
+        if cfg.tokens_file is not None:
+            cfg.tokens_file.parent.mkdir(parents=True, exist_ok=True)
+            _private_write(cfg.tokens_file, json.dumps({m.url: m.token for m in members}))
     except BaseException:
         down(cfg.state_file, announce=lambda s: None)
         raise
@@ -252,7 +300,8 @@ def down(state_file: Path | None = None, grace_s: float = 10.0, announce=print) 
         announce(f"arpo-envs down: no state file {state_file}; nothing to stop")
         return 0
     state = json.loads(state_file.read_text())
-    servers = [Member(**s) for s in state.get("servers", [])]
+    servers = [Member(**{k: v for k, v in s.items() if k != "token"})
+               for s in state.get("servers", [])]  # fmt: skip
     trees = _trees(servers)
     for m in servers:
         with contextlib.suppress(ProcessLookupError):
@@ -280,6 +329,9 @@ def down(state_file: Path | None = None, grace_s: float = 10.0, announce=print) 
             os.kill(up_pid, signal.SIGTERM)
     with contextlib.suppress(FileNotFoundError):
         state_file.unlink()
+    if state.get("tokens_file"):
+        with contextlib.suppress(OSError):
+            Path(state["tokens_file"]).unlink()
     announce(
         f"arpo-envs down: stopped {len(servers)} desktops"
         + (

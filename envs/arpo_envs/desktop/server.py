@@ -49,6 +49,7 @@ import os
 import re
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -691,18 +692,35 @@ class DesktopServer:
         target = self.desk.path(file_path)
 
         def write() -> int:
+            _check_kernel_path(os.path.realpath(target), file_path)
             target.parent.mkdir(parents=True, exist_ok=True)
-            with open(target, "wb") as out:
-                if isinstance(data, web.FileField):  # aiohttp keeps it in a temporary file
-                    shutil.copyfileobj(data.file, out, 1 << 20)
-                else:
-                    out.write(str(data).encode())
-            return target.stat().st_size
+            # Opened without truncating and without blocking (a FIFO nobody reads), then
+            # checked: only a regular file outside the kernel's file systems takes an upload.
+            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK | os.O_NOCTTY, 0o666)
+            try:
+                _check_upload_target(fd, file_path)
+                os.set_blocking(fd, True)
+                os.ftruncate(fd, 0)
+                with open(fd, "wb", closefd=False) as out:
+                    if isinstance(data, web.FileField):  # aiohttp keeps it in a temporary file
+                        shutil.copyfileobj(data.file, out, 1 << 20)
+                    else:
+                        out.write(str(data).encode())
+                return os.fstat(fd).st_size
+            finally:
+                os.close(fd)
 
         try:
             size = await asyncio.to_thread(write)
+        except FileExistsError:  # mkdir of a parent that is a regular file
+            raise RequestError(
+                f"cannot write {file_path}: a folder on its path is a file", 400
+            ) from None
         except OSError as e:
-            raise RequestError(f"cannot write {file_path}: {e.strerror}", _os_status(e)) from None
+            reason = e.strerror
+            if e.errno == errno.ENXIO:  # opening a FIFO nobody reads, without blocking
+                reason = "not a regular file (a FIFO or a device nobody reads)"
+            raise RequestError(f"cannot write {file_path}: {reason}", _os_status(e)) from None
         return web.Response(text=f"File Uploaded: {size} bytes")
 
     async def file(self, request: web.Request) -> web.StreamResponse:
@@ -871,6 +889,36 @@ class DesktopServer:
         )
 
 
+KERNEL_FILE_SYSTEMS = ("/proc", "/sys", "/dev")
+"""Where an upload is refused even onto a file that looks regular (/proc/self/mem): these
+files are the kernel's (processes, devices), not the desktop's data. /dev/shm is a tmpfs
+of ordinary files and is allowed."""
+
+
+def _check_upload_target(fd: int, file_path: str) -> None:
+    """400 unless the open file `fd` is a regular file outside KERNEL_FILE_SYSTEMS (a
+    device such as /dev/full, a FIFO, a socket, /proc/self/mem): an upload onto such a path
+    is the client's mistake, not the server's failure."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise RequestError(
+            f"cannot write {file_path}: not a regular file (an upload writes files; this is a "
+            "device, a FIFO or a socket)"
+        )
+    _check_kernel_path(os.readlink(f"/proc/self/fd/{fd}"), file_path)
+
+
+def _check_kernel_path(real: str, file_path: str) -> None:
+    """400 if the resolved path `real` lies in one of KERNEL_FILE_SYSTEMS."""
+    if real.startswith(tuple(k + "/" for k in KERNEL_FILE_SYSTEMS)) and not real.startswith(
+        "/dev/shm/"
+    ):
+        raise RequestError(
+            f"cannot write {file_path}: {real} is a file of the kernel (under "
+            f"{', '.join(KERNEL_FILE_SYSTEMS)}), not one an upload may write"
+        )
+
+
 def _os_status(e: OSError) -> int:
     """The HTTP status of a failed file operation: the client's path (400), a permission
     (403), or the machine (500: a full disk, an I/O error)."""
@@ -940,6 +988,13 @@ def _parser() -> argparse.ArgumentParser:
         help="read the bearer token from this file and remove it (the token then sits in no "
         "environment or command line a program on the desktop can read)",
     )
+    p.add_argument(
+        "--token-fd",
+        type=int,
+        default=None,
+        help="read the bearer token from this inherited descriptor (a pipe) and close it "
+        "before anything runs: the token is never in a file (`arpo-envs up --tokens`)",
+    )
     p.add_argument("--width", type=int, default=1280)
     p.add_argument("--height", type=int, default=720)
     p.add_argument("--display", type=int, default=None, help="X display number (default: free)")
@@ -962,10 +1017,21 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _token(args: argparse.Namespace) -> str | None:
-    """The bearer token: from --token-file (read, then the file removed), else --token, else
-    $ARPO_ENV_TOKEN (taken out of this process's environment, which its children inherit).
-    The last two stay readable by programs on this desktop in /proc/<server pid>/cmdline or
-    environ, which is logged."""
+    """The bearer token: from --token-fd (a pipe, read to its end and closed), else
+    --token-file (read, then the file removed), else --token, else $ARPO_ENV_TOKEN (taken
+    out of this process's environment, which its children inherit). The last two stay
+    readable by programs on this desktop in /proc/<server pid>/cmdline or environ, which is
+    logged."""
+    if args.token_fd is not None:
+        try:
+            with open(args.token_fd, "rb", closefd=True) as pipe:
+                token = pipe.read(4096).decode("utf-8", "replace").strip()
+        except OSError as e:
+            raise ValueError(f"--token-fd {args.token_fd}: cannot read the token: {e}") from None
+        if not token:
+            raise ValueError(f"--token-fd {args.token_fd}: the descriptor holds no token")
+        os.environ.pop("ARPO_ENV_TOKEN", None)
+        return token
     if args.token_file:
         path = Path(args.token_file)
         try:

@@ -28,7 +28,11 @@ overlay of the image and serves OSWorld's protocol on `127.0.0.1:<port>`:
   tasks, is quarantined and replaced.
 - **Control API** on `control_host` (127.0.0.1 by default), every request with the
   fleet's bearer token (random; in the state file, mode 0600): `GET /fleet`,
-  `POST /vms/<name>/revert`, `POST /vms/<name>/report`, `GET /vms/<name>/health`.
+  `POST /vms/<name>/revert`, `POST /vms/<name>/report`, `GET /vms/<name>/health`. Every
+  answer is a JSON object of at most a few KB (the actor's provider reads at most 1 MiB):
+  a revert answers 200 `{"status": "ok", ...}`, 409 `{"error", "quarantined": true}` for
+  a quarantined task, 503 `{"error", "state"}` when it failed; a malformed body (not
+  JSON, nested too deeply, not an object) is 400 `{"error"}`, a wrong token 401.
 - **Records.** Every decision (start, revert failure, replacement, quarantine) is a line
   of `<dir>/events.jsonl` and a log line with its reason; counters are in `GET /fleet`.
 - **Stop.** SIGTERM / Ctrl-C / `down`: every QEMU killed, the fleet's folder (overlays,
@@ -552,6 +556,11 @@ def make_app(fleet: Fleet) -> Any:
         except (ValueError, UnicodeDecodeError) as e:
             raise web.HTTPBadRequest(
                 text=json.dumps({"error": f"body is not JSON: {e}"}),
+                content_type="application/json",
+            ) from None
+        except RecursionError:  # JSON nested deeper than Python's parser goes
+            raise web.HTTPBadRequest(
+                text=json.dumps({"error": "body is not JSON: nested too deeply"}),
                 content_type="application/json",
             ) from None
         if not isinstance(data, dict):
