@@ -602,7 +602,10 @@ def check_cache_path(cache: Path) -> str:
         try:
             st = os.stat(cache)
         except (OSError, ValueError) as e:
-            target = os.readlink(cache)
+            try:
+                target = os.readlink(cache)
+            except OSError:
+                target = "?"
             return (
                 f"the cache path {cache} is a symbolic link to {target}, which cannot be "
                 f"reached ({_os_reason(e)}); make that folder or give another --cache"
