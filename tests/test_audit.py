@@ -191,6 +191,8 @@ def test_config_errors_say_how_to_fix_them(tmp_path: Path) -> None:
 
     with pytest.raises(ConfigError, match="tasks=envs/arpo_envs/tasks/local"):
         load_config(AuditConfig, None, [])
+    # a pool of one task (the pool is loaded when the command starts)
+    (tmp_path / "t.json").write_text(json.dumps(generate_tasks("click_button", 1, seed=0)[0]))
     with pytest.raises(ConfigError, match="one per URL"):
         load_config(AuditConfig, None, [f"tasks={tmp_path}", 'env_urls=["http://a:1"]',
                                         'env_tokens=["x", "y"]'])  # fmt: skip

@@ -4,7 +4,14 @@ task set land under OSWorld's cache names and FileCache finds them; a URL is fet
 connection dropped mid-body, and a `.part` left from before, are continued with Range; a server
 that ignores Range restarts the file cleanly; a 404, a body shorter than announced and a URL
 that is not http(s) are reported with their tasks while the other files still arrive; several
-downloads run at once, never more than -j; --dry-run downloads nothing."""
+downloads run at once, never more than -j; --dry-run downloads nothing.
+
+Then hostile servers, caches and task folders: links, hard links and FIFOs in the cache are
+replaced, never followed or opened; a 206 that cannot be checked is never stored; endless,
+too large, trickling and slow bodies end at --max-size, --stall and --file-timeout; numbers
+out of range, and cache paths that cannot be folders, exit 2 naming them; bad file names,
+folders in the way, unreadable task files and index ids that are not plain names fail alone
+with their reason, and the command always ends."""
 
 from __future__ import annotations
 

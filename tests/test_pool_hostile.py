@@ -90,7 +90,9 @@ def test_a_deeply_nested_task_is_refused_naming_the_file(tmp_path: Path) -> None
     task = tasks(1)[0]
     task["extra"] = json.loads("[" * 200 + "]" * 200)
     (root / "d" / "deep.json").write_text(json.dumps(task))
-    assert "nested 201 levels deep; at most 64" in refused(root)
+    assert refused(root) == (
+        f"{root / 'd' / 'deep.json'} (id {task['id']!r}): a task nested 201 levels deep; at most 64"
+    )
     task["extra"] = json.loads("[" * 50 + "]" * 50)  # OSWorld's deepest task has 10 levels
     (root / "d" / "deep.json").write_text(json.dumps(task))
     assert len(load_pool(root)) == 2

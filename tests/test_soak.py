@@ -37,6 +37,7 @@ import statistics
 import struct
 import threading
 import time
+from dataclasses import replace
 from datetime import date
 from pathlib import Path
 
@@ -281,9 +282,12 @@ def test_soak_training_under_faults_and_poison(tmp_path: Path) -> None:
     model = build_tiny_model(tmp_path / "tiny", seed=0)
     write_tasks(tmp_path / "tasks", ["click_button"], 4, seed=0)
     (tmp_path / "tasks" / "test_all.json").unlink()
+    _add_broken_task(tmp_path / "tasks" / "click_button")
     port = free_port()
     server = start_sim_server(port, tmp_path / "server.log")
+    garbage = GarbageResetServer()
     cfg = fault_run_config(tmp_path, model, port, minutes=MINUTES, reset_retries=3, max_restarts=20)
+    cfg = replace(cfg, env_urls=[*cfg.env_urls, garbage.url])
     run = TrainRun(cfg)
     run_dir = Path(cfg.run_dir)
     metrics = run_dir / "learner" / "metrics.jsonl"
@@ -349,6 +353,7 @@ def test_soak_training_under_faults_and_poison(tmp_path: Path) -> None:
         poison.join(timeout=120)
         server.kill()
         server.wait(10)
+        garbage.close()
     assert not errors, errors
     assert poison.error is None, poison.error
     acc = result["accounting"]
@@ -367,6 +372,13 @@ def test_soak_training_under_faults_and_poison(tmp_path: Path) -> None:
             "miscounted": poison.miscounted,
         },
         "memory": _memory_report(memory),
+        "broken": {
+            "garbage_env": garbage.url,
+            "garbage_resets_answered": garbage.resets,
+            "stored_by_env": _stored_by_env(run_dir),
+            "preflight_left_out": (result.get("preflight") or {}).get("left_out", {}),
+            "tasks_out": result.get("tasks_out", {}),
+        },
     }
     print(json.dumps(report, indent=1))
     (tmp_path / "soak.json").write_text(json.dumps(report, indent=1))
@@ -380,6 +392,16 @@ def test_soak_training_under_faults_and_poison(tmp_path: Path) -> None:
         len(events["actor_killed"]) == 2
         and sum(run.restarts.get(p.name, 0) for p in run.procs) >= 2
     ), (events, run.restarts)
+
+    # The broken task was left out with its reason, no good task was blamed for the broken
+    # environment, and that environment was set aside (its resets failed, nothing of it
+    # was trained) while the others kept working.
+    broken = report["broken"]
+    assert list(broken["preflight_left_out"]) == [BROKEN_TASK], broken
+    assert set(broken["tasks_out"]) == {BROKEN_TASK}, broken
+    assert broken["garbage_resets_answered"] > 0
+    assert broken["stored_by_env"].get(garbage.url, 0) == 0, broken
+    assert broken["stored_by_env"].get(cfg.env_urls[0], 0) > 0, broken  # the others worked
 
     # Every valid finished trajectory: trained exactly once or accounted for.
     assert acc["unaccounted"] == 0, acc
@@ -415,6 +437,80 @@ def test_soak_training_under_faults_and_poison(tmp_path: Path) -> None:
             k = max(3, len(settled) // 5)
             early, late = statistics.median(settled[:k]), statistics.median(settled[-k:])
             assert late - early < max(0.15 * early, 150 * 1024), (name, early, late)
+
+
+BROKEN_TASK = "soak-broken-setup"
+"""A task whose setup downloads a file no cache holds: it can never be set up."""
+
+
+def _add_broken_task(folder: Path) -> None:
+    from arpo_envs.sim.tasks import generate_tasks
+
+    task = generate_tasks("click_button", 1, seed=99)[0]
+    task["id"] = BROKEN_TASK
+    task["config"].insert(0, {"type": "download", "parameters": {"files": [
+        {"url": "https://files.invalid/soak/missing.xlsx", "path": "/home/user/x.xlsx"}]}})  # fmt: skip
+    (folder / f"{BROKEN_TASK}.json").write_text(json.dumps(task))
+
+
+class GarbageResetServer:
+    """A desktop that answers everything as a healthy server would, except `/reset`: deeply
+    nested JSON for the whole soak (a broken environment, not a broken task)."""
+
+    def __init__(self) -> None:
+        import asyncio
+
+        from aiohttp import web
+
+        self.resets = 0
+        self._loop = asyncio.new_event_loop()
+        ready = threading.Event()
+
+        async def reset(request: web.Request) -> web.Response:
+            self.resets += 1
+            return web.Response(text="[" * 100_000 + "]" * 100_000,
+                                content_type="application/json")  # fmt: skip
+
+        async def ok(request: web.Request) -> web.Response:
+            return web.Response(text="Linux")
+
+        async def start() -> None:
+            app = web.Application()
+            app.router.add_post("/reset", reset)
+            app.router.add_get("/platform", ok)
+            app.router.add_get("/terminal", ok)
+            self._runner = web.AppRunner(app)
+            await self._runner.setup()
+            site = web.TCPSite(self._runner, "127.0.0.1", 0)
+            await site.start()
+            self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+            ready.set()
+
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(start(), self._loop)
+        assert ready.wait(30)
+
+    def close(self) -> None:
+        import asyncio
+
+        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(30)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._loop.close()
+
+
+def _stored_by_env(run_dir: Path) -> dict[str, int]:
+    """Trajectories the learner stored (its journal: `ok` ones), by the environment that ran
+    them."""
+    import collections
+
+    out: collections.Counter[str] = collections.Counter()
+    journal = run_dir / "learner" / "journal"
+    for seg in list_segments(journal):
+        for rec in read_segment(segment_path(journal, seg)):
+            out[wire.decode(rec.frames).env] += 1
+    return dict(out)
 
 
 def _slope_mb_per_hour(samples: list[tuple[float, int]]) -> float | None:
@@ -476,6 +572,16 @@ def _write_results(folder: Path, report: dict) -> None:
         "| figure | value |",
         "|---|---|",
         *[f"| {k} | {v} |" for k, v in poison.items()],
+        "",
+        "## A broken environment and a task that cannot be set up",
+        "",
+        f"One more environment answered every `/reset` with JSON nested 100,000 deep for the "
+        f"whole soak ({report['broken']['garbage_resets_answered']} resets answered); one task "
+        "downloads a file no cache holds.",
+        "",
+        f"- left out by the preflight: {report['broken']['preflight_left_out']}",
+        f"- out of the run at the end: {list(report['broken']['tasks_out'])}",
+        f"- trajectories stored, by environment: {report['broken']['stored_by_env']}",
         "",
         "## Resident memory of each process life (MB)",
         "",

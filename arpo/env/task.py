@@ -482,9 +482,11 @@ def load_pool(path: str | Path, files: TaskFiles | None = None) -> list[PoolTask
     pool: list[PoolTask] = []
     where_of: dict[str, str] = {}
     for raw, where, folder, src in found:
-        if _depth(raw) > MAX_TASK_DEPTH:
+        if (depth := _depth(raw)) > MAX_TASK_DEPTH:
+            tid = raw.get("id") if isinstance(raw, dict) else None
+            named = f" (id {tid[:60]!r})" if isinstance(tid, str) else ""
             raise TaskError(
-                f"{where}: a task nested {_depth(raw)} levels deep; at most {MAX_TASK_DEPTH}"
+                f"{where}{named}: a task nested {depth} levels deep; at most {MAX_TASK_DEPTH}"
             )
         task = Task.from_dict(raw, path=where)  # TaskError names the file and the id
         try:
