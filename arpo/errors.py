@@ -69,6 +69,22 @@ class EnvTimeout(EnvError, TimeoutError):
     """A call to the environment server did not complete within its timeout."""
 
 
+class EnvProtocolError(EnvError):
+    """The environment answered something that is not a valid answer: not HTTP, a malformed
+    status line or header, a body that is not UTF-8 or not the JSON expected, JSON nested
+    too deeply. The environment's fault, never the task's."""
+
+
+class EnvAnswerTooLarge(EnvProtocolError):
+    """An answer is larger than the client's limit for its kind (ClientConfig); the message
+    names the limit."""
+
+
+class EnvAuthError(EnvHTTPError):
+    """The environment refuses the client's bearer token (401, or 403 outside the file
+    endpoints): final for that environment until its configuration changes."""
+
+
 class ResetError(EnvError):
     """The environment could not be brought back to its clean state (its provider's revert,
     the desktop's /reset): the environment's failure, never the task's."""

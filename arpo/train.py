@@ -57,6 +57,7 @@ from arpo.actor.config import MAX_ENVS, ActorConfig, fleet_problem
 from arpo.actor.episode import MAX_STEPS_LIMIT
 from arpo.config import (
     MAX_TEMPERATURE,
+    SET_BY_TRAIN,
     check_range,
     check_seconds,
     fail,
@@ -77,7 +78,7 @@ from arpo.policy.engine import EngineConfig
 log = logging.getLogger("arpo.train")
 
 
-_SET_BY_TRAIN = "(set by arpo train)"
+_SET_BY_TRAIN = SET_BY_TRAIN
 
 
 def _default_learner() -> LearnerConfig:

@@ -47,7 +47,7 @@ import zmq
 import zmq.asyncio
 
 from arpo import wire
-from arpo.config import fail, option
+from arpo.config import MAX_SECONDS, check_range, check_seconds, fail, option
 from arpo.errors import WireError
 
 log = logging.getLogger("arpo.transport")
@@ -119,8 +119,11 @@ class TransportConfig:
             "peer_timeout_s",
             "ack_timeout_s",
         ):
-            if not getattr(self, name) > 0:
-                fail(name, "must be > 0 seconds")
+            check_seconds(name, getattr(self, name))
+        for name in ("linger_ms", "reconnect_ivl_ms", "reconnect_ivl_max_ms"):
+            check_range(name, getattr(self, name), 0, MAX_SECONDS * 1000, "milliseconds")
+        if self.reconnect_ivl_max_ms and self.reconnect_ivl_max_ms < self.reconnect_ivl_ms:
+            fail("reconnect_ivl_max_ms", "must be 0 or at least reconnect_ivl_ms")
         if self.curve_secret_key and not zmq.has("curve"):
             fail("curve_secret_key", "this libzmq was built without CURVE support")
         peer_keys = bool(self.curve_server_key or self.curve_authorized)

@@ -210,6 +210,13 @@ BEYOND = [
     (EvalConfig, "progress_s=-1", "progress_s"),
     (EvalConfig, "max_attempts=1000000", "max_attempts"),
     (EvalConfig, "model='/nonexistent'", "model"),
+    (ActorConfig, "transport.request_timeout_s=1e300", "transport.request_timeout_s"),
+    (ActorConfig, "transport.linger_ms=-1", "transport.linger_ms"),
+    (ActorConfig, "transport.reconnect_ivl_ms=-5", "transport.reconnect_ivl_ms"),
+    (ActorConfig, "engine.request_timeout_s=1e300", "engine.request_timeout_s"),
+    (ActorConfig, "engine.max_model_len=-1", "engine.max_model_len"),
+    (ActorConfig, "engine.gpu_memory_utilization=-0.5", "engine.gpu_memory_utilization"),
+    (EvalConfig, "transport.ack_timeout_s=0", "transport.ack_timeout_s"),
 ]
 
 
@@ -309,3 +316,18 @@ def test_train_run_refuses_the_pool_before_it_starts_anything(tmp_path: Path) ->
     with pytest.raises(ConfigError, match=r"config field tasks: .*does not exist \(a task pool"):
         TrainRun(TrainConfig(tasks=str(tmp_path / "typo"), run_dir=str(tmp_path / "run")))
     assert not (tmp_path / "run").exists()
+
+
+LEARNER_BEYOND = [
+    "trainer.loss.eps_high=1e300", "trainer.loss.kl_coef=-1", "trainer.loss.w_max=1e300",
+    "assemble.replay.std_below=-1", "assemble.replay.admit_score_above=2",
+    "assemble.poll_s=1e300", "metrics.progress_s=1e300", "metrics.flush_s=-1",
+    "ingest.excluded_keep=-1", "ingest.sender_expiry_s=1e300", "grants.grant_timeout_s=1e300",
+    "dist.timeout_s=1e300",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("override", LEARNER_BEYOND)
+def test_the_learners_parts_bound_their_fields(override: str, pool: Path, model: Path) -> None:
+    message = refusal(LearnerConfig, [*learner_args(pool, model), override])
+    assert message.startswith(f"config field {override.split('=')[0]}: "), message

@@ -343,7 +343,7 @@ async def reset_env(env: Environment, task: Task, cfg: EpisodeConfig) -> SetupFa
     for attempt in range(cfg.reset_retries):
         if attempt:
             await asyncio.sleep(delay * (0.5 + random.random() / 2))
-            delay = min(30.0, delay * 2)
+            delay = min(RESET_BACKOFF_CAP_S, delay * 2)
             if env.replaceable and not await env.wait_healthy():
                 env.healthy = False  # the fleet gave the VM up, or is gone
                 return SetupFailure(Status.ENV_ERROR, err or "the VM is not serving")

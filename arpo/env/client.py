@@ -37,7 +37,16 @@ from typing import Any
 import aiohttp
 from aiohttp.http_exceptions import HttpProcessingError
 
-from arpo.errors import EnvError, EnvHTTPError, EnvTimeout, EnvTransportError, ResetError
+from arpo.errors import (  # the three Env*Error classes of answers are re-exported here
+    EnvAnswerTooLarge,
+    EnvAuthError,
+    EnvError,
+    EnvHTTPError,
+    EnvProtocolError,
+    EnvTimeout,
+    EnvTransportError,
+    ResetError,
+)
 
 # OSWorld's host controller wraps every action like this (desktop_env/controllers/python.py).
 PYAUTOGUI_PREFIX = "import pyautogui; import time; pyautogui.FAILSAFE = False; "
@@ -47,22 +56,6 @@ ERROR_BODY_BYTES = 64 << 10
 FILE_ENDPOINTS = frozenset({"/setup/upload", "/file"})
 """Endpoints where a 403 is about a file (the desktop server's answer for a path it may not
 read or write), not about the token."""
-
-
-class EnvProtocolError(EnvError):
-    """The environment answered something that is not a valid answer: not HTTP, a malformed
-    status line or header, a body that is not UTF-8 or not the JSON expected, JSON nested
-    too deeply. The environment's fault, never the task's."""
-
-
-class EnvAnswerTooLarge(EnvProtocolError):
-    """An answer is larger than the client's limit for its kind (ClientConfig); the message
-    names the limit."""
-
-
-class EnvAuthError(EnvHTTPError):
-    """The environment refuses the client's bearer token (401, or 403 outside the file
-    endpoints): final for that environment until its configuration changes."""
 
 
 def auth_failure(exc: BaseException | None) -> EnvAuthError | None:

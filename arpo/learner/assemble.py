@@ -61,7 +61,7 @@ from typing import Any, Literal
 import numpy as np
 
 from arpo import wire
-from arpo.config import fail, option, validate
+from arpo.config import check_range, fail, option, validate
 from arpo.errors import BufferTimeout, BufferValueError, UnknownTask
 from arpo.learner.groups import ReplayConfig, advantages, needs_replay
 from arpo.record import Status, Trajectory
@@ -115,8 +115,8 @@ class AssembleConfig:
             fail("max_staleness", "must be >= 0")
         if self.min_group_size < 1:
             fail("min_group_size", "must be >= 1")
-        if self.poll_s <= 0:
-            fail("poll_s", "must be > 0 seconds")
+        check_range("poll_s", self.poll_s, 0.0, 60.0, "seconds between looks at the store",
+                    lo_open=True)  # fmt: skip
         if self.advantage_side not in ("both", "positive", "negative"):
             fail("advantage_side", "must be 'both', 'positive' or 'negative'")
         self.replay.validate()

@@ -75,7 +75,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from arpo.config import fail, option, validate
+from arpo.config import check_seconds, fail, option, validate
 from arpo.errors import ArpoError, ConfigError
 
 T = TypeVar("T")
@@ -129,8 +129,7 @@ class DistConfig:
             fail("param_dtype", "must be 'float32', 'bfloat16' or 'float16'")
         if self.reduce_dtype not in _DTYPES:
             fail("reduce_dtype", "must be 'float32', 'bfloat16' or 'float16'")
-        if not self.timeout_s > 0:
-            fail("timeout_s", "must be a positive number of seconds")
+        check_seconds("timeout_s", self.timeout_s)
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from typing import Literal
 
 import numpy as np
 
-from arpo.config import fail, option
+from arpo.config import check_range, fail, option
 
 
 @dataclass
@@ -71,6 +71,8 @@ class ReplayConfig:
     def validate(self) -> None:
         if self.capacity < 1:
             fail("capacity", "must be at least 1")
+        for name in ("std_below", "mean_below", "admit_score_above"):
+            check_range(name, getattr(self, name), 0.0, 1.0, "a checker score or its spread")
         if self.k < 1:
             fail("k", "must be at least 1 (disable replay with enabled = false)")
         if self.prefill and not Path(self.prefill).is_dir():

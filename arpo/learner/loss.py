@@ -57,7 +57,7 @@ from typing import Literal
 
 import torch
 
-from arpo.config import fail, option
+from arpo.config import check_range, fail, option
 
 _LOG_RATIO_LIMIT = 20.0
 
@@ -96,18 +96,18 @@ class LossConfig:
     def validate(self) -> None:
         if not 0.0 <= self.eps_low < 1.0:
             fail("eps_low", "must be in [0, 1) so that 1 - eps_low stays positive")
-        if self.eps_high < 0.0:
-            fail("eps_high", "must be at least 0")
+        check_range("eps_high", self.eps_high, 0.0, 10.0, "the upper clip is 1 + eps_high")
         if not self.dual_clip > 1.0:
             fail("dual_clip", "must be greater than 1 (the bound c * |A| must exceed |A|)")
+        check_range("dual_clip", self.dual_clip, 1.0, 1e6, "the bound c * |A|", lo_open=True)
         if self.w_max < 1.0:
             fail("w_max", "must be at least 1 so that on-policy tokens keep weight 1")
+        check_range("w_max", self.w_max, 1.0, 1e6, "largest importance weight")
         if not 0.0 <= self.replay_w_min <= 1.0:
             fail("replay_w_min", "must be in [0, 1] (0 = no floor)")
         if self.agg not in ("seq-mean-token-mean", "token-mean"):
             fail("agg", "must be 'seq-mean-token-mean' or 'token-mean'")
-        if self.kl_coef < 0.0:
-            fail("kl_coef", "must be at least 0 (0 turns the KL term off)")
+        check_range("kl_coef", self.kl_coef, 0.0, 1e6, "0 turns the KL term off")
 
 
 def aggregate(values: torch.Tensor, mask: torch.Tensor, agg: str) -> torch.Tensor:

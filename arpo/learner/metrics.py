@@ -53,7 +53,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from arpo.config import fail, option
+from arpo.config import check_seconds, option
 from arpo.errors import ArpoError
 
 # ---------------------------------------------------------------------------- metric names
@@ -342,10 +342,8 @@ class MetricsConfig:
     )
 
     def validate(self) -> None:
-        if self.progress_s < 0:
-            fail("progress_s", "must be >= 0 seconds (0 turns the progress line off)")
-        if self.flush_s < 0:
-            fail("flush_s", "must be >= 0 seconds (0 flushes after every log call)")
+        check_seconds("progress_s", self.progress_s, zero="0 turns the progress line off")
+        check_seconds("flush_s", self.flush_s, zero="0 flushes after every log call")
 
 
 _RESERVED = ("step", "time", "wall_s")

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from arpo.config import fail, option
+from arpo.config import check_range, check_seconds, fail, option
 from arpo.errors import EngineError
 
 if TYPE_CHECKING:
@@ -138,8 +138,13 @@ class EngineConfig:
             fail("max_concurrency", "must be >= 1")
         if self.max_batch_size < 1:
             fail("max_batch_size", "must be >= 1")
-        if self.batch_wait_ms < 0:
-            fail("batch_wait_ms", "must be >= 0")
+        check_range("batch_wait_ms", self.batch_wait_ms, 0.0, 60_000.0, "milliseconds")
+        check_seconds("request_timeout_s", self.request_timeout_s)
+        for name in ("max_model_len", "kv_cache_gib"):
+            if getattr(self, name) < 1:
+                fail(name, "must be >= 1")
+        check_range("gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0,
+                    "fraction of the GPU's memory vLLM may take", lo_open=True)  # fmt: skip
         if self.prefix_cache_tokens < 0:
             fail("prefix_cache_tokens", "must be >= 0 (0 turns the prefix cache off)")
         if self.max_images < 1:

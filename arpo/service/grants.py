@@ -60,7 +60,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from arpo import wire
-from arpo.config import fail, option
+from arpo.config import MAX_TEMPERATURE, check_range, check_seconds, fail, option
 from arpo.env.task import task_pool
 from arpo.env.taskfiles import TaskFiles
 from arpo.errors import TaskError, WireError
@@ -123,16 +123,14 @@ class GrantConfig:
             fail("groups_per_step", "must be >= 1")
         if self.max_staleness < 0:
             fail("max_staleness", "must be >= 0 (0: fully synchronous)")
-        if self.grant_timeout_s <= 0:
-            fail("grant_timeout_s", "must be > 0 seconds")
+        check_seconds("grant_timeout_s", self.grant_timeout_s)
         if self.max_attempts < 1:
             fail("max_attempts", "must be >= 1")
         if not 0.0 < self.retry_s <= 60.0:
             fail("retry_s", "must be in (0, 60] seconds (how soon a refused actor asks again)")
         if self.seed < 0:
             fail("seed", "must be >= 0")
-        if self.temperature < 0:
-            fail("temperature", "must be >= 0")
+        check_range("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
         if not 0.0 < self.top_p <= 1.0:
             fail("top_p", "must be in (0, 1]")
         if self.retire_after_envs < 1:

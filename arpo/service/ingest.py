@@ -81,7 +81,7 @@ from pathlib import Path
 from typing import Any
 
 from arpo import wire
-from arpo.config import fail, option
+from arpo.config import check_seconds, fail, option
 from arpo.errors import BufferClosed, WireError
 from arpo.record import Status, Trajectory
 from arpo.service.journal import Journal, replay_journal
@@ -123,8 +123,9 @@ class IngestConfig:
     def validate(self) -> None:
         if self.max_senders < 1:
             fail("max_senders", "must be >= 1")
-        if not self.sender_expiry_s > 0:
-            fail("sender_expiry_s", "must be > 0 seconds")
+        check_seconds("sender_expiry_s", self.sender_expiry_s)
+        if self.excluded_keep < 0:
+            fail("excluded_keep", "must be >= 0 (0 keeps none for inspection)")
         if self.seen_capacity < 1:
             fail("seen_capacity", "must be >= 1")
         if self.seen_fsync_every < 1:
