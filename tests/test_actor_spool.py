@@ -40,11 +40,14 @@ def test_crash_leftovers_and_damage_are_never_sent(tmp_path: Path, png_pool: lis
     good, bad = _traj(1, png_pool), _traj(2, png_pool)
     spool.put(good)
     spool.put(bad)
-    (tmp_path / "half-written.tmp").write_bytes(b"ARPOSPL1\x03")
+    leftover = tmp_path / f"{'c' * 32}.traj.tmp"  # a crash while the spool wrote it
+    leftover.write_bytes(b"ARPOSPL1\x03")
+    (tmp_path / "someone-else.tmp").write_bytes(b"not the spool's")
     path = tmp_path / f"{bad.trajectory_id}.traj"
     path.write_bytes(path.read_bytes()[:-100])  # truncated on disk
     spool = Spool(tmp_path)
-    assert not (tmp_path / "half-written.tmp").exists()
+    assert not leftover.exists()
+    assert (tmp_path / "someone-else.tmp").read_bytes() == b"not the spool's"  # not its own
     assert spool.frames(bad.trajectory_id) is None
     assert (tmp_path / "bad" / path.name).exists()
     assert spool.ids() == [good.trajectory_id]
