@@ -85,6 +85,9 @@ def test_the_actors_stop_first_and_no_log_holds_an_error(tmp_path: Path, caplog)
     assert acc["finished"] > 0 and acc["in_spool"] == 0, acc
 
 
+# In `make test-all`: `make test` has the first signal's stop in test_train_signals and a run
+# on real desktops that must leave none running in test_demo_config.
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(shutil.which("Xvfb") is None, reason="needs Xvfb (make sysdeps)")
 def test_sigterm_stops_every_child_of_arpo_train_desktops_included(tmp_path: Path) -> None:

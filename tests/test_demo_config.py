@@ -30,6 +30,7 @@ def test_the_demo_configuration_sets_up_every_task_and_trains(tmp_path: Path) ->
     work = tmp_path / "elsewhere"  # not the repository: nothing may depend on its cwd
     work.mkdir()
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    before = _desktop_procs()
     proc = subprocess.run(
         [sys.executable, "-m", "arpo.cli", "train", "run_dir=run", "local_desktops=2",
          f"model={model}", "learner.iterations=3", "eval_runs_per_task=0",
@@ -54,3 +55,24 @@ def test_the_demo_configuration_sets_up_every_task_and_trains(tmp_path: Path) ->
     # the desktops' actor ran real episodes, its task files fetched by content
     assert "actor-1" in {p.name for p in (run / "spool").iterdir()}
     assert any((run / "task-files").rglob("*")), "no task file fetched by the actors"
+    # the run stopped everything it started: no process of it is left
+    left = _desktop_procs() - before
+    assert not left, left
+
+
+def _desktop_procs() -> set[tuple[int, str]]:
+    """(pid, command) of every desktop server, Xvfb and process naming a run folder."""
+    out = set()
+    for d in Path("/proc").iterdir():
+        try:
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if d.name.isdigit() and (
+            "arpo_envs.desktop.server" in cmd
+            or cmd.startswith("Xvfb")
+            or "arpo.actor.cli" in cmd
+            or "arpo.learner.cli" in cmd
+        ):
+            out.add((int(d.name), cmd[:200]))
+    return out

@@ -399,6 +399,9 @@ async def _play_on_vm(fleet: FleetConfig, tasks: list[Task]) -> list[tuple[str, 
     return out
 
 
+# In `make test-all`: `make test` runs oracles on a VM in test_oracles_pass_on_a_vm_and_a_
+# killed_qemu_is_replaced, and the local suite's on real desktops in test_local_tasks.
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_local_suite_oracles_pass_on_a_vm_subset(fleet: FleetConfig) -> None:
     from arpo_envs.tasks import SUITE_DIR

@@ -392,12 +392,14 @@ def stop_local_actor(proc: subprocess.Popen, spool: Path, timeout_s: float = 60.
             proc.wait()
     if proc.returncode:
         log.warning("the local actor exited with code %d", proc.returncode)
-    # Everything delivered: only the ledger of finished episodes is left; remove the folder.
-    from arpo.actor.spool import LEDGER
+    # Everything delivered: only the ledger of finished episodes and the spool's marker are
+    # left; remove the folder.
+    from arpo.actor.spool import LEDGER, MARKER
 
     with contextlib.suppress(OSError):
-        if {p.name for p in spool.iterdir()} <= {LEDGER}:
-            (spool / LEDGER).unlink(missing_ok=True)
+        if {p.name for p in spool.iterdir()} <= {LEDGER, MARKER}:
+            for name in (LEDGER, MARKER):
+                (spool / name).unlink(missing_ok=True)
             spool.rmdir()
     return proc.returncode
 
