@@ -80,7 +80,8 @@ build: $(DEPS_STAMP)
 # Installs only what is missing (a second run costs one dpkg query per package).
 # The VM packages (qemu-system-x86, debootstrap) come from bookworm-backports when the
 # machine's qemu-utils is the backports one (QEMU 10; Debian 12's own QEMU 7.2 would
-# conflict with it); the backports source is added for that, nothing else is taken from it.
+# conflict with it); the backports source is added for that, on the mirror the machine's
+# own apt sources use (scripts/debian_mirror.py), and nothing else is taken from it.
 VM_SYSDEPS := qemu-system-x86 qemu-utils debootstrap e2fsprogs ovmf
 sysdeps:
 	@missing=""; \
@@ -99,7 +100,7 @@ sysdeps:
 	  done; \
 	  target=""; \
 	  if [ -n "$$qemu" ] && dpkg -s qemu-utils 2>/dev/null | grep -q '^Version: .*bpo12'; then \
-	    echo "deb http://deb.debian.org/debian bookworm-backports main" | \
+	    echo "deb $$($(PYTHON) scripts/debian_mirror.py bookworm) bookworm-backports main" | \
 	      $$sudo tee /etc/apt/sources.list.d/arpo-backports.list >/dev/null; \
 	    target="-t bookworm-backports"; \
 	  fi; \
