@@ -94,3 +94,64 @@ def test_a_trajectory_larger_than_the_store_is_refused_and_kept_never_lost(
     assert "above its whole budget of 4096 bytes" in reason and "store_max_bytes" in reason
     assert ingest.stats()["rejected"].get("refused_too_large", 0) >= n
     assert len(actor.spool) == 0
+
+
+def test_a_desktop_that_answers_but_cannot_reset_burns_one_grant_not_one_per_recheck(
+    tmp_path: Path,
+) -> None:
+    """Its /platform answers (a recheck by liveness alone would let it rejoin at once), its
+    /reset answers garbage: the actor's recheck probes the reset itself and keeps it out."""
+    from aiohttp import web
+    from arpo_envs.sim.tasks import generate_tasks
+
+    resets = {"n": 0}
+
+    async def reset(request: web.Request) -> web.Response:
+        resets["n"] += 1
+        return web.Response(text="[" * 50_000 + "]" * 50_000, content_type="application/json")
+
+    async def platform(request: web.Request) -> web.Response:
+        return web.Response(text="Linux")
+
+    tasks = generate_tasks("click_button", 2, seed=3)
+    store = ReplayStore(max_bytes=1 << 30, fresh_capacity=4096, seed=0)
+    book = GrantBook(tasks, GrantConfig(group_size=2, groups_per_step=1000, max_staleness=0,
+                                        max_attempts=1000))  # fmt: skip
+    grants = GrantServer(book, TransportConfig(control="tcp://127.0.0.1:0"))
+    control = grants.start()
+    ingest = Ingest(store, IngestConfig(), TransportConfig(data="tcp://127.0.0.1:0"),
+                    on_trajectory=book.complete)  # fmt: skip
+    data = ingest.start()
+
+    async def go() -> Actor:
+        app = web.Application()
+        app.router.add_post("/reset", reset)
+        app.router.add_get("/platform", platform)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        bad = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        cfg = ActorConfig(
+            actor_id="actor-g", sim_envs=1, envs=[bad], env_pool="sim", policy="scripted",
+            spool_dir=str(tmp_path / "spool"), env_recheck_s=0.2,
+            transport=TransportConfig(data=data, control=control, heartbeat_s=0.2),
+            episode=EpisodeConfig(scroll_clicks=1, reset_retries=1, reset_backoff_s=0.1),
+            progress_s=0,
+        )  # fmt: skip
+        actor = Actor(cfg)
+        run = asyncio.create_task(actor.run())
+        await asyncio.sleep(8.0)
+        actor.stop()
+        await asyncio.wait_for(run, 60)
+        await runner.cleanup()
+        return actor
+
+    try:
+        actor = asyncio.run(go())
+    finally:
+        ingest.stop()
+        grants.stop()
+    assert actor.stats.by_status.get("ok", 0) > 5  # the good desktop kept working
+    assert actor.stats.by_status.get("env_error", 0) == 1, actor.stats.by_status
+    assert 2 <= resets["n"] <= 8, resets  # one failed reset, then the backed-off probes

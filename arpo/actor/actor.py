@@ -56,6 +56,7 @@ from arpo.env.osworld.client import OSWorldEvaluator
 from arpo.env.provider import FleetLink, FleetVMProvider, StaticProvider
 from arpo.env.runner import RunnerConfig
 from arpo.env.taskfiles import BlobCache, FileSource, default_cache_dir
+from arpo.errors import EnvError
 from arpo.record import Status, Trajectory
 from arpo.transport import ActorLink, fetch_weights
 
@@ -440,12 +441,29 @@ class Actor:
         or it refuses the token (False, `env.retired` says so). An answer that is not valid
         HTTP is no answer."""
         t0 = time.monotonic()
-        probe = env.client.wait_ready(deadline_s=math.inf, interval_s=self.config.env_recheck_s)
-        try:
-            await self._unless_stopping(probe)
-        except EnvAuthError as e:
-            env.retire_refused(e)
-            return False
+        delay, told = self.config.env_recheck_s, False
+        while True:
+            probe = env.client.wait_ready(deadline_s=math.inf, interval_s=delay)
+            try:
+                await self._unless_stopping(probe)
+                # A desktop that answers but still cannot reset (garbage, an error status)
+                # would fail its next episode's reset again: its reset is the probe.
+                if not self._stopping.is_set() and env.runner.provider.kind == "desktop":
+                    await self._unless_stopping(env.runner.provider.revert_to_snapshot(""))
+            except EnvAuthError as e:
+                env.retire_refused(e)
+                return False
+            except EnvError as e:
+                if not told:
+                    told = True
+                    log.error("actor %s: env %d (%s) answers, but its reset still fails (%s); "
+                              "asked again with backoff up to 60 s", self.actor_id, env.index,
+                              env.url, e)  # fmt: skip
+                if await wait_event(self._stopping, delay):
+                    return False
+                delay = min(60.0, delay * 2)
+                continue
+            break
         if self._stopping.is_set():
             return False
         env.healthy = True
