@@ -1235,6 +1235,13 @@ def account(run_dir: Path, checkpoint: Path | None) -> dict[str, Any]:
         "refused": len(refused & ok),
         "unaccounted": len(unaccounted),
         "unaccounted_ids": unaccounted[:20],
+        # every task out of the run: why, and how many of its trajectories were dropped
+        "tasks_out": {
+            t: {"reason": r.get("reason", ""), "dropped": r.get("dropped", 0)}
+            for t, r in (
+                _read_json(run_dir / "learner" / "tasks_out.json").get("tasks_out") or {}
+            ).items()
+        },
         "trained_twice": sum(1 for n in trained.values() if n > 1),
     }
 

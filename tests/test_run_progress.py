@@ -108,6 +108,10 @@ def test_a_task_whose_setup_always_fails_leaves_the_run_and_training_finishes(
     acc = summary["accounting"]
     assert acc["unaccounted"] == 0 and acc["trained_twice"] == 0, acc
     assert acc["finished_by_status"].get("setup_error", 0) >= 2
+    assert (
+        list(acc["tasks_out"]) == ["broken-0"]
+        and "FileCacheMiss" in acc["tasks_out"]["broken-0"]["reason"]
+    )
     # Only the good tasks were trained on.
     trained = (Path(cfg.run_dir) / "learner" / "trained.log").read_text()
     assert "broken-0" not in trained
