@@ -92,7 +92,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_a_task_whose_setup_always_fails_leaves_the_run_and_training_finishes(
     tmp_path: Path, tiny: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    ids = _pool(tmp_path / "tasks", good=3, broken=1)
+    _pool(tmp_path / "tasks", good=3, broken=1)
     cfg = _config(tmp_path, tiny, iterations=4, preflight=False)
     assert main(cfg) == 0
     out = capsys.readouterr().out
@@ -115,7 +115,7 @@ def test_a_task_whose_setup_always_fails_leaves_the_run_and_training_finishes(
     # Only the good tasks were trained on.
     trained = (Path(cfg.run_dir) / "learner" / "trained.log").read_text()
     assert "broken-0" not in trained
-    assert {line.split("\t")[1] for line in trained.splitlines()} and ids[:3]
+    assert any(line.endswith("\tfresh") for line in trained.splitlines())  # the others trained
 
 
 def test_a_pool_nobody_can_set_up_stops_the_run_with_exit_3_naming_its_tasks(
