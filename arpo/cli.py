@@ -8,6 +8,7 @@ arpo eval [--config FILE] [field=value ...]           success rates of a checkpo
 arpo collect [--config FILE] [field=value ...]        N runs per task, trajectories kept on disk
 arpo audit-tasks [--config FILE] [field=value ...]    every task set up on its environments, checked
 arpo COMMAND --show-config                            every config field with its default and meaning
+arpo fetch --tasks DIR --cache DIR                    the files OSWorld tasks download (arpo.env.fetch)
 """
 
 from __future__ import annotations
@@ -46,6 +47,14 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
                 "arpo.offline.offline:OfflineConfig", "arpo.cli:_offline"),
     "audit-tasks": ("set up every task on its environments; do-nothing and oracle scores",
                     "arpo.pool.audit:AuditConfig", "arpo.pool.audit:main"),
+}  # fmt: skip
+
+
+# command -> (help, main): commands with options of their own (no config class), given their
+# arguments whole; `main(argv, prog=...)` returns the exit code.
+TOOLS: dict[str, tuple[str, str]] = {
+    "fetch": ("download the files OSWorld tasks need into the file cache (see --help)",
+              "arpo.env.fetch:main"),
 }  # fmt: skip
 
 
@@ -88,6 +97,9 @@ def _offline(cfg: Any) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] and argv[0] in TOOLS:
+        return int(_load(TOOLS[argv[0]][1])(argv[1:], prog=f"arpo {argv[0]}"))
     ap = argparse.ArgumentParser(prog="arpo", description="ARPO: RL for GUI agents")
     sub = ap.add_subparsers(dest="command", required=True)
     for name, (help_text, _, _) in COMMANDS.items():
@@ -95,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         _add_config_args(p)
         if name == "offline":
             p.add_argument("--algo", choices=["dpo", "kto", "rft"], help="the method")
+    for name, (help_text, _) in TOOLS.items():
+        sub.add_parser(name, help=help_text)  # listed in --help; run above, before parsing
     args = ap.parse_args(argv)
 
     _, config_ref, runner_ref = COMMANDS[args.command]

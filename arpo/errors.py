@@ -90,6 +90,11 @@ class ResetError(EnvError):
     the desktop's /reset): the environment's failure, never the task's."""
 
 
+class ForkUnsupported(EnvError):
+    """This environment cannot be saved mid-task and started again (`Provider.snapshot` /
+    `fork`): the actor runs plain groups on it instead."""
+
+
 class FileCacheMiss(EnvError, LookupError):
     """A task needs a file (by URL) that is not in the local file cache; the message says how to add it."""
 

@@ -272,6 +272,69 @@ def _ident(value: Any, name: str, *, allow_empty: bool = False) -> str:
     return value
 
 
+MAX_TREE_DEPTH = 64
+"""Most branch points on one trajectory's path from its tree's root."""
+
+
+@dataclass(frozen=True, slots=True)
+class Branch:
+    """Where a trajectory of a tree rollout sits in its tree (`arpo.actor.tree`).
+
+    A tree starts as one episode (its root); at a branch point its environment is forked
+    and each child continues the episode from exactly that state. A trajectory is one
+    leaf: all of its turns, the shared ones included. Two leaves of the same tree share
+    their first `steps[d]` turns, where d is the length of the common start of their
+    paths: those turns are the same tokens, log-probs and versions in both records, and
+    the learner trains them once (`arpo.learner.tree`)."""
+
+    tree: str
+    """The tree's id (unique within its group)."""
+    path: tuple[int, ...] = ()
+    """The child taken at each branch point, from the root (() for a leaf that never
+    branched: the root itself)."""
+    steps: tuple[int, ...] = ()
+    """The number of turns before each branch point (strictly increasing, one per entry
+    of `path`): the children of branch point d share turns [0, steps[d])."""
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        _ident(self.tree, "trajectory.branch.tree")
+        for name in ("path", "steps"):
+            v = getattr(self, name)
+            if isinstance(v, str | bytes) or not isinstance(v, Sequence):
+                raise RecordError(f"trajectory.branch.{name} must be a sequence of ints")
+            v = tuple(v)
+            if len(v) > MAX_TREE_DEPTH or not all(type(x) is int and 0 <= x <= MAX_SLOT for x in v):
+                raise RecordError(
+                    f"trajectory.branch.{name} must hold at most {MAX_TREE_DEPTH} ints in "
+                    f"[0, {MAX_SLOT}], got {v!r:.100}"
+                )
+            set_(self, name, v)
+        if len(self.path) != len(self.steps):
+            raise RecordError(
+                f"trajectory.branch: path has {len(self.path)} entries, steps "
+                f"{len(self.steps)}; one step count per branch point"
+            )
+        if any(b <= a for a, b in zip(self.steps, self.steps[1:], strict=False)) or (
+            self.steps and self.steps[0] < 1
+        ):
+            raise RecordError(
+                f"trajectory.branch.steps must be positive and strictly increasing, got "
+                f"{self.steps!r:.100}"
+            )
+
+    def to_json(self) -> dict[str, Any]:
+        return {"tree": self.tree, "path": list(self.path), "steps": list(self.steps)}
+
+    @classmethod
+    def from_json(cls, d: Any) -> Branch:
+        if not isinstance(d, dict) or set(d) != {"tree", "path", "steps"}:
+            raise RecordError(
+                f"trajectory.branch must be a map of tree, path, steps; got {d!r:.100}"
+            )
+        return cls(d["tree"], d["path"], d["steps"])
+
+
 @dataclass(frozen=True, slots=True)
 class Trajectory:
     """One episode of one task, as sent by an actor and stored for training."""
@@ -302,6 +365,8 @@ class Trajectory:
     """Why the status is not `ok` (at most MAX_ERROR_CHARS characters; "" when ok)."""
     env: str = ""
     """The environment that ran the episode (its URL or name; "" when not recorded)."""
+    branch: Branch | None = None
+    """Its place in a tree rollout (None: an episode of its own, from the task's start)."""
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -343,6 +408,16 @@ class Trajectory:
             _ident(k, "trajectory.timings key")
             timings[k] = _finite(v, f"trajectory.timings[{k!r}]")
         set_(self, "timings", timings)
+        if self.branch is not None:
+            if not isinstance(self.branch, Branch):
+                raise RecordError(
+                    f"trajectory.branch must be a Branch or None, got {type(self.branch).__name__}"
+                )
+            if self.branch.steps and self.branch.steps[-1] > len(turns):
+                raise RecordError(
+                    f"trajectory.branch: branch point at turn {self.branch.steps[-1]} of an "
+                    f"episode of {len(turns)} turns"
+                )
         for name, limit in (("error", MAX_ERROR_CHARS), ("env", 1024)):
             v = getattr(self, name)
             if not isinstance(v, str):
@@ -403,6 +478,7 @@ class Trajectory:
             and dict(self.timings) == dict(other.timings)
             and self.error == other.error
             and self.env == other.env
+            and self.branch == other.branch
             and self.turns == other.turns
         )
 

@@ -7,8 +7,9 @@ A message is a list of frames (a ZeroMQ multipart message):
     frame 2.. payload frames declared by the header (raw little-endian arrays, PNG bytes)
 
 Trajectory (kind 1): header keys `tid task group slot actor score fmt reward
-status timings turns error env` (`error` and `env` may be left out by records written
-before they existed: ""), where `turns` is a list of
+status timings turns error env branch` (`error`, `env` and `branch` may be left out by
+records written before they existed: "", "" and nil; `branch` is nil or `{"tree", "path",
+"steps"}`, the leaf's place in a tree rollout, `arpo.record.Branch`), where `turns` is a list of
 `[n_prompt, n_response, n_png, policy_version, parsed, action, temperature, top_p]`
 (the sampling settings the turn was drawn with; the decoder also accepts the 6-entry
 form of records written before they existed, which decodes with NaN for both, "not
@@ -35,7 +36,9 @@ Control messages (no payload frames unless said):
   version the episode may be sampled with (the actor fetches newer weights before it
   starts the episode), and the sampling settings the learner scores (nil: the actor's
   own; the decoder also accepts the 6-entry form, which means min_version 0 and the
-  actor's own settings); `retry` says how many seconds to wait before asking again when
+  actor's own settings), and `tree`: nil, or `{"slots", "grant_ids", "width", "every"}` for
+  a grant that fills several slots of its group with one tree rollout (`TreeSpec`; the
+  9-entry form means nil); `retry` says how many seconds to wait before asking again when
   the list is empty (admission control or nothing to do).
 - heartbeat (5), both ways: `{"sender", "role", "seq", "version", "time", "stats"}`;
   `role` is "actor" or "learner", `version` the policy version the sender holds,
@@ -84,6 +87,7 @@ from arpo.record import (
     MAX_SLOT,
     MAX_VERSION,
     PNG_SIGNATURE,
+    Branch,
     Status,
     Trajectory,
     Turn,
@@ -144,9 +148,10 @@ _TRAJ_KEYS = frozenset(
         "turns",
         "error",
         "env",
+        "branch",
     )
 )
-_TRAJ_OPTIONAL = frozenset(("error", "env"))
+_TRAJ_OPTIONAL = frozenset(("error", "env", "branch"))
 """Trajectory header keys a record written before they existed leaves out ("")."""
 
 
@@ -250,9 +255,57 @@ class GrantRelease:
             raise WireError("grant release reason must be a string of at most 64 characters")
 
 
+MAX_TREE_SLOTS = 64
+"""Most slots one tree grant fills."""
+MAX_BRANCH_EVERY = 1000
+"""Largest `TreeSpec.every` (the longest episode accepted, `MAX_STEPS_LIMIT`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TreeSpec:
+    """A grant that fills several slots of its group with one tree rollout on one
+    environment (`arpo.actor.tree`): the grant's own slot is `slots[0]`."""
+
+    slots: tuple[int, ...]
+    """The slots the tree's leaves fill, one leaf each."""
+    grant_ids: tuple[str, ...]
+    """The book's grant id of each slot (a leaf that cannot be run is released by it)."""
+    width: int
+    """Children per branch point (2..len(slots))."""
+    every: int
+    """Branch after every `every` turns (a node with one slot left runs to its end)."""
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        for name in ("slots", "grant_ids"):
+            v = getattr(self, name)
+            if type(v) not in (list, tuple) or not 2 <= len(v) <= MAX_TREE_SLOTS:
+                raise WireError(f"grant tree {name} must be a list of 2..{MAX_TREE_SLOTS} entries")
+            set_(self, name, tuple(v))
+        for i, sl in enumerate(self.slots):
+            _check_int(sl, f"grant tree slots[{i}]", 0, MAX_SLOT)
+        for gid in self.grant_ids:
+            _check_id(gid, "grant tree grant id")
+        if len(set(self.slots)) != len(self.slots) or len(self.grant_ids) != len(self.slots):
+            raise WireError("grant tree slots must be distinct, with one grant id each")
+        _check_int(self.width, "grant tree width", 2, len(self.slots))
+        _check_int(self.every, "grant tree every", 1, MAX_BRANCH_EVERY)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"slots": list(self.slots), "grant_ids": list(self.grant_ids),
+                "width": self.width, "every": self.every}  # fmt: skip
+
+    @classmethod
+    def from_json(cls, d: Any) -> TreeSpec:
+        if type(d) is not dict or set(d) != {"slots", "grant_ids", "width", "every"}:
+            raise WireError("grant tree must be a map of slots, grant_ids, width, every")
+        return cls(d["slots"], d["grant_ids"], d["width"], d["every"])
+
+
 @dataclass(frozen=True, slots=True)
 class Grant:
-    """One episode to run: slot `slot` of group `group` of task `task_id`."""
+    """One episode to run: slot `slot` of group `group` of task `task_id` (or, with
+    `tree`, one tree rollout filling several slots)."""
 
     grant_id: str
     """Unique id of this grant (a re-issued slot gets a new one)."""
@@ -272,6 +325,8 @@ class Grant:
     """Sampling temperature the learner scores (None: the actor's own setting)."""
     top_p: float | None = None
     """Nucleus the learner scores (None: the actor's own setting)."""
+    tree: TreeSpec | None = None
+    """Run as a tree rollout filling `tree.slots` (None: one episode)."""
 
     def __post_init__(self) -> None:
         _check_id(self.grant_id, "grant id")
@@ -291,6 +346,11 @@ class Grant:
                 raise WireError(f"grant top_p must be in (0, 1], got {p!r:.40}")
             object.__setattr__(self, "temperature", t)
             object.__setattr__(self, "top_p", p)
+        if self.tree is not None:
+            if not isinstance(self.tree, TreeSpec):
+                raise WireError("grant tree must be a TreeSpec or nil")
+            if self.tree.slots[0] != self.slot or self.tree.grant_ids[0] != self.grant_id:
+                raise WireError("a tree grant's own slot and id must come first in its tree")
 
 
 @dataclass(frozen=True, slots=True)
@@ -506,7 +566,7 @@ def encode(msg: Message) -> list[Frame]:
     if isinstance(msg, GrantReply):
         grants = [
             [g.grant_id, g.task_id, g.group, g.slot, g.version, g.task_json, g.min_version,
-             g.temperature, g.top_p]
+             g.temperature, g.top_p, None if g.tree is None else g.tree.to_json()]
             for g in msg.grants
         ]  # fmt: skip
         return [
@@ -565,6 +625,7 @@ def trajectory_header(traj: Trajectory) -> dict[str, Any]:
         "timings": dict(traj.timings),
         "error": traj.error,
         "env": traj.env,
+        "branch": None if traj.branch is None else traj.branch.to_json(),
         "turns": [
             [
                 len(t.prompt_ids),
@@ -739,11 +800,13 @@ def _decode_control(kind: int, header: dict[str, Any], frames: Sequence[Any]) ->
             raise WireError(f"grant 'grants' must be a list of at most {MAX_GRANTS} entries")
         grants = []
         for i, g in enumerate(raw):
-            if type(g) is not list or len(g) not in (6, 9):
+            if type(g) is not list or len(g) not in (6, 9, 10):
                 raise WireError(
                     f"grants[{i}] must be [grant_id, task_id, group, slot, version, task_json, "
-                    "min_version, temperature, top_p] (or the first 6 of them)"
+                    "min_version, temperature, top_p, tree] (or the first 6 or 9 of them)"
                 )
+            if len(g) == 10:
+                g = [*g[:9], None if g[9] is None else TreeSpec.from_json(g[9])]
             grants.append(Grant(*g))
         return GrantReply(header["req"], tuple(grants), header["retry"])
     if kind == KIND_HEARTBEAT:
@@ -910,6 +973,7 @@ def _assemble(
             timings=timings,
             error=_get(header, "error", str, "a string") if "error" in header else "",
             env=_get(header, "env", str, "a string") if "env" in header else "",
+            branch=None if header.get("branch") is None else Branch.from_json(header["branch"]),
         )
     except RecordError as e:
         raise WireError(f"invalid trajectory: {e}") from None

@@ -127,7 +127,7 @@ def _help(args: list[str]) -> str:
 
 
 def cli_page() -> str:
-    from arpo.cli import COMMANDS
+    from arpo.cli import COMMANDS, TOOLS
 
     lines = ["# Command reference", "",
              "Generated from the command-line parsers. Every `arpo` command takes "
@@ -136,12 +136,15 @@ def cli_page() -> str:
              "| command | what it does | configuration |", "|---|---|---|"]  # fmt: skip
     for name, (help_text, ref, _) in COMMANDS.items():
         lines.append(f"| `arpo {name}` | {_cell(help_text)} | `{ref.replace(':', '.')}` |")
+    for name, (help_text, _) in TOOLS.items():
+        lines.append(f"| `arpo {name}` | {_cell(help_text)} | its own options, below |")
     lines += ["", "`arpo-learner` and `arpo-actor` take the same `[--config FILE] [field=value "
               "...]` with `LearnerConfig` and `ActorConfig`.", ""]  # fmt: skip
-    for args in (["-m", "arpo_envs.cli", "--help"], ["-m", "arpo_envs.cli", "vm", "up", "--help"],
-                 ["-m", "arpo_envs.cli", "osworld", "fetch", "--help"]):  # fmt: skip
-        lines += [f"## `arpo-envs {' '.join(args[2:-1])}`".replace(" `", "`").replace("``", "`"),
-                  "", "```text", _help(args), "```", ""]  # fmt: skip
+    helps = [("arpo " + name, ["-m", "arpo.cli", name, "--help"]) for name in TOOLS]
+    helps += [("arpo-envs", ["-m", "arpo_envs.cli", "--help"]),
+              ("arpo-envs vm up", ["-m", "arpo_envs.cli", "vm", "up", "--help"])]  # fmt: skip
+    for command, args in helps:
+        lines += [f"## `{command}`", "", "```text", _help(args), "```", ""]
     return "\n".join(lines)
 
 

@@ -1,4 +1,4 @@
-"""`python -m arpo.env.fetch` (`arpo.env.fetch.main`) against an HTTP server of the test's own
+"""`arpo fetch` (`arpo.env.fetch.main`) against an HTTP server of the test's own
 on loopback (aiohttp.web on 127.0.0.1, port 0), through the real download path: the files of a
 task set land under OSWorld's cache names and FileCache finds them; a URL is fetched once; a
 connection dropped mid-body, and a `.part` left from before, are continued with Range; a server
@@ -34,8 +34,10 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from arpo.cli import main as arpo_cli
 from arpo.env import fetch as F
 from arpo.env.cache import FileCache
+from arpo.env.task import MAX_TASK_DEPTH
 
 BLOBS = {
     "a.txt": b"alpha\n" * 1000,
@@ -545,9 +547,12 @@ def test_dry_run_lists_without_downloading(
 
     cache.mkdir()
     (cache / a).write_bytes(BLOBS["a.txt"])
-    assert run(tasks, cache, "--dry-run") == 0
+    # the same `main`, as the `arpo fetch` command
+    assert arpo_cli(["fetch", "--tasks", str(tasks), "--cache", str(cache), "--dry-run"]) == 0
     assert f"cached   {a}" in capsys.readouterr().out
     assert server.requests == []
+    assert arpo_cli(["fetch", "--help"]) == 0
+    assert capsys.readouterr().out.startswith("usage: arpo fetch ")
 
 
 def test_bad_arguments_exit_2(tmp_path: Path) -> None:
@@ -902,7 +907,9 @@ def test_task_files_that_cannot_be_read_are_left_out_alone(server: Server, tmp_p
     assert (rep["downloaded"], rep["failed"], rep["tasks"]) == (1, [], 1)
     left = {Path(x["file"]).name: x["reason"] for x in rep["task_files_left_out"]}
     assert sorted(left) == ["d", "deep.json", "latin1.json"]
-    assert left["deep.json"] == "JSON nested too deeply to read"
+    assert (
+        left["deep.json"] == f"JSON nested too deeply (a task has at most {MAX_TASK_DEPTH} levels)"
+    )
     assert left["latin1.json"].startswith("not UTF-8 text")
     assert left["d"].startswith(f"deeper than {F.TASK_FOLDER_DEPTH} folders")
     assert [r.name for r in server.requests] == ["a.txt"]

@@ -1,4 +1,5 @@
-"""The house's import graph: every dependency among arpo/ and envs/arpo_envs/ modules runs one way.
+"""The house's layout: every dependency among arpo/ and envs/arpo_envs/ modules runs one way,
+the environment package imports nothing of the trainer, and the layout page lists every module.
 
 Read from the source with `ast`, nothing imported. Every import statement counts, wherever it
 is: at the top, inside a function (a lazy import is still a dependency) and under
@@ -8,7 +9,11 @@ is: at the top, inside a function (a lazy import is still a dependency) and unde
 from __future__ import annotations
 
 import ast
+import importlib.util
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = (ROOT / "arpo", ROOT / "envs" / "arpo_envs")
@@ -138,3 +143,94 @@ def test_the_services_the_learner_and_the_pool_runs_import_one_way() -> None:
         if _inside(dep, imported) and dep not in allowed
     ]
     assert not broken, broken
+
+
+def arpo_imports(source: str, filename: str = "<source>") -> list[str]:
+    """Every import of the trainer package `arpo` in `source` ("line N: what"), wherever it is:
+    at the top, inside a function, under `if TYPE_CHECKING:`, or by name through
+    `importlib.import_module` / `__import__`. `arpo_envs` is another package and not counted."""
+
+    def is_arpo(name: str) -> bool:
+        return name == "arpo" or name.startswith("arpo.")
+
+    found = []
+    for node in ast.walk(ast.parse(source, filename)):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+        elif isinstance(node, ast.Call) and node.args:
+            func = node.func
+            called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            first = node.args[0]
+            if called in ("import_module", "__import__") and isinstance(first, ast.Constant):
+                names = [first.value] if isinstance(first.value, str) else []
+        found += [f"line {node.lineno}: {n}" for n in names if is_arpo(n)]
+    return found
+
+
+def test_the_checker_sees_lazy_and_indirect_imports_of_arpo() -> None:
+    source = (
+        "import arpo_envs.sim\nfrom arpo_envs import cli\nfrom . import arpo\n"
+        "def f():\n    from arpo.env.fetch import main\n"
+        "if TYPE_CHECKING:\n    import arpo.wire\n"
+        "importlib.import_module('arpo.record')\n"
+    )
+    assert arpo_imports(source) == [
+        "line 5: arpo.env.fetch",
+        "line 7: arpo.wire",
+        "line 8: arpo.record",
+    ]
+
+
+def test_the_environment_package_imports_nothing_of_arpo() -> None:
+    """`envs/arpo_envs` is installed on environment hosts without the trainer: none of its
+    modules may import `arpo`, not even lazily (`arpo` importing `arpo_envs` is fine)."""
+    pkg = ROOT / "envs" / "arpo_envs"
+    found = [
+        f"{path.relative_to(ROOT)} {hit}"
+        for path in sorted(pkg.rglob("*.py"))
+        for hit in arpo_imports(path.read_text(), str(path))
+    ]
+    assert len(list(pkg.rglob("*.py"))) > 20  # the walk sees the package
+    assert not found, (
+        "envs/arpo_envs imports the trainer package; move the code that needs arpo to arpo/ "
+        f"(its command to arpo/cli.py) or what both need into arpo_envs: {found}"
+    )
+
+
+def _layout_page() -> Any:
+    spec = importlib.util.spec_from_file_location(
+        "layout_page", ROOT / "scripts" / "layout_page.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_layout_page_is_the_generated_one() -> None:
+    gen = _layout_page()
+    text = gen.page()
+    for mod, path in sorted(_modules().items()):
+        folder = path.parent.relative_to(ROOT).as_posix()
+        name = path.name if path.name != "__init__.py" else f"{path.parent.name}/"
+        section = text.split(f"### `{folder}/`", 1)
+        assert len(section) == 2, f"{mod}: no section for {folder}/ on the layout page"
+        if path.name != "__init__.py":
+            assert f"| `{name}` |" in section[1].split("\n### ", 1)[0], f"{mod} is not listed"
+    assert gen.PAGE.read_text(encoding="utf-8") == text, (
+        "docs/reference/layout.md is not what scripts/layout_page.py gives (a module added, "
+        "renamed or removed, or a docstring changed): run `python scripts/layout_page.py`"
+    )
+
+
+def test_a_module_without_a_docstring_stops_the_layout_page(tmp_path: Path) -> None:
+    gen = _layout_page()
+    (tmp_path / "described.py").write_text('"""What it is for. More after."""\n')
+    (tmp_path / "bare.py").write_text("X = 1\n")
+    gen.ROOT = tmp_path
+    assert gen.describe(tmp_path / "described.py") == "What it is for."
+    with pytest.raises(gen.MissingDoc, match=r"bare\.py: give it a module docstring"):
+        gen.describe(tmp_path / "bare.py")

@@ -51,6 +51,7 @@ from arpo import wire
 from arpo.actor.config import ActorConfig, default_actor_id
 from arpo.actor.episode import Environment, run_episode
 from arpo.actor.spool import Spool
+from arpo.actor.tree import TreeStats, run_tree
 from arpo.env.client import EnvAuthError
 from arpo.env.osworld.client import OSWorldEvaluator
 from arpo.env.provider import FleetLink, FleetVMProvider, StaticProvider
@@ -104,6 +105,8 @@ class ActorStats:
     """Seconds environments spent asking for a grant (answered, refused or retried)."""
     episode_s: float = 0.0
     """Seconds environments spent running episodes (setup, steps, evaluation)."""
+    tree: TreeStats = field(default_factory=TreeStats)
+    """Forks of tree grants (`arpo.actor.tree`)."""
 
 
 class Actor:
@@ -138,6 +141,8 @@ class Actor:
         """Set by a worker whose grant needs newer weights: fetch now."""
         self._want_version = 0
         self._refused = -1
+        self._no_fork: set[int] = set()
+        """Environments found unable to fork (logged once each)."""
         """A version the engine rejected (not fetched again; its grants run on older weights)."""
 
     # ---- control ----------------------------------------------------------------------
@@ -503,7 +508,12 @@ class Actor:
             try:
                 if not await self._ensure_version(grant):
                     self.stats.abandoned += 1
-                    await self._release(grant, "stopping")
+                    ids = grant.tree.grant_ids if grant.tree is not None else (grant.grant_id,)
+                    for gid in ids:
+                        await self._release(gid, "stopping")
+                    continue
+                if grant.tree is not None:
+                    await self._tree(env, grant, pool)
                     continue
                 t_run = time.monotonic()
                 try:
@@ -518,43 +528,69 @@ class Actor:
                 finally:
                     self.stats.episode_s += time.monotonic() - t_run
                 if traj is not None:
-                    await asyncio.to_thread(self.spool.put, traj)
-                    self._finished(traj)
-                    s = self.stats.by_pool
-                    s[pool] = s.get(pool, 0) + 1
-                    log.debug(
-                        "actor %s: env %d (pool %r, %s) ran trajectory %s of task %s: %s",
-                        self.actor_id,
-                        env.index,
-                        pool,
-                        env.url,
-                        traj.trajectory_id,
-                        traj.task_id,
-                        traj.status.value,
-                    )
-                    self._wake_sender.set()
+                    await self._keep(env, pool, traj)
                 else:
                     self.stats.abandoned += 1
-                    await self._release(grant, "policy_error")
+                    await self._release(grant.grant_id, "policy_error")
             finally:
                 self._episodes_running -= 1
         if c.max_episodes and self.stats.episodes >= c.max_episodes and not self._episodes_running:
             self.stop()
 
-    async def _release(self, grant: wire.Grant, reason: str) -> None:
-        """Give `grant` back so the learner grants its slot again now, not after its grant
-        timeout (best effort: if the learner does not answer, the timeout still holds)."""
+    async def _keep(self, env: Environment, pool: str, traj: Trajectory) -> None:
+        """Spool a finished trajectory for the sender."""
+        await asyncio.to_thread(self.spool.put, traj)
+        self._finished(traj)
+        s = self.stats.by_pool
+        s[pool] = s.get(pool, 0) + 1
+        log.debug(
+            "actor %s: env %d (pool %r, %s) ran trajectory %s of task %s: %s",
+            self.actor_id, env.index, pool, env.url, traj.trajectory_id, traj.task_id,
+            traj.status.value,
+        )  # fmt: skip
+        self._wake_sender.set()
+
+    async def _tree(self, env: Environment, grant: wire.Grant, pool: str) -> None:
+        """Run tree grant `grant` on `env` (`arpo.actor.tree`): spool its leaves, give back
+        the slots it could not fill."""
+        t_run = time.monotonic()
+        before = self.stats.tree.unsupported
+        try:
+            results, give_back = await run_tree(
+                env, grant, self.policy, self.config.episode, actor_id=self.actor_id,
+                on_step=self._stepped, stats=self.stats.tree,
+            )  # fmt: skip
+        finally:
+            self.stats.episode_s += time.monotonic() - t_run
+        if self.stats.tree.unsupported > before and env.index not in self._no_fork:
+            self._no_fork.add(env.index)
+            log.warning(
+                "actor %s: env %d (%s) cannot fork: its tree grants run one plain episode "
+                "and give the other slots back (the learner grants them as plain episodes)",
+                self.actor_id, env.index, env.url,
+            )  # fmt: skip
+        for _slot, _gid, traj in results:
+            if traj is not None:
+                await self._keep(env, pool, traj)
+        for gid, reason in give_back.items():
+            if reason == "policy_error":
+                self.stats.abandoned += 1
+            await self._release(gid, reason)
+
+    async def _release(self, grant_id: str, reason: str) -> None:
+        """Give grant `grant_id` back so the learner grants its slot again now, not after its
+        grant timeout (best effort: if the learner does not answer, the timeout still holds)."""
         assert self.link is not None
         self._req += 1
         req = self._req
         reply = await self.link.request(
-            wire.GrantRelease(self.actor_id, req, grant.grant_id, reason),
+            wire.GrantRelease(self.actor_id, req, grant_id, reason),
             lambda m, req=req: isinstance(m, wire.GrantReply) and m.req == req,
             timeout=min(5.0, self.config.transport.request_timeout_s),
         )
         if reply is not None:
             self.stats.released += 1
-        log.info("actor %s: grant %s given back (%s)%s", self.actor_id, grant.grant_id, reason,
+        log.info("actor %s: grant %s given back (%s)%s", self.actor_id, grant_id, reason,
                  "" if reply is not None else "; the learner did not answer")  # fmt: skip
 
     async def _fetch_file_chunk(self, sha256: str, index: int) -> tuple[Any, int, int, str] | None:
@@ -677,6 +713,10 @@ class Actor:
                 "refused": self.stats.refused,
                 "files_fetched": self.files.fetched,
                 "files_refused": self.files.refused,
+                "forks": self.stats.tree.forks,
+                "fork_clones": self.stats.tree.clones,
+                "fork_errors": self.stats.tree.fork_errors,
+                "fork_s": round(self.stats.tree.fork_s, 3),
             }
             await self.link.heartbeat(
                 wire.Heartbeat(

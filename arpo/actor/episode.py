@@ -32,13 +32,14 @@ expires on the learner side.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import json
 import logging
 import random
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 import numpy as np
@@ -54,7 +55,7 @@ from arpo.errors import EnvError, ResetError, TaskError
 from arpo.policy import actions as A
 from arpo.policy.engine import Completion, SamplingParams
 from arpo.policy.prompt import EpisodePrompt, image_size, pixel_bounds
-from arpo.record import Status, Trajectory, Turn
+from arpo.record import Branch, Status, Trajectory, Turn
 
 log = logging.getLogger("arpo.actor.episode")
 
@@ -388,6 +389,202 @@ async def reset_env(env: Environment, task: Task, cfg: EpisodeConfig) -> SetupFa
     return SetupFailure(Status.ENV_ERROR, err)
 
 
+@dataclass
+class EpisodeRun:
+    """An episode in progress: what `play` advances and a fork copies (`branch`)."""
+
+    task: Task
+    prompt: EpisodePrompt
+    policy: Any
+    """The policy of this episode (`policy.episode(task)` for a policy with per-episode
+    state, else the policy itself)."""
+    params: SamplingParams
+    action_cfg: A.ActionConfig
+    pixels: tuple[int, int]
+    """(min, max) pixels of the model's image processor."""
+    budget: int
+    """Most turns (`step_budget`)."""
+    turns: list[Turn] = field(default_factory=list)
+    fmt: float = 0.0
+    """The format reward: -1 once a response did not parse."""
+    frame: A.Frame | None = None
+    ended: bool = False
+    """DONE / FAIL, or a response that ends the episode."""
+    timings: dict[str, float] = field(
+        default_factory=lambda: {"reset": 0.0, "policy": 0.0, "env": 0.0, "evaluate": 0.0}
+    )
+
+    @property
+    def over(self) -> bool:
+        return self.ended or len(self.turns) >= self.budget
+
+    def branch(self, child: int) -> EpisodeRun:
+        """A copy that continues on its own from here (a fork's child `child`): the turns
+        so far are shared (they no longer change), the prompt and the policy's own
+        episode state are copied (`branch(child)` of each, when the policy has one)."""
+        pol = self.policy.branch(child) if hasattr(self.policy, "branch") else self.policy
+        return dataclasses.replace(
+            self, prompt=self.prompt.branch(), policy=pol, turns=list(self.turns),
+            timings=dict(self.timings),
+        )  # fmt: skip
+
+
+def start_run(task: Task, grant: wire.Grant, policy: Any, cfg: EpisodeConfig) -> EpisodeRun:
+    """A new episode of `task` with the grant's sampling settings (else `cfg`'s)."""
+    episode = policy.episode(task) if hasattr(policy, "episode") else policy
+    prompt, lo, hi = _prompt_for(policy, task.instruction, cfg)
+    params = SamplingParams(
+        temperature=cfg.temperature if grant.temperature is None else grant.temperature,
+        top_p=cfg.top_p if grant.top_p is None else grant.top_p,
+        max_new_tokens=cfg.max_new_tokens,
+    )
+    return EpisodeRun(
+        task, prompt, episode, params, A.ActionConfig(scroll_clicks=cfg.scroll_clicks),
+        (lo, hi), step_budget(task, cfg.max_steps),
+    )  # fmt: skip
+
+
+async def play(
+    env: Environment,
+    run: EpisodeRun,
+    cfg: EpisodeConfig,
+    until: int,
+    *,
+    grant_id: str,
+    on_step: Any = None,
+) -> None:
+    """Advance `run` on `env` until it has `until` turns or is over. EnvError when the
+    environment fails; any other exception is the policy's failure."""
+    prompt, timings = run.prompt, run.timings
+    lo, hi = run.pixels
+    while not run.over and len(run.turns) < until:
+        t0 = time.perf_counter()
+        png = await _timed(env, env.client.screenshot())
+        if run.frame is None:
+            w, h = image_size(png)
+            run.frame = A.Frame.for_screen(w, h, min_pixels=lo, max_pixels=hi)
+        timings["env"] += time.perf_counter() - t0
+
+        prompt_ids = prompt.add_screenshot(png)
+        ids, images = prompt.model_input()
+        t0 = time.perf_counter()
+        async with asyncio.timeout(cfg.step_timeout_s):
+            comp = await run.policy.generate(ids, images, run.params)
+        timings["policy"] += time.perf_counter() - t0
+        response = np.asarray(comp.token_ids, np.int32)
+        if (response == prompt.image_pad).any():
+            # The next turn's prompt would hold an image placeholder without a
+            # screenshot (no engine can run it, no learner can train it): the episode
+            # ends here as on any unparsable response.
+            log.warning(
+                "grant %s: the response holds <|image_pad|>; ended as a parse failure", grant_id
+            )
+            parsed = A.ParsedResponse(
+                text=comp.text, parsed=False, error="the response holds <|image_pad|>"
+            )
+        else:
+            parsed = A.try_parse_response(comp.text, run.frame, config=run.action_cfg)
+        run.turns.append(
+            Turn(
+                prompt_ids=prompt_ids,
+                screenshot=png,
+                response_ids=response,
+                logprobs=np.asarray(comp.logprobs, np.float32),
+                policy_version=int(comp.policy_version),
+                action=parsed.action,
+                parsed=parsed.parsed,
+                temperature=run.params.temperature,
+                top_p=run.params.top_p,
+            )
+        )
+        if on_step is not None:
+            on_step()
+        if not parsed.parsed or len(response) == 0:
+            run.fmt = -1.0
+            # An empty response or one holding <|image_pad|> cannot go into the context.
+            if (
+                cfg.on_parse_failure == "end"
+                or len(response) == 0
+                or (response == prompt.image_pad).any()
+            ):
+                run.ended = True
+                return
+            prompt.add_response(response)
+            continue
+        prompt.add_response(response)
+        t0 = time.perf_counter()
+        for cmd in parsed.commands:
+            await _timed(env, env.runner.act(cmd))
+            run.ended = cmd in (A.DONE, A.FAIL)
+        timings["env"] += time.perf_counter() - t0
+
+
+async def conclude(env: Environment, run: EpisodeRun) -> tuple[Status, float, str]:
+    """Check the finished episode on `env`: (status, checker score, error)."""
+    t0 = time.perf_counter()
+    try:
+        result = await _timed(env, env.runner.evaluate(run.task))
+    except EnvError as e:
+        log.warning("env %d: evaluation failed: %s", env.index, e)
+        return Status.ENV_ERROR, 0.0, f"evaluate: {type(e).__name__}: {e}"
+    except Exception as e:
+        log.exception("task %s: the checker failed", run.task.id)
+        return Status.EVAL_ERROR, 0.0, f"checker: {type(e).__name__}: {e}"
+    finally:
+        run.timings["evaluate"] += time.perf_counter() - t0
+    status = (
+        Status(result.status) if result.status in Status._value2member_map_ else Status.EVAL_ERROR
+    )
+    if status != Status.OK:
+        log.warning(
+            "env %d: task %s is %s: %s", env.index, run.task.id, status.value, result.error or "?"
+        )
+    return status, result.score, result.error or ""
+
+
+def trajectory(
+    grant: wire.Grant,
+    turns: Sequence[Turn],
+    score: float,
+    fmt: float,
+    status: Status,
+    cfg: EpisodeConfig,
+    *,
+    actor_id: str,
+    env: str,
+    timings: dict[str, float],
+    error: str = "",
+    slot: int | None = None,
+    branch: Branch | None = None,
+) -> Trajectory:
+    """The record of a finished episode of `grant` (slot `slot`, default the grant's)."""
+    ok = status == Status.OK
+    return Trajectory(
+        task_id=grant.task_id,
+        turns=tuple(turns),
+        checker_score=score if ok else 0.0,
+        format_reward=fmt,
+        reward=(score if ok else 0.0) + cfg.format_weight * fmt,
+        status=status,
+        group_id=grant.group,
+        slot=grant.slot if slot is None else slot,
+        actor_id=actor_id,
+        timings=timings,
+        error="" if ok else error,
+        env=env,
+        branch=branch,
+    )
+
+
+def read_task(grant: wire.Grant) -> Task | str:
+    """The granted task, or why it cannot be read."""
+    try:
+        return Task.from_dict(json.loads(grant.task_json), domain="granted")
+    except (TaskError, ValueError) as e:
+        log.error("grant %s: the task cannot be read: %s", grant.grant_id, e)
+        return f"the task cannot be read: {e}"
+
+
 async def run_episode(
     env: Environment,
     grant: wire.Grant,
@@ -402,29 +599,15 @@ async def run_episode(
     timings = {"reset": 0.0, "policy": 0.0, "env": 0.0, "evaluate": 0.0}
 
     def finish(
-        turns: list[Turn], score: float, fmt: float, status: Status, error: str = ""
+        turns: Sequence[Turn], score: float, fmt: float, status: Status, error: str = ""
     ) -> Trajectory:
         timings["total"] = time.perf_counter() - t_start
-        return Trajectory(
-            task_id=grant.task_id,
-            turns=tuple(turns),
-            checker_score=score if status == Status.OK else 0.0,
-            format_reward=fmt,
-            reward=(score if status == Status.OK else 0.0) + cfg.format_weight * fmt,
-            status=status,
-            group_id=grant.group,
-            slot=grant.slot,
-            actor_id=actor_id,
-            timings=timings,
-            error=error if status != Status.OK else "",
-            env=env.url,
-        )
+        return trajectory(grant, turns, score, fmt, status, cfg, actor_id=actor_id,
+                          env=env.url, timings=timings, error=error)  # fmt: skip
 
-    try:
-        task = Task.from_dict(json.loads(grant.task_json), domain="granted")
-    except (TaskError, ValueError) as e:
-        log.error("grant %s: the task cannot be read: %s", grant.grant_id, e)
-        return finish([], 0.0, 0.0, Status.SETUP_ERROR, f"the task cannot be read: {e}")
+    task = read_task(grant)
+    if isinstance(task, str):
+        return finish([], 0.0, 0.0, Status.SETUP_ERROR, task)
 
     t0 = time.perf_counter()
     failed = await reset_env(env, task, cfg)
@@ -432,103 +615,15 @@ async def run_episode(
     if failed is not None:
         return finish([], 0.0, 0.0, failed.status, failed.reason)
 
-    episode = policy.episode(task) if hasattr(policy, "episode") else policy
-    prompt, lo, hi = _prompt_for(policy, task.instruction, cfg)
-    params = SamplingParams(
-        temperature=cfg.temperature if grant.temperature is None else grant.temperature,
-        top_p=cfg.top_p if grant.top_p is None else grant.top_p,
-        max_new_tokens=cfg.max_new_tokens,
-    )
-    action_cfg = A.ActionConfig(scroll_clicks=cfg.scroll_clicks)
-    turns: list[Turn] = []
-    fmt = 0.0
-    frame: A.Frame | None = None
+    run = start_run(task, grant, policy, cfg)
+    run.timings = timings
     try:
-        for _ in range(step_budget(task, cfg.max_steps)):
-            t0 = time.perf_counter()
-            png = await _timed(env, env.client.screenshot())
-            if frame is None:
-                w, h = image_size(png)
-                frame = A.Frame.for_screen(w, h, min_pixels=lo, max_pixels=hi)
-            timings["env"] += time.perf_counter() - t0
-
-            prompt_ids = prompt.add_screenshot(png)
-            ids, images = prompt.model_input()
-            t0 = time.perf_counter()
-            async with asyncio.timeout(cfg.step_timeout_s):
-                comp = await episode.generate(ids, images, params)
-            timings["policy"] += time.perf_counter() - t0
-            response = np.asarray(comp.token_ids, np.int32)
-            if (response == prompt.image_pad).any():
-                # The next turn's prompt would hold an image placeholder without a
-                # screenshot (no engine can run it, no learner can train it): the episode
-                # ends here as on any unparsable response.
-                log.warning(
-                    "grant %s: the response holds <|image_pad|>; ended as a parse failure",
-                    grant.grant_id,
-                )
-                parsed = A.ParsedResponse(
-                    text=comp.text, parsed=False, error="the response holds <|image_pad|>"
-                )
-            else:
-                parsed = A.try_parse_response(comp.text, frame, config=action_cfg)
-            turns.append(
-                Turn(
-                    prompt_ids=prompt_ids,
-                    screenshot=png,
-                    response_ids=response,
-                    logprobs=np.asarray(comp.logprobs, np.float32),
-                    policy_version=int(comp.policy_version),
-                    action=parsed.action,
-                    parsed=parsed.parsed,
-                    temperature=params.temperature,
-                    top_p=params.top_p,
-                )
-            )
-            if on_step is not None:
-                on_step()
-            if not parsed.parsed or len(response) == 0:
-                fmt = -1.0
-                # An empty response or one holding <|image_pad|> cannot go into the context.
-                if (
-                    cfg.on_parse_failure == "end"
-                    or len(response) == 0
-                    or (response == prompt.image_pad).any()
-                ):
-                    break
-                prompt.add_response(response)
-                continue
-            prompt.add_response(response)
-            t0 = time.perf_counter()
-            terminal = False
-            for cmd in parsed.commands:
-                await _timed(env, env.runner.act(cmd))
-                terminal = cmd in (A.DONE, A.FAIL)
-            timings["env"] += time.perf_counter() - t0
-            if terminal:
-                break
+        await play(env, run, cfg, run.budget, grant_id=grant.grant_id, on_step=on_step)
     except EnvError as e:
         log.warning("env %d: step failed, episode is env_error: %s", env.index, e)
-        return finish(turns, 0.0, fmt, Status.ENV_ERROR, f"step: {type(e).__name__}: {e}")
+        return finish(run.turns, 0.0, run.fmt, Status.ENV_ERROR, f"step: {type(e).__name__}: {e}")
     except Exception:  # the policy engine failed (or timed out): not the env's fault
         log.exception("grant %s: the policy failed; episode abandoned", grant.grant_id)
         return None
-
-    t0 = time.perf_counter()
-    try:
-        result = await _timed(env, env.runner.evaluate(task))
-    except EnvError as e:
-        log.warning("env %d: evaluation failed: %s", env.index, e)
-        return finish(turns, 0.0, fmt, Status.ENV_ERROR, f"evaluate: {type(e).__name__}: {e}")
-    except Exception as e:
-        log.exception("grant %s: the checker failed", grant.grant_id)
-        return finish(turns, 0.0, fmt, Status.EVAL_ERROR, f"checker: {type(e).__name__}: {e}")
-    timings["evaluate"] = time.perf_counter() - t0
-    status = (
-        Status(result.status) if result.status in Status._value2member_map_ else Status.EVAL_ERROR
-    )
-    if status != Status.OK:
-        log.warning(
-            "env %d: task %s is %s: %s", env.index, task.id, status.value, result.error or "?"
-        )
-    return finish(turns, result.score, fmt, status, result.error or "")
+    status, score, error = await conclude(env, run)
+    return finish(run.turns, score, run.fmt, status, error)

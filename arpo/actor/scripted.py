@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import copy
 import math
 import random
 import zlib
@@ -218,6 +219,12 @@ class _ScriptedEpisode:
         self.rng = rng
         self.step = 0
         self.quit_at = len(oracle) // 2 if rng.random() < policy.quit_prob else None
+
+    def branch(self, child: int) -> _ScriptedEpisode:
+        """A copy for fork child `child`: same plan and step, its own random stream."""
+        twin = copy.copy(self)
+        twin.rng = random.Random(f"{self.rng.random()}:{child}")
+        return twin
 
     def _text(self, frame: A.Frame) -> str:
         k = self.step

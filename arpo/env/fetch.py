@@ -1,10 +1,10 @@
 """Download the files OSWorld tasks need into the local file cache (`arpo.env.cache`).
 
-    python -m arpo.env.fetch --tasks shared/osworld/evaluation_examples --index test_all.json \
+    arpo fetch --tasks shared/osworld/evaluation_examples --index test_all.json \
         --cache osworld_cache -j 4 --retries 5
-    python -m arpo.env.fetch --tasks shared/osworld/evaluation_examples --cache osworld_cache \
+    arpo fetch --tasks shared/osworld/evaluation_examples --cache osworld_cache \
         --dry-run                                     # list what is needed, download nothing
-    arpo-envs osworld fetch --tasks DIR --cache DIR   # the same `main`, from the envs CLI
+    python -m arpo.env.fetch --tasks DIR --cache DIR  # the same `main`
 
 `--tasks` is a task file (.json with a task or a list of tasks, .jsonl), a folder searched
 for task files (an OSWorld `evaluation_examples` folder works as is), or, with `--index`,
@@ -62,11 +62,11 @@ fstat check on every open); a folder in such a place fails that one file with th
 The cache path itself may be a link to a folder (the operator's choice); one that is a
 file or a dangling link stops the command with exit 2.
 
-Task files are read the same careful way: only regular files are opened (a FIFO named
-`*.json` is left out, not waited on), each at most `TASK_FILE_MAX_BYTES`, folders are
-searched at most `TASK_FOLDER_DEPTH` deep without following links to folders, and an
-index's domains and ids must be plain names (no `/`, `..` or NUL), so that no file outside
-the examples folder is read. A task file that cannot be read, parsed (nesting too deep
+Task files are read the same careful way (`arpo.env.task.read_task_file`): only regular
+files are opened (a FIFO named `*.json` is left out, not waited on), each at most
+`TASK_FILE_MAX_BYTES`, folders are searched at most `TASK_FOLDER_DEPTH` deep without
+following links to folders, and an index's domains and ids must be plain names (no `/`,
+`..` or NUL), so that no file outside the examples folder is read. A task file that cannot be read, parsed (nesting too deep
 included) or understood as a task is left out with its reason; the others go on.
 
 One fetch per cache folder at a time (`<cache>/.fetch.lock`, advisory). The cache has
@@ -98,7 +98,7 @@ from urllib.parse import urlparse
 import aiohttp
 
 from arpo.env.cache import cache_name
-from arpo.env.task import Task, task_domain
+from arpo.env.task import Task, file_kind, parse_task_json, read_task_file, task_domain
 from arpo.errors import TaskError
 
 log = logging.getLogger("arpo.env.fetch")
@@ -348,63 +348,10 @@ class LeftOut:
     reason: str
 
 
-def _read_regular(path: Path, what: str = "task file") -> str:
-    """The text of `path` if it is a regular file (a link to one is followed) of at most
-    TASK_FILE_MAX_BYTES. The open is non-blocking and fstat is checked before any read, so a
-    FIFO, a device or a socket is never read from. Raises TaskError with the reason."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except (OSError, ValueError) as e:
-        raise TaskError(f"{path}: cannot open the {what}: {_os_reason(e)}") from None
-    with open(fd, "rb", closefd=True) as f:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise TaskError(
-                f"{path}: not a regular file ({_kind(st.st_mode)}); only regular files are read"
-            )
-        if st.st_size > TASK_FILE_MAX_BYTES:
-            raise TaskError(
-                f"{path}: {st.st_size} bytes, more than a {what} may have ({TASK_FILE_MAX_BYTES})"
-            )
-        try:
-            data = f.read(TASK_FILE_MAX_BYTES + 1)
-        except OSError as e:
-            raise TaskError(f"{path}: cannot read the {what}: {_os_reason(e)}") from None
-    if len(data) > TASK_FILE_MAX_BYTES:
-        raise TaskError(f"{path}: grew past {TASK_FILE_MAX_BYTES} bytes while it was read")
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise TaskError(f"{path}: not UTF-8 text: {e}") from None
-
-
-def _kind(mode: int) -> str:
-    for test, name in (
-        (stat.S_ISDIR, "a folder"),
-        (stat.S_ISLNK, "a symbolic link"),
-        (stat.S_ISFIFO, "a FIFO"),
-        (stat.S_ISSOCK, "a socket"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-    ):
-        if test(mode):
-            return name
-    return "not a regular file" if not stat.S_ISREG(mode) else "a file"
-
-
 def _reason(e: TaskError, where: str) -> str:
     """The error's message without its leading `<where>: ` (a LeftOut names the file)."""
     text = str(e)
     return _clip(text[len(where) + 2 :] if text.startswith(f"{where}: ") else text)
-
-
-def _parse_json(text: str, where: str) -> Any:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise TaskError(f"{where}: not valid JSON: {e}") from None
-    except RecursionError:
-        raise TaskError(f"{where}: JSON nested too deeply to read") from None
 
 
 def _task(raw: Any, where: str, domain: str) -> Task:
@@ -453,7 +400,7 @@ def _task_files(root: Path, left_out: list[LeftOut]) -> list[Path]:
                         found.append(path)
                     else:
                         left_out.append(
-                            LeftOut(entry.path, f"{_kind(mode)}, not a regular file; not read")
+                            LeftOut(entry.path, f"{file_kind(mode)}, not a regular file; not read")
                         )
             except OSError as err:
                 left_out.append(LeftOut(entry.path, _os_reason(err)))
@@ -492,7 +439,9 @@ def load_fetch_tasks(
         for domain, task_file in _indexed(p, index, skipped, strict):
             where = str(task_file)
             try:
-                raw = _parse_json(_read_regular(task_file), where)
+                raw = parse_task_json(
+                    read_task_file(task_file, max_bytes=TASK_FILE_MAX_BYTES), where
+                )
             except TaskError as e:
                 if strict:
                     raise
@@ -502,7 +451,7 @@ def load_fetch_tasks(
     elif is_dir:
         for f in _task_files(p, skipped):
             try:
-                raw = _parse_json(_read_regular(f), str(f))
+                raw = parse_task_json(read_task_file(f, max_bytes=TASK_FILE_MAX_BYTES), str(f))
             except TaskError as e:
                 if strict:
                     raise
@@ -516,13 +465,13 @@ def load_fetch_tasks(
         if not tasks and not skipped:
             raise TaskError(f"{p}: holds no tasks (JSON objects with 'id' and 'evaluator')")
     else:
-        text = _read_regular(p)
+        text = read_task_file(p, max_bytes=TASK_FILE_MAX_BYTES)
         if p.suffix == ".jsonl":
             for i, line in enumerate(text.splitlines()):
                 if line.strip():
                     where = f"{p}:{i + 1}"
                     try:
-                        raw = _parse_json(line, where)
+                        raw = parse_task_json(line, where)
                     except TaskError as e:
                         if strict:
                             raise
@@ -530,7 +479,7 @@ def load_fetch_tasks(
                         continue
                     one(raw, where, task_domain(raw) if isinstance(raw, dict) else "")
         else:
-            raw = _parse_json(text, str(p))
+            raw = parse_task_json(text, str(p))
             if isinstance(raw, dict) and isinstance(raw.get("tasks"), list):
                 raw = raw["tasks"]
             for i, t in enumerate(raw if isinstance(raw, list) else [raw]):
@@ -546,7 +495,10 @@ def _indexed(
     that is not a plain name (it could lead out of the examples folder), and a task file
     that leads out of it through a link, are left out with the reason."""
     index_path = Path(index) if Path(index).is_absolute() else root / index
-    raw = _parse_json(_read_regular(index_path, "task index"), str(index_path))
+    raw = parse_task_json(
+        read_task_file(index_path, what="task index", max_bytes=TASK_FILE_MAX_BYTES),
+        str(index_path),
+    )
     if not isinstance(raw, dict) or not all(
         isinstance(v, list) and all(isinstance(i, str) for i in v) for v in raw.values()
     ):
@@ -611,7 +563,7 @@ def check_cache_path(cache: Path) -> str:
                 f"reached ({_os_reason(e)}); make that folder or give another --cache"
             )
     if not stat.S_ISDIR(st.st_mode):
-        return f"the cache path {cache} is {_kind(st.st_mode)}, not a folder; give a folder"
+        return f"the cache path {cache} is {file_kind(st.st_mode)}, not a folder; give a folder"
     return ""
 
 
@@ -679,7 +631,7 @@ class _CacheFolder:
                 errno.EISDIR, "a folder is in the way in the cache", str(self.path / name)
             )
         if not stat.S_ISREG(mode):
-            log.warning("%s: %s in the cache; removing it", self.path / name, _kind(mode))
+            log.warning("%s: %s in the cache; removing it", self.path / name, file_kind(mode))
         with contextlib.suppress(FileNotFoundError):
             os.unlink(name, dir_fd=self.fd)
 
@@ -694,7 +646,7 @@ class _CacheFolder:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
             os.close(fd)
-            raise OSError(errno.EINVAL, f"{_kind(mode)} swapped in", str(self.path / name))
+            raise OSError(errno.EINVAL, f"{file_kind(mode)} swapped in", str(self.path / name))
         return fd
 
     def open_write(self, name: str, *, append: bool) -> int:

@@ -18,7 +18,19 @@ returns a `Health`; `TaskQuarantined` is the fleet's explicit verdict on a task)
 are bounded in size (`CONTROL_MAX_BYTES`) and time, and one that is not the JSON expected
 is the environment's failure. A refused token (`EnvAuthError`) is final. `report` tells the fleet how the
 task's setup went, so it can tell a broken task (quarantined) from a broken VM (replaced).
-A future `fork(n)` (several environments started from one running state) fits here.
+
+Fork (group rollouts from one mid-task state, `arpo.actor.tree`): `snapshot()` saves the
+environment's current state and returns a handle; `fork(handle, n)` gives `n` new
+environments (`Clone`: a URL of their own, served like any environment) in exactly that
+state; `release(handle)` ends the clones and frees the saved state. `can_fork` says
+whether to try; a provider that cannot fork raises `ForkUnsupported` (an `EnvError`), and
+any other failure of the three is an `EnvError` with its reason.
+
+| provider | fork |
+|---|---|
+| `DesktopProvider` | the simulated desktop copies its scene into `n` child servers (`POST /snapshot`, `/fork`, `/release`); the local desktop answers 404: `ForkUnsupported` |
+| `FleetVMProvider` | the fleet saves the VM's state and starts `n` VMs from it on copy-on-write overlays (control API `/vms/<name>/snapshot`, `/snapshots/<id>/fork`, `DELETE /snapshots/<id>`) |
+| `StaticProvider` | `ForkUnsupported` |
 
     provider = make_provider("http://127.0.0.1:5301", fleet="/tmp/arpo-vm-fleet-0/fleet.json")
     await provider.revert_to_snapshot("task-id")
@@ -39,12 +51,13 @@ from aiohttp.http_exceptions import HttpProcessingError
 from arpo.env.client import (
     EnvAuthError,
     EnvClient,
+    EnvHTTPError,
     EnvProtocolError,
     brief,
     one_line,
     read_limited,
 )
-from arpo.errors import EnvError, EnvTimeout, TaskError
+from arpo.errors import EnvError, EnvTimeout, ForkUnsupported, TaskError
 
 log = logging.getLogger("arpo.env.provider")
 
@@ -63,6 +76,21 @@ class Health:
     """When not ok: it will not serve again (the fleet gave the VM up); stop asking."""
 
 
+@dataclass(frozen=True, slots=True)
+class Clone:
+    """One environment started from a snapshot (`Provider.fork`)."""
+
+    url: str
+    """Its server's base URL (the OSWorld protocol, like its parent's)."""
+    name: str
+    """Its name at the provider (logs; a VM clone's fleet name)."""
+    token: str | None = None
+    """Bearer token of its server (None: its parent's)."""
+    ports: dict[str, int] | None = None
+    """A VM clone's host ports of Chrome's debugging port and VLC ("chromium_port",
+    "vlc_port"), for OSWorld's getters."""
+
+
 class TaskQuarantined(TaskError):
     """The fleet quarantined this task (its setup failed on several VMs); not the agent's fault."""
 
@@ -79,6 +107,14 @@ class Provider(Protocol):
     async def report(self, task_id: str, ok: bool, error: str = "") -> None: ...
 
     async def stop(self) -> None: ...
+
+    can_fork: bool
+
+    async def snapshot(self) -> str: ...
+
+    async def fork(self, handle: str, n: int) -> list[Clone]: ...
+
+    async def release(self, handle: str) -> None: ...
 
 
 class StaticProvider:
@@ -118,6 +154,22 @@ class StaticProvider:
     async def stop(self) -> None:
         return None
 
+    can_fork = False
+
+    async def snapshot(self) -> str:
+        raise ForkUnsupported(
+            f"{self.client.config.base_url}: a server started elsewhere cannot be forked"
+        )
+
+    async def fork(self, handle: str, n: int) -> list[Clone]:
+        raise ForkUnsupported(f"{self.client.config.base_url}: cannot fork")
+
+    async def release(self, handle: str) -> None:
+        return None
+
+    def for_clone(self, client: EnvClient, clone: Clone) -> StaticProvider:
+        raise ForkUnsupported(f"{self.client.config.base_url}: has no clones")
+
 
 class DesktopProvider(StaticProvider):
     """The local or simulated desktop: `POST /reset` is the revert."""
@@ -129,6 +181,58 @@ class DesktopProvider(StaticProvider):
 
     async def revert_to_snapshot(self, task_id: str = "") -> None:
         await self.client.reset()
+
+    can_fork = True
+    """Tried; the local desktop answers 404 or 501 and the first try says so for good."""
+
+    async def _fork_call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """One call of the desktop's fork protocol: a JSON object with status "success";
+        ForkUnsupported when the server has no such endpoint (404 / 501)."""
+        try:
+            data = await self.client._request(
+                "POST", path, json_body=body, timeout=60.0, expect="json"
+            )
+        except EnvHTTPError as e:
+            if e.status in (404, 405, 501):
+                self.can_fork = False
+                raise ForkUnsupported(
+                    f"{self.client.config.base_url} cannot fork (POST {path} -> HTTP "
+                    f"{e.status}): the local desktop has no snapshot of its running apps"
+                ) from e
+            raise
+        if not isinstance(data, dict) or data.get("status") != "success":
+            raise EnvProtocolError(
+                f"{self.client.config.base_url}: POST {path} answered {brief(data)}, not "
+                "status 'success'"
+            )
+        return data
+
+    async def snapshot(self) -> str:
+        data = await self._fork_call("/snapshot", {})
+        handle = data.get("handle")
+        if not isinstance(handle, str) or not 0 < len(handle) <= 128:
+            raise EnvProtocolError(f"POST /snapshot answered no handle: {brief(data)}")
+        return handle
+
+    async def fork(self, handle: str, n: int) -> list[Clone]:
+        data = await self._fork_call("/fork", {"handle": handle, "n": n})
+        clones = data.get("clones")
+        if not isinstance(clones, list) or len(clones) != n:
+            raise EnvProtocolError(f"POST /fork of {n} answered {brief(data)}")
+        out = []
+        for c in clones:
+            if not (isinstance(c, dict) and isinstance(c.get("url"), str)
+                    and isinstance(c.get("name"), str)):  # fmt: skip
+                raise EnvProtocolError(f"POST /fork: a clone is not {{url, name}}: {brief(c)}")
+            out.append(Clone(url=c["url"], name=c["name"], token=self.client.config.token))
+        return out
+
+    async def release(self, handle: str) -> None:
+        await self._fork_call("/release", {"handle": handle})
+
+    def for_clone(self, client: EnvClient, clone: Clone) -> DesktopProvider:
+        """The provider of a clone of this desktop (it forks like its parent)."""
+        return DesktopProvider(client)
 
 
 @dataclass(frozen=True, slots=True)

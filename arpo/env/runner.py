@@ -312,6 +312,12 @@ class TaskRunner:
         except Exception as e:
             raise ResetError(f"{type(e).__name__}: {e}") from e
 
+    def adopt(self, task: Task, history: Sequence[str]) -> None:
+        """Take over an episode of `task` set up elsewhere, with the actions run so far: a
+        forked environment continues its parent's episode (no revert, no setup)."""
+        self._start_episode(task)
+        self.history = list(history)
+
     def _start_episode(self, task: Task) -> None:
         self._clear_work_dir()
         self.task = task

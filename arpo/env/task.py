@@ -355,31 +355,59 @@ def task_id_problem(tid: str) -> str | None:
     return ident_problem(tid)
 
 
-def _read_pool_file(path: Path) -> str:
-    """The text of one file of a pool. Only a regular file is read (opened without blocking,
-    so a FIFO or a device named *.json is refused instead of waited on), of at most
-    MAX_POOL_FILE_BYTES, in UTF-8."""
+def file_kind(mode: int) -> str:
+    """What a file of this `st_mode` is, for a message: "a folder", "a FIFO", ..."""
+    for test, name in (
+        (stat.S_ISDIR, "a folder"),
+        (stat.S_ISLNK, "a symbolic link"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISREG, "a file"),
+    ):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def read_task_file(
+    path: Path, *, what: str = "task file", max_bytes: int = MAX_POOL_FILE_BYTES
+) -> str:
+    """The text of `path` (a task file, a pool file or an index), in UTF-8, if it is a
+    regular file (a link to one is followed) of at most `max_bytes`. The open does not
+    block and fstat is checked before any read, so a FIFO, a socket or a device named
+    *.json is refused, never waited on. Raises TaskError naming the file and the reason;
+    `what` names the file's role in it. Pools and `arpo fetch` read their files here."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as e:
-        raise TaskError(f"{path}: cannot read the task file: {e.strerror or e}") from None
+    except (OSError, ValueError) as e:  # ValueError: a NUL in the path
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise TaskError(f"{path}: cannot open the {what}: {why}") from None
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise TaskError(
-                f"{path}: not a regular file (a FIFO, socket or device); a pool is made of "
-                "task JSON files"
+                f"{path}: not a regular file ({file_kind(st.st_mode)}); only regular files "
+                f"are read as a {what}"
             )
-        data = f.read(MAX_POOL_FILE_BYTES + 1)
-    if len(data) > MAX_POOL_FILE_BYTES:
-        raise TaskError(f"{path}: larger than {MAX_POOL_FILE_BYTES} bytes; split the pool")
+        if st.st_size > max_bytes:
+            raise TaskError(f"{path}: {st.st_size} bytes; a {what} has at most {max_bytes}")
+        try:
+            data = f.read(max_bytes + 1)
+        except OSError as e:
+            raise TaskError(f"{path}: cannot read the {what}: {e.strerror or e}") from None
+    if len(data) > max_bytes:
+        raise TaskError(f"{path}: grew past {max_bytes} bytes while it was read")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise TaskError(f"{path}: not UTF-8 text ({e}); task files are UTF-8 JSON") from None
 
 
-def _parse_json(text: str, where: str) -> Any:
+def parse_task_json(text: str, where: str) -> Any:
+    """The JSON value of `text` (read from `where`); TaskError naming `where` when it is not
+    JSON or is nested too deeply for the parser."""
     try:
         return json.loads(text)
     except RecursionError:
@@ -453,18 +481,18 @@ def load_pool(path: str | Path, files: TaskFiles | None = None) -> list[PoolTask
         for f in sorted(p.rglob("*.json")):
             if f.is_dir():
                 continue  # a folder named *.json: rglob lists what is inside it
-            raw = _parse_json(_read_pool_file(f), str(f))
+            raw = parse_task_json(read_task_file(f), str(f))
             found += [(t, w, f.parent.name, f) for t, w in _folder_tasks(raw, str(f))]
     elif p.exists():
-        text = _read_pool_file(p)
+        text = read_task_file(p)
         if p.suffix == ".jsonl":
             found = [
-                (_parse_json(line, f"{p}:{i + 1}"), f"{p}:{i + 1}", "", p)
+                (parse_task_json(line, f"{p}:{i + 1}"), f"{p}:{i + 1}", "", p)
                 for i, line in enumerate(text.splitlines())
                 if line.strip()
             ]
         else:
-            raw = _parse_json(text, str(p))
+            raw = parse_task_json(text, str(p))
             if isinstance(raw, dict) and isinstance(raw.get("tasks"), list):
                 raw = raw["tasks"]
             if isinstance(raw, dict):

@@ -38,7 +38,9 @@ asynchronous system):
    per task, FIFO), after the pick, so a group never gets its own success back in
    place of a real episode.
 6. Group advantages from the total rewards (after replay; `advantage_side` can keep
-   only the positive or only the negative ones, an ablation). A group left with fewer
+   only the positive or only the negative ones, an ablation). A group holding tree
+   rollouts also gets advantages per turn, each shared turn trained once
+   (`arpo.learner.tree`, weighted by `step_weight`). A group left with fewer
    than `min_group_size` trajectories is dropped (`data/dropped_groups`).
 
 `next_batch` gathers `groups_per_step` groups, oldest first (of the tasks with a full
@@ -64,7 +66,8 @@ from arpo import wire
 from arpo.config import check_range, fail, option, validate
 from arpo.errors import BufferTimeout, BufferValueError, UnknownTask
 from arpo.learner.groups import ReplayConfig, advantages, needs_replay
-from arpo.record import Status, Trajectory
+from arpo.learner.tree import Leaf, has_trees, turn_advantages
+from arpo.record import Branch, Status, Trajectory
 
 log = logging.getLogger("arpo.learner.assemble")
 
@@ -97,6 +100,12 @@ class AssembleConfig:
         "Leave out groups whose advantages are all 0 (they add no gradient; the reference "
         "keeps them, and they count in the mean over trajectories).",
     )
+    step_weight: float = option(
+        1.0,
+        "Weight of the step-level advantage of tree rollouts (`arpo.learner.tree`: "
+        "A = mean episode advantage of a node's leaves + step_weight * its advantage "
+        "among its siblings); groups without trees are not affected.",
+    )
     poll_s: float = option(0.05, "How often the store is checked while waiting for groups.")
     replay: ReplayConfig = option(ReplayConfig(), "Replay of past successes.")
 
@@ -117,6 +126,8 @@ class AssembleConfig:
             fail("min_group_size", "must be >= 1")
         check_range("poll_s", self.poll_s, 0.0, 60.0, "seconds between looks at the store",
                     lo_open=True)  # fmt: skip
+        check_range("step_weight", self.step_weight, 0.0, 100.0,
+                    "weight of the step-level term of tree credit")  # fmt: skip
         if self.advantage_side not in ("both", "positive", "negative"):
             fail("advantage_side", "must be 'both', 'positive' or 'negative'")
         self.replay.validate()
@@ -140,6 +151,13 @@ class Sample:
     is_replay: bool
     group: int
     """Index of its group within the batch."""
+    branch: Branch | None = None
+    """Its place in a tree rollout (`Trajectory.branch`)."""
+    turns: int = 0
+    turn_advantages: np.ndarray | None = None
+    """Per turn (float32), for a group with tree rollouts (`arpo.learner.tree`): the
+    advantage of each turn, NaN for a turn another sample of the group trains. None: every
+    turn has `advantage`."""
 
 
 @dataclass
@@ -182,7 +200,7 @@ def sampling_mismatch(traj: Trajectory, temperature: float, top_p: float) -> str
 def _sample(item: Any, traj: Any, task: str, *, is_replay: bool) -> Sample:
     """A sample of `item` (advantage and group filled in later)."""
     return Sample(item, task, traj.trajectory_id, traj.reward, traj.checker_score,
-                  traj.min_version, 0.0, is_replay, -1)  # fmt: skip
+                  traj.min_version, 0.0, is_replay, -1, traj.branch, traj.steps)  # fmt: skip
 
 
 class GroupAssembler:
@@ -345,18 +363,31 @@ class GroupAssembler:
                                       if not s.is_replay]  # fmt: skip
             return []
         adv = advantages([s.reward for s in kept], norm_std=cfg.norm_std)
+        leaves = [Leaf(s.reward, s.turns, None if s.is_replay else s.branch) for s in kept]
+        per_turn = None
+        if has_trees(leaves):
+            counts["data/tree_groups"] += 1
+            per_turn = turn_advantages(leaves, adv, step_weight=cfg.step_weight,
+                                       norm_std=cfg.norm_std)  # fmt: skip
+            counts["data/shared_turns"] += sum(int(np.isnan(t).sum()) for t in per_turn)
         if cfg.advantage_side == "positive":
             adv = np.maximum(adv, 0.0)
+            per_turn = None if per_turn is None else [np.fmax(t, 0.0) for t in per_turn]
         elif cfg.advantage_side == "negative":
             adv = np.minimum(adv, 0.0)
-        if cfg.drop_flat_groups and not np.any(adv):
+            per_turn = None if per_turn is None else [np.fmin(t, 0.0) for t in per_turn]
+        flat = not np.any(adv) and (
+            per_turn is None or not any(np.nan_to_num(t).any() for t in per_turn)
+        )
+        if cfg.drop_flat_groups and flat:
             counts["data/dropped_flat_groups"] += 1
             self.dropped_groups += 1
             self._pending_dropped += [(s.trajectory_id, "flat_group") for s in kept
                                       if not s.is_replay]  # fmt: skip
             return []
-        for s, a in zip(kept, adv, strict=True):
+        for i, (s, a) in enumerate(zip(kept, adv, strict=True)):
             s.advantage = float(a)
+            s.turn_advantages = None if per_turn is None else per_turn[i]
         return kept
 
     def _replay(self, task: str, counts: collections.Counter[str]) -> list[Sample]:

@@ -50,6 +50,8 @@ class TrainSequence:
     """[N] int64: the sampled response token ids."""
     behaviour_logp: torch.Tensor
     """[N] float32: log-probs of the targets under the policy that sampled them."""
+    turn_index: torch.Tensor | None = None
+    """[N] int64: the turn each target belongs to (per-turn advantages of tree credit)."""
 
 
 def response_positions(offsets: np.ndarray) -> np.ndarray:
@@ -167,6 +169,9 @@ def build_sequence(item: Any, processor: Any, image_token_id: int, name: str = "
         loss_pos=p - 1,
         targets=ids[p],
         behaviour_logp=torch.from_numpy(np.array(item.logprobs, dtype=np.float32)),
+        turn_index=torch.from_numpy(
+            np.repeat(np.arange(len(offsets) // 2), offsets[1::2].astype(np.int64))
+        ),
     )
 
 

@@ -1032,7 +1032,7 @@ def _pack(samples: list[Sample]) -> list[tuple[Any, ...]]:
             np.array(it.rewards), it.version, tuple(bytes(b) for b in it.blobs),
             bytes(it.metadata),
             s.task_id, s.trajectory_id, s.reward, s.checker_score, s.version, s.advantage,
-            s.is_replay, s.group,
+            s.is_replay, s.group, s.branch, s.turns, s.turn_advantages,
         ))  # fmt: skip
     return out
 

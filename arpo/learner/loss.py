@@ -11,6 +11,8 @@ optimisation step and pi_theta = the live policy:
     l_it = min(l_it, c |A_i|)            if A_i < 0                     (dual clip)
     L_pg = agg_i,t(w_it * l_it)
 
+A_i is the trajectory's advantage, or A_it a token's when a group holds tree rollouts
+(`arpo.learner.tree`: per turn, and tokens another trajectory trains are not in the mask),
 with w_min_i = 0 for fresh trajectories and `replay_w_min` for replayed successes,
 sg = stop-gradient, and agg either `seq-mean-token-mean` (mean over each
 trajectory's tokens, then mean over trajectories) or `token-mean` (mean over all
@@ -143,7 +145,8 @@ def arpo_loss(
 
     logp [B, T]: live log-probs of the sampled tokens (with grad); logp_prox [B, T]:
     log-probs before this optimisation step; logp_behav [B, T]: behaviour log-probs
-    from the records; advantages [B]; mask [B, T] bool over sampled response tokens;
+    from the records; advantages [B], or [B, T] per token (tree credit); mask [B, T] bool
+    over the response tokens trained;
     is_replay [B] bool; ref_logp [B, T]: reference-model log-probs, needed when
     cfg.kl_coef > 0. Gradient flows only through `logp`.
     """
@@ -155,9 +158,15 @@ def arpo_loss(
             raise ValueError(f"{name} has shape {tuple(t.shape)}, logp has {tuple(shape)}")
     if ref_logp is not None and ref_logp.shape != shape:
         raise ValueError(f"ref_logp has shape {tuple(ref_logp.shape)}, logp has {tuple(shape)}")
-    for name, t in (("advantages", advantages), ("is_replay", is_replay)):
-        if t.shape != shape[:1]:
-            raise ValueError(f"{name} must be [B] = [{shape[0]}], got shape {tuple(t.shape)}")
+    if advantages.shape not in (shape[:1], shape):
+        raise ValueError(
+            f"advantages must be [B] = [{shape[0]}] or [B, T] = {list(shape)}, got shape "
+            f"{tuple(advantages.shape)}"
+        )
+    if is_replay.shape != shape[:1]:
+        raise ValueError(
+            f"is_replay must be [B] = [{shape[0]}], got shape {tuple(is_replay.shape)}"
+        )
     if mask.dtype != torch.bool or is_replay.dtype != torch.bool:
         raise ValueError("mask and is_replay must be bool tensors")
     if cfg.kl_coef > 0 and ref_logp is None:
@@ -179,7 +188,8 @@ def arpo_loss(
     w_min = torch.where(replay_tok, torch.full_like(prox, cfg.replay_w_min), zero)
     w = torch.maximum(torch.exp(torch.where(mask, prox - behav, zero)).clamp(max=cfg.w_max), w_min)
 
-    adv = advantages.detach().to(dtype)[:, None].expand(shape)
+    adv = advantages.detach().to(dtype)
+    adv = adv[:, None].expand(shape) if adv.dim() == 1 else torch.where(mask, adv, zero)
     loss_unclipped = -adv * ratio
     loss_clipped = -adv * ratio.clamp(1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
     loss_ppo = torch.maximum(loss_unclipped, loss_clipped)

@@ -209,6 +209,21 @@ def _chunks(seq: Sequence[int], n: int) -> list[list[int]]:
     return out
 
 
+def _token_advantages(sample: Any, seq: Any) -> torch.Tensor | None:
+    """[N] advantages of a sample's response tokens from its per-turn advantages (NaN: a
+    token another sample trains), or None when it has one advantage for every token."""
+    per_turn = getattr(sample, "turn_advantages", None)
+    if per_turn is None or seq.turn_index is None:
+        return None
+    t = torch.as_tensor(np.asarray(per_turn, dtype=np.float32))
+    if len(seq.turn_index) and int(seq.turn_index.max()) >= len(t):
+        raise ValueError(
+            f"trajectory {sample.trajectory_id}: {len(t)} turn advantages for "
+            f"{int(seq.turn_index.max()) + 1} turns"
+        )
+    return t[seq.turn_index]
+
+
 def _pad(rows: list[torch.Tensor], n: int) -> torch.Tensor:
     out = torch.zeros((len(rows), n), dtype=torch.float32)
     for i, r in enumerate(rows):
@@ -372,6 +387,9 @@ class Trainer:
 
         adv = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
         replay = torch.tensor([s.is_replay for s in samples], dtype=torch.bool)
+        tok_adv = {i: _token_advantages(samples[i], seqs[i]) for i in mine}
+        trained = {i: len(seqs[i].targets) if tok_adv[i] is None
+                   else int((~torch.isnan(tok_adv[i])).sum()) for i in mine}  # fmt: skip
         acc: dict[str, list[tuple[float, float]]] = {}
         ratio_min, ratio_max = math.inf, -math.inf
         loss_sum = ent_sum = ent_n = 0.0
@@ -381,8 +399,8 @@ class Trainer:
         for pi, plan in enumerate(plans):
             t0 = time.perf_counter()
             self.optimizer.zero_grad(set_to_none=True)
-            count = (lambda i: float(len(seqs[i].targets) > 0)) if seq_mean else (
-                lambda i: float(len(seqs[i].targets)))  # fmt: skip
+            count = (lambda i: float(trained.get(i, 0) > 0)) if seq_mean else (
+                lambda i: float(trained.get(i, 0)))  # fmt: skip
             denom = D.global_count(sum(count(i) for i in plan), info)
             micros = self._micro(plan)
             n_micro = D.max_count(len(micros), info)
@@ -397,12 +415,20 @@ class Trainer:
                         prox[i] = logp[row, : len(seqs[i].targets)].detach().float().cpu()
                 lp_prox = _pad([prox.get(i, dummy.behaviour_logp) for i in part_idx], n)
                 lp_ref = _pad([ref[i] for i in part_idx], n) if ref is not None else None
+                a_mb, mask = adv[part_idx].to(self.device), mb.mask
+                if real and any(tok_adv[i] is not None for i in part_idx):
+                    rows = [tok_adv[i] if tok_adv[i] is not None
+                            else adv[i].expand(len(seqs[i].targets)) for i in part_idx]  # fmt: skip
+                    a_tok = _pad(rows, n).to(self.device)
+                    keep = ~torch.isnan(a_tok)
+                    mask = mask & keep
+                    a_mb = torch.where(keep, a_tok, torch.zeros_like(a_tok))
                 loss, m = arpo_loss(
                     logp,
                     lp_prox.to(self.device),
                     mb.behaviour_logp,
-                    adv[part_idx].to(self.device),
-                    mb.mask,
+                    a_mb,
+                    mask,
                     replay[part_idx].to(self.device),
                     cfg.loss,
                     lp_ref.to(self.device) if lp_ref is not None else None,

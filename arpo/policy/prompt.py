@@ -48,6 +48,7 @@ With the reference settings (15 images, 15 steps) the window never drops anythin
 
 from __future__ import annotations
 
+import copy
 import io
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -216,6 +217,16 @@ class EpisodePrompt:
     @property
     def turns(self) -> int:
         return len(self._turns)
+
+    def branch(self) -> EpisodePrompt:
+        """A copy that goes on on its own (a forked episode): finished turns are shared,
+        never changed again; new turns go to the copy only."""
+        if self._turns and not self._turns[-1].response:
+            raise EngineError("branch() between turns only: the current turn has no response")
+        twin = copy.copy(self)
+        twin._turns = list(self._turns)
+        twin.turn_prompt_ids = list(self.turn_prompt_ids)
+        return twin
 
     def add_screenshot(self, image: Any) -> np.ndarray:
         """Start a turn showing `image` (PNG bytes or PIL); returns the ids it appends."""

@@ -48,6 +48,7 @@ A grant is (task, group, slot) plus the task's JSON, so actors need no task file
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import json
 import logging
@@ -116,6 +117,20 @@ class GrantConfig:
         "environments than retire_after_envs).",
     )
 
+    tree_slots: int = option(
+        0,
+        "Tree rollouts (`arpo.actor.tree`): a new group's slots are granted this many at a "
+        "time as one tree grant, which one actor runs on one environment, forking it at "
+        "branch points. 0 or 1: one episode per grant (plain GRPO groups). A slot granted "
+        "again (its episode failed, its grant expired) is always a plain grant.",
+    )
+    branch_width: int = option(2, "Children per branch point of a tree grant (2..tree_slots).")
+    branch_every: int = option(
+        3,
+        "A tree's branch points: after every this many turns, each node still holding "
+        "more than one slot forks into branch_width children.",
+    )
+
     def validate(self) -> None:
         if self.group_size < 1:
             fail("group_size", "must be >= 1")
@@ -123,6 +138,15 @@ class GrantConfig:
             fail("groups_per_step", "must be >= 1")
         if self.max_staleness < 0:
             fail("max_staleness", "must be >= 0 (0: fully synchronous)")
+        if self.tree_slots:
+            top = min(self.group_size, wire.MAX_TREE_SLOTS)
+            check_range("tree_slots", self.tree_slots, 0, top,
+                        "slots per tree rollout (at most group_size; 0: no trees)")  # fmt: skip
+            if self.tree_slots >= 2:
+                check_range("branch_width", self.branch_width, 2, self.tree_slots,
+                            "children per branch point")  # fmt: skip
+                check_range("branch_every", self.branch_every, 1, wire.MAX_BRANCH_EVERY,
+                            "turns between branch points")  # fmt: skip
         check_seconds("grant_timeout_s", self.grant_timeout_s)
         if self.max_attempts < 1:
             fail("max_attempts", "must be >= 1")
@@ -144,7 +168,7 @@ def _grant_id(group_id: str, slot: int, attempt: int) -> str:
     return f"{group_id}/{slot}/{attempt}"
 
 
-RELEASE_REASONS = frozenset({"policy_error", "stopping"})
+RELEASE_REASONS = frozenset({"policy_error", "stopping", "tree_ended", "cannot_fork"})
 """Reasons an actor gives a grant back for (GrantRelease.reason), each counted as
 `released_<reason>`; any other is counted as `released_other`."""
 
@@ -384,6 +408,35 @@ class GrantBook:
             top_p=c.top_p if c.sampling else None,
         )
 
+    def _grant_tree(self, g: _Group, idx: list[int], actor: str, now: float) -> wire.Grant:
+        """One tree grant filling slots `idx` of `g` (one plain grant when there is one)."""
+        grants = [self._grant(g, i, actor, now) for i in idx]
+        if len(grants) == 1:
+            return grants[0]
+        c = self.config
+        tree = wire.TreeSpec(
+            tuple(idx),
+            tuple(x.grant_id for x in grants),
+            min(c.branch_width, len(idx)),
+            c.branch_every,
+        )
+        self.counts["tree_grants"] += 1
+        return dataclasses.replace(grants[0], tree=tree)
+
+    def _fresh_run(self, g: _Group, start: int) -> list[int]:
+        """Slots of `g` from `start` that one tree grant takes: never-granted open slots in
+        a row, at most `tree_slots` (just `start` without trees or when it was granted)."""
+        c = self.config
+        out = [start]
+        if c.tree_slots < 2 or g.slots[start].attempts:
+            return out
+        j = start + 1
+        while (len(out) < c.tree_slots and j < len(g.slots) and g.slots[j].state == "open"
+               and not g.slots[j].attempts):  # fmt: skip
+            out.append(j)
+            j += 1
+        return out
+
     def request(
         self, actor: str, want: int = 1, now: float | None = None, pool: str = ""
     ) -> list[wire.Grant]:
@@ -423,7 +476,7 @@ class GrantBook:
                         )
                         s.state = "open"
                     if s.state == "open":
-                        out.append(self._grant(g, i, actor, now))
+                        out.append(self._grant_tree(g, self._fresh_run(g, i), actor, now))
             while len(out) < want and self._order[pool] and self._admissible():
                 task = self._next_task(pool)
                 gid = f"{task}/{self.epoch}-g{next(self._counter)}"
@@ -435,8 +488,10 @@ class GrantBook:
                 for i in range(len(g.slots)):
                     if len(out) >= want:
                         break
-                    out.append(self._grant(g, i, actor, now))
-            self.counts["granted"] += len(out)
+                    if g.slots[i].state == "open":
+                        out.append(self._grant_tree(g, self._fresh_run(g, i), actor, now))
+            self.counts["granted"] += sum(1 if x.tree is None else len(x.tree.slots)
+                                          for x in out)  # fmt: skip
             if not out:
                 self.counts["refused"] += 1
         return out

@@ -11,7 +11,6 @@
     arpo-envs vm build                                   # the test VM image (Debian packages)
     arpo-envs vm up -n 2 --detach                        # QEMU VMs, reverted before each episode
     arpo-envs vm status; arpo-envs vm down               # counters; stop, leaving nothing behind
-    arpo-envs osworld fetch --tasks DIR --cache DIR      # the files OSWorld tasks download
 
 `sim` prints one line per desktop (`env <i> <url>`) once all are listening, and
 stops cleanly on Ctrl-C or SIGTERM.
@@ -198,12 +197,6 @@ def _vm_down(args: argparse.Namespace) -> int:
     return 0
 
 
-def _osworld_fetch(args: argparse.Namespace) -> int:
-    from arpo.env.fetch import main as fetch
-
-    return fetch(args.rest, prog="arpo-envs osworld fetch")
-
-
 def _add_vm_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     vm = sub.add_parser("vm", help="QEMU VMs: build the test image, start, status, stop")
     vsub = vm.add_subparsers(dest="vm_command", required=True)
@@ -239,11 +232,6 @@ def _add_vm_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
     d.add_argument("--dir", default=None)
     d.add_argument("--grace", type=float, default=15.0, help="seconds before SIGKILL")
     d.set_defaults(func=_vm_down)
-    o = sub.add_parser("osworld", help="OSWorld task files")
-    osub = o.add_subparsers(dest="osworld_command", required=True)
-    f = osub.add_parser("fetch", help="download what tasks need into the cache (see --help)")
-    f.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of python -m arpo.env.fetch")
-    f.set_defaults(func=_osworld_fetch)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -333,11 +321,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:2] == ["osworld", "fetch"]:
-        from arpo.env.fetch import main as fetch  # its own options (and --help): passed whole
-
-        return fetch(argv[2:], prog="arpo-envs osworld fetch")
     args = build_parser().parse_args(argv)
     if getattr(args, "n", 1) < 1:
         print("arpo-envs: -n must be at least 1", file=sys.stderr)

@@ -17,7 +17,24 @@
 | POST /file | form or JSON file_path | an uploaded file's bytes; 404 if there is none |
 | POST /sim/scene | {family, seed, screen?} | loads a task scene; {status, task_id, instruction} |
 | POST /sim/state | {path: "a.b"} | {value} for checkers; 404 if the path does not exist |
-| GET /sim/stats | - | per named span (interpret, render_encode, scene): count, mean_ms, max_ms; `files`: path -> sha256 of each uploaded file |
+| GET /sim/stats | - | per named span (interpret, render_encode, scene, snapshot, fork): count, mean_ms, max_ms; `files`: path -> sha256 of each uploaded file |
+| POST /snapshot | {} | saves a copy of the whole desktop (scene, widgets, pointer, files, task); {status, handle} |
+| POST /fork | {handle, n} | starts `n` (1..MAX_FORK) child desktops in the saved state; {status, clones: [{url, name}]} |
+| POST /release | {handle} | stops the snapshot's children and drops the copy; {status} |
+
+Fork (tree rollouts, `arpo.actor.tree` through `DesktopProvider`): a child is a whole
+simulated desktop server of this process on a port of its own (same host, token and
+latency distribution; its own latency draws), answering everything above, /snapshot and
+/fork included (a tree of forks), and /reset like its parent (back to the start of its
+scene). Its state is a deep copy (`DesktopState.copy`, about 0.2 ms): nothing it does is
+seen by its parent or its siblings, and its first screenshot is its parent's bytes at
+snapshot time. Bounds, each a JSON error: `n` outside 1..MAX_FORK is 400; more than
+MAX_CHILDREN live children of one desktop, MAX_CLONES forked desktops in the process, or
+MAX_SNAPSHOTS saved states of one desktop is 429; a handle that is unknown here (never
+made, released, or expired) is 410 naming it (not 404: the client reads a 404 as "this
+server cannot fork"). A snapshot not released within `snapshot_ttl_s` is released by
+the server (its children stopped), with a warning in the log. Stopping a desktop stops
+its children.
 
 Commands run through `interpreter` (pyautogui code interpreted from its syntax tree,
 never executed); like OSWorld's server, /execute answers status "success" whenever
@@ -30,15 +47,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
+import dataclasses
+import functools
 import hashlib
 import logging
+import secrets
 import time
+import types
+import zlib
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 from aiohttp import web
+from PIL import Image
 
 from arpo_envs.server_common import (
     RequestError,
@@ -56,6 +81,17 @@ MAX_FILES = 64
 """Most files a simulated desktop keeps (`/setup/upload`)."""
 MAX_FILE_BYTES = 16 << 20
 """Largest file a simulated desktop takes."""
+MAX_FORK = 16
+"""Most children one `POST /fork` starts."""
+MAX_CHILDREN = 64
+"""Most live children of one desktop, all its snapshots together (more: 429)."""
+MAX_CLONES = 256
+"""Most live forked desktops in one process, every level of a tree of forks counted (more:
+429). A child holds about 0.1 MB until it renders, then about 6 MB (its frame and PNG bands)."""
+MAX_SNAPSHOTS = 256
+"""Most saved states one desktop keeps (more: 429)."""
+CHILD_SHUTDOWN_S = 2.0
+"""How long a released child waits for requests still running on it before closing them."""
 
 log = logging.getLogger("arpo_envs.sim")
 
@@ -92,6 +128,9 @@ class SimConfig:
     offload_encode: bool = True
     """Encode screenshots in a worker thread (zlib releases the GIL, so several desktops
     in one process use more than one core)."""
+    snapshot_ttl_s: float = 1800.0
+    """A snapshot not released within this many seconds is released by the server (its
+    children stopped) and logged: a client that died does not leak desktops."""
 
     def __post_init__(self) -> None:
         if self.width < MIN_SCREEN[0] or self.height < MIN_SCREEN[1]:
@@ -103,6 +142,11 @@ class SimConfig:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if self.sleep_cap_s < 0:
             raise ValueError(f"sleep_cap_s must be >= 0, got {self.sleep_cap_s}")
+        if not self.snapshot_ttl_s > 0:
+            raise ValueError(
+                f"snapshot_ttl_s must be > 0 seconds, got {self.snapshot_ttl_s} (the default "
+                "1800 releases a snapshot a client forgot after 30 minutes)"
+            )
         ServerSecurity(self.host, self.token)  # refuses an exposed address without a token
 
 
@@ -122,6 +166,140 @@ class Span:
     def summary(self) -> dict[str, float]:
         mean = self.total_s / self.count if self.count else 0.0
         return {"count": self.count, "mean_ms": mean * 1e3, "max_ms": self.max_s * 1e3}
+
+
+# ---- fork: copies of a desktop's state -----------------------------------------------------
+
+T = TypeVar("T")
+
+_ATOMIC = (
+    type(None), bool, int, float, complex, str, bytes, range, type, types.ModuleType,
+    types.BuiltinFunctionType, types.CodeType,
+)  # fmt: skip
+
+
+def fork_copy(obj: T, memo: dict[int, Any] | None = None) -> T:
+    """A deep copy of `obj` that shares nothing mutable with it, closures included.
+
+    `copy.deepcopy` alone is not enough: it copies functions by reference, and a scene's
+    callbacks are closures over its widgets (type_submit's `do_submit` reads its text
+    field), so a copy's Submit would read the original's field. Every function reachable
+    from `obj` that has a closure or defaults is rebuilt first, with new cells; the cells
+    are then filled with copies made with the same memo, so a rebuilt closure sees the
+    copy's widgets. PIL images are copied with `Image.copy` (a memcpy, not deepcopy's
+    pickle round trip); bytes and strings are shared (immutable). `memo` may map ids of
+    objects to what the copy holds instead (`DesktopState.copy` drops a cache this way).
+    Walked: dicts, lists, tuples, sets, instance attributes (`__dict__` and slots),
+    bound methods, functools.partial, closure cells and defaults.
+    """
+    memo = {} if memo is None else memo
+    rebuilt: list[tuple[types.FunctionType, types.FunctionType]] = []
+    seen: set[int] = set()
+    stack: list[Any] = [obj]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, _ATOMIC) or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if id(x) in memo:
+            continue
+        if isinstance(x, types.FunctionType):
+            if x.__closure__ or x.__defaults__ or x.__kwdefaults__:
+                cells = tuple(types.CellType() for _ in x.__closure__ or ())
+                fn = types.FunctionType(x.__code__, x.__globals__, x.__name__, None, cells or None)
+                fn.__qualname__, fn.__module__ = x.__qualname__, x.__module__
+                memo[id(x)] = fn
+                rebuilt.append((x, fn))
+                for cell in x.__closure__ or ():
+                    with contextlib.suppress(ValueError):  # an empty cell
+                        stack.append(cell.cell_contents)
+                stack += [x.__defaults__, x.__kwdefaults__, x.__dict__]
+        elif isinstance(x, Image.Image):
+            memo[id(x)] = x.copy()
+        elif isinstance(x, dict):
+            stack += x.keys()
+            stack += x.values()
+        elif isinstance(x, (list, tuple, set, frozenset)):
+            stack += x
+        elif isinstance(x, types.MethodType):
+            stack += [x.__self__, x.__func__]
+        elif isinstance(x, functools.partial):
+            stack += [x.func, x.args, x.keywords]
+        else:
+            stack += getattr(x, "__dict__", {}).values()
+            for cls in type(x).__mro__:
+                for name in getattr(cls, "__slots__", ()):
+                    if name not in ("__dict__", "__weakref__") and hasattr(x, name):
+                        stack.append(getattr(x, name))
+    out = copy.deepcopy(obj, memo)
+    for old, fn in rebuilt:
+        for cell, new_cell in zip(old.__closure__ or (), fn.__closure__ or (), strict=True):
+            with contextlib.suppress(ValueError):
+                new_cell.cell_contents = copy.deepcopy(cell.cell_contents, memo)
+        fn.__defaults__ = copy.deepcopy(old.__defaults__, memo)
+        fn.__kwdefaults__ = copy.deepcopy(old.__kwdefaults__, memo)
+        fn.__dict__.update(copy.deepcopy(old.__dict__, memo))
+    return out
+
+
+@dataclass(slots=True)
+class DesktopState:
+    """Everything a simulated desktop's answers depend on: what `/snapshot` saves."""
+
+    desk: Desktop
+    """The screen: windows, widgets and their callbacks, focus, menu, pointer, held keys,
+    clipboard, task results (`state`), the PNG of the last screenshot."""
+    task: TaskSpec | None
+    """The scene loaded (what /reset rebuilds)."""
+    files: dict[str, bytes]
+    """What `/setup/upload` put there."""
+
+    def copy(self) -> DesktopState:
+        """A deep copy (`fork_copy`), about 0.2 ms for a task scene. The desktop's frame cache
+        (the rendered screen, 2.7 MB at 1280x720) is not copied: `Desktop.render` draws it
+        again when it is None, and the PNG of the last screenshot is kept (bytes, shared),
+        so the copy's first screenshot is the original's bytes without rendering."""
+        memo: dict[int, Any] = {}
+        frame = getattr(self.desk, "_frame", None)
+        if frame is not None:
+            memo[id(frame)] = None
+        desk, task = fork_copy((self.desk, self.task), memo)
+        return DesktopState(desk, task, dict(self.files))
+
+
+@dataclass(slots=True)
+class Child:
+    """A desktop forked from a snapshot, served by this process."""
+
+    name: str
+    url: str
+    server: SimDesktopServer
+    runner: web.AppRunner
+
+
+@dataclass(slots=True)
+class Snapshot:
+    """A saved state and the children started from it."""
+
+    handle: str
+    state: DesktopState
+    """Never served: each child gets a copy of it."""
+    taken: float
+    """time.monotonic() when it was saved."""
+    children: list[Child] = field(default_factory=list)
+    forked: int = 0
+    """Children started from it so far (numbers their names)."""
+    expiry: asyncio.TimerHandle | None = None
+
+
+class _Clones:
+    """The process's count of live forked desktops (`MAX_CLONES`); one event loop touches it."""
+
+    live = 0
+
+
+def _base_url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 class SimDesktopServer:
