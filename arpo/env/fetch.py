@@ -1215,8 +1215,8 @@ def _cli_config(args: argparse.Namespace, d: FetchConfig) -> FetchConfig:
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m arpo.env.fetch") -> int:
-    """`python -m arpo.env.fetch`; returns the exit code (0 all there, 1 a file failed or a
-    task file was left out, 2 bad arguments, tasks or cache path)."""
+    """`arpo fetch` (and `python -m arpo.env.fetch`); returns the exit code (0 all there, 1 a
+    file failed or a task file was left out, 2 bad arguments, tasks or cache path)."""
     d = FetchConfig()
     p = argparse.ArgumentParser(
         prog=prog,

@@ -27,6 +27,7 @@ reset empties (`home.private_tmp`; without a private mount namespace only `$TMPD
 | POST /run_bash_script | {script, timeout?, working_dir?} | {status, output (stdout+stderr), error, returncode} |
 | POST /reset | {restart_display?} | the project's: clean desktop, {status, seconds, killed, display_restarted, tmp_bytes} |
 | GET /desktop/info | - | the project's: display, root, home, pids of Xvfb and openbox |
+| POST /snapshot, /fork, /release | - | 501 JSON: a local desktop cannot be forked (its apps are real processes) |
 
 Errors are JSON (see `server_common`); the server keeps serving after any of them. X work
 is preceded by a round trip to the X server: when it does not answer within X_PROBE_S
@@ -462,6 +463,8 @@ class DesktopServer:
         r.add_post("/run_bash_script", self.run_bash_script)
         r.add_post("/reset", self.reset)
         r.add_get("/desktop/info", self.info)
+        for path in ("/snapshot", "/fork", "/release"):
+            r.add_post(path, cannot_fork)
         return app
 
     # ---- screen ---------------------------------------------------------------------------
@@ -893,6 +896,16 @@ KERNEL_FILE_SYSTEMS = ("/proc", "/sys", "/dev")
 """Where an upload is refused even onto a file that looks regular (/proc/self/mem): these
 files are the kernel's (processes, devices), not the desktop's data. /dev/shm is a tmpfs
 of ordinary files and is allowed."""
+
+
+async def cannot_fork(request: web.Request) -> web.Response:
+    """The fork protocol of the simulated desktop (`arpo_envs.sim.server`), refused: the
+    state of running applications cannot be copied into a second desktop."""
+    raise RequestError(
+        f"{request.path}: a local desktop cannot be snapshotted or forked (its apps are real "
+        "processes); fork the simulated desktop or a VM of the fleet",
+        501,
+    )
 
 
 def _check_upload_target(fd: int, file_path: str) -> None:

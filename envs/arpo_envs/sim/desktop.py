@@ -387,7 +387,21 @@ class Desktop:
         return self._png
 
     def accessibility_xml(self) -> str:
-        """The widget tree as XML in the shape of OSWorld's Ubuntu tree (`desktop-frame` root)."""
+        """The widget tree as XML in the shape of OSWorld's Ubuntu tree (`desktop-frame` root).
+
+        Every node has a `name`, its role as tag, its box (`cp:screencoord`, `cp:size`) and
+        its states (`st:`); entries and labels carry their text. The states say what a click
+        does, so the nodes OSWorld's filter keeps (`arpo.env.a11y`) are those a click at
+        their centre reaches (while a menu is open, a click outside it only closes it):
+        - `showing` is false for a node whose centre is under a window above its own or
+          under the open menu (a real AT-SPI tree has no occlusion; the simulated screen
+          says what it draws);
+        - the widgets of the windows below a modal dialog are not `enabled` (they take no
+          input, as if insensitive);
+        - an open menu's drop-down is an unnamed popup (tag `menu`) holding its items; its
+          title in the menu bar is `expanded` and `selected`;
+        - list rows scrolled out of view are not `showing` (box x, -1, w, 0).
+        """
         st, cp = A11Y_NS["st"], A11Y_NS["cp"]
 
         def node(
@@ -407,44 +421,66 @@ class Desktop:
                 el.text = text
             return el
 
+        # what is drawn over the windows' nodes: the windows above theirs, then an open menu
+        popup = None
+        if self.menu is not None:
+            popup = Widget("menu-popup", *self.menu[0].dropdown_box(self.menu[1]))
+
+        def states(
+            box: tuple[int, int, int, int], above: list[Widget], enabled: bool = True
+        ) -> dict[str, str]:
+            """`showing` unless the centre of `box` is under one of `above`; `enabled` as given."""
+            cx, cy = box[0] + box[2] // 2, box[1] + box[3] // 2
+            showing = not any(w.contains(cx, cy) for w in above)
+            on = str(enabled).lower()
+            return {
+                "showing": str(showing).lower(),
+                "visible": "true",
+                "enabled": on,
+                "sensitive": on,
+            }
+
         root = ET.Element("desktop-frame")
         app = ET.SubElement(root, "application", {"name": "arpo-sim"})
         active = self.active_window()
-        shown = {"showing": "true", "visible": "true", "enabled": "true"}
-        for win in self.windows:
+        modal = self.modal()
+        for level, win in enumerate(self.windows):
+            above: list[Widget] = [*self.windows[level + 1 :], *([popup] if popup else [])]
+            live = modal is None or win is modal  # a modal dialog blocks every other window
             role, extra, _ = win.a11y()
-            frame = node(
-                app, role, win.label, win.box, {**shown, "active": str(win is active).lower()}
-            )
+            frame_states = {"showing": "true", "visible": "true", "enabled": "true"}
+            frame_states["active"] = str(win is active).lower()
+            frame = node(app, role, win.label, win.box, frame_states)
             for c in win.children:
                 role, extra, text = c.a11y()
-                states = dict(shown)
+                flags = states(c.box, above, live)
                 if c.focusable:
-                    states["focusable"] = "true"
-                    states["focused"] = str(c is self.focus).lower()
-                states.update(extra)
-                el = node(frame, role, c.label, c.box, states, text)
+                    flags["focusable"] = "true"
+                    flags["focused"] = str(c is self.focus).lower()
+                flags.update(extra)
+                el = node(frame, role, c.label, c.box, flags, text)
                 if isinstance(c, MenuBar):
-                    for (x, y, w, h), m in zip(c.title_boxes(), c.menus, strict=True):
-                        node(el, "menu", m.title, (x, y, w, h), dict(shown))
+                    opened = self.menu[1] if self.menu is not None and self.menu[0] is c else None
+                    for i, (box, m) in enumerate(zip(c.title_boxes(), c.menus, strict=True)):
+                        title = {**states(box, above, live), "expandable": "true"}
+                        if i == opened:
+                            title.update(expanded="true", selected="true")
+                        node(el, "menu", m.title, box, title)
                 elif isinstance(c, ListBox):
                     for i, item in enumerate(c.items):
-                        pos = c.row_center(i)
-                        vis = {"showing": str(pos is not None).lower()}
+                        row = c.row_box(i)
+                        rst = states(row, above, live) if row else {"showing": "false"}
+                        rst.update(visible="true", enabled=str(live).lower())
                         if c.selected == i:
-                            vis["selected"] = "true"
-                        box = (
-                            (c.x, pos[1] - c.row_h // 2, c.w, c.row_h) if pos else (c.x, -1, c.w, 0)
-                        )
-                        node(el, "list-item", item, box, vis)
-        if self.menu is not None:
+                            rst["selected"] = "true"
+                        node(el, "list-item", item, row or (c.x, -1, c.w, 0), rst)
+        if self.menu is not None and popup is not None:
             bar, index = self.menu
-            menu = bar.menus[index]
-            mx, _, mw, _ = bar.dropdown_box(index)
-            el = node(app, "menu", menu.title, bar.dropdown_box(index), dict(shown))
-            for j, item in enumerate(menu.items):
+            el = node(app, "menu", "", popup.box, states(popup.box, []))
+            for j, item in enumerate(bar.menus[index].items):
                 cy = bar.item_center(index, j)[1]
-                node(el, "menu-item", item, (mx, cy - bar.item_h // 2, mw, bar.item_h), dict(shown))
+                box = (popup.x, cy - bar.item_h // 2, popup.w, bar.item_h)
+                node(el, "menu-item", item, box, states(box, []))
         return ET.tostring(root, encoding="unicode")
 
     def state_tree(self) -> dict[str, Any]:

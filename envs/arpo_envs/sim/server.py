@@ -26,7 +26,7 @@ Fork (tree rollouts, `arpo.actor.tree` through `DesktopProvider`): a child is a 
 simulated desktop server of this process on a port of its own (same host, token and
 latency distribution; its own latency draws), answering everything above, /snapshot and
 /fork included (a tree of forks), and /reset like its parent (back to the start of its
-scene). Its state is a deep copy (`DesktopState.copy`, about 0.2 ms): nothing it does is
+scene). Its state is a deep copy (`DesktopState.copy`, 0.2-0.4 ms): nothing it does is
 seen by its parent or its siblings, and its first screenshot is its parent's bytes at
 snapshot time. Bounds, each a JSON error: `n` outside 1..MAX_FORK is 400; more than
 MAX_CHILDREN live children of one desktop, MAX_CLONES forked desktops in the process, or
@@ -87,9 +87,11 @@ MAX_CHILDREN = 64
 """Most live children of one desktop, all its snapshots together (more: 429)."""
 MAX_CLONES = 256
 """Most live forked desktops in one process, every level of a tree of forks counted (more:
-429). A child holds about 0.1 MB until it renders, then about 6 MB (its frame and PNG bands)."""
-MAX_SNAPSHOTS = 256
-"""Most saved states one desktop keeps (more: 429)."""
+429). A child holds tens of KB until it draws its screen again, then about 4 MB (its frame
+and PNG bands; `benchmarks/bench_fork.py`)."""
+MAX_SNAPSHOTS = 64
+"""Most saved states one desktop keeps (more: 429). A saved state holds a few MB once its
+desktop moved on: the pixels and PNG bands of the frame it showed."""
 CHILD_SHUTDOWN_S = 2.0
 """How long a released child waits for requests still running on it before closing them."""
 
@@ -255,7 +257,7 @@ class DesktopState:
     """What `/setup/upload` put there."""
 
     def copy(self) -> DesktopState:
-        """A deep copy (`fork_copy`), about 0.2 ms for a task scene. The desktop's frame cache
+        """A deep copy (`fork_copy`), 0.2-0.4 ms for a task scene. The desktop's frame cache
         (the rendered screen, 2.7 MB at 1280x720) is not copied: `Desktop.render` draws it
         again when it is None, and the PNG of the last screenshot is kept (bytes, shared),
         so the copy's first screenshot is the original's bytes without rendering."""
@@ -305,20 +307,35 @@ def _base_url(host: str, port: int) -> str:
 class SimDesktopServer:
     """One simulated desktop and its aiohttp application."""
 
-    def __init__(self, config: SimConfig | None = None):
+    def __init__(self, config: SimConfig | None = None, state: DesktopState | None = None):
+        """`state`: start in this state (a fork's child; taken, not copied) instead of an
+        empty desktop."""
         self.config = config or SimConfig()
-        self.desk = Desktop(
-            self.config.width, self.config.height, draw_cursor=self.config.draw_cursor
-        )
-        self.task: TaskSpec | None = None
+        if state is None:
+            state = DesktopState(
+                Desktop(self.config.width, self.config.height, draw_cursor=self.config.draw_cursor),
+                None,
+                {},
+            )
+        self.desk = state.desk
+        self.task: TaskSpec | None = state.task
         self.latency = self.config.latency.sampler(self.config.index)
         # Requests of one desktop apply in arrival order; the lock also keeps an action from
         # changing the screen while a worker thread encodes it.
         self._lock = asyncio.Lock()
         # named timing spans of the work done in this server (not the added latency)
         self.spans: dict[str, Span] = {}
-        self.files: dict[str, bytes] = {}
+        self.files: dict[str, bytes] = state.files
         """The desktop's files: what `/setup/upload` put there (cleared by `/reset`)."""
+        self.snapshots: dict[str, Snapshot] = {}
+        """Saved states by handle, each with the children forked from it."""
+        # Handles released by the server (snapshot_ttl_s), for the 410's message.
+        self._expired: OrderedDict[str, float] = OrderedDict()
+        # /snapshot, /fork and /release of one desktop run one at a time: a release never
+        # overlaps a fork of the same handle, and the counts checked are the counts used.
+        self._fork_lock = asyncio.Lock()
+        self._expiring: set[asyncio.Task[None]] = set()
+        self._stopping = False
 
     def make_app(self) -> web.Application:
         app = make_app(ServerSecurity(self.config.host, self.config.token))
@@ -338,6 +355,10 @@ class SimDesktopServer:
         r.add_post("/sim/scene", self.scene)
         r.add_post("/sim/state", self.state)
         r.add_get("/sim/stats", self.stats)
+        r.add_post("/snapshot", self.snapshot)
+        r.add_post("/fork", self.fork)
+        r.add_post("/release", self.release)
+        app.on_shutdown.append(self._release_all)
         return app
 
     @contextlib.contextmanager
@@ -541,6 +562,172 @@ class SimDesktopServer:
             raise RequestError(f"File not found: {path}", 404)
         return web.Response(body=data, content_type="application/octet-stream")
 
+    # ---- fork ---------------------------------------------------------------------------
+
+    async def snapshot(self, request: web.Request) -> web.Response:
+        """Save a copy of the whole desktop; answer its handle."""
+        await read_json(request)
+        async with self._fork_lock:
+            self._check_running()
+            if len(self.snapshots) >= MAX_SNAPSHOTS:
+                raise RequestError(
+                    f"this desktop already keeps {MAX_SNAPSHOTS} snapshots; release some "
+                    "(POST /release) before taking more",
+                    429,
+                )
+            async with self._lock:  # no action runs while the state is copied
+                with self._span("snapshot"):
+                    saved = DesktopState(self.desk, self.task, self.files).copy()
+            handle = f"snap-{secrets.token_hex(8)}"
+            snap = Snapshot(handle, saved, time.monotonic())
+            loop = asyncio.get_running_loop()
+            snap.expiry = loop.call_later(self.config.snapshot_ttl_s, self._expire, handle)
+            self.snapshots[handle] = snap
+        return web.json_response({"status": "success", "handle": handle})
+
+    async def fork(self, request: web.Request) -> web.Response:
+        """Start `n` child desktops in a snapshot's state; answer their URLs and names."""
+        body = await read_json(request, {"handle": str, "n": int})
+        n = body["n"]
+        if not 1 <= n <= MAX_FORK:
+            raise RequestError(f"field 'n' must be in 1..{MAX_FORK}, got {n}")
+        async with self._fork_lock:
+            self._check_running()
+            snap = self._snapshot_of(body["handle"])
+            live = sum(len(s.children) for s in self.snapshots.values())
+            if live + n > MAX_CHILDREN:
+                raise RequestError(
+                    f"this desktop has {live} live children; {n} more would pass its bound of "
+                    f"{MAX_CHILDREN}: release snapshots (POST /release) first",
+                    429,
+                )
+            if _Clones.live + n > MAX_CLONES:
+                raise RequestError(
+                    f"this process serves {_Clones.live} forked desktops; {n} more would pass "
+                    f"its bound of {MAX_CLONES}: release snapshots (POST /release) first",
+                    429,
+                )
+            host = self.config.host
+            if host in ("0.0.0.0", "::", ""):  # bound to every address: answer the one used
+                host = request.url.host or "127.0.0.1"
+            with self._span("fork"):
+                made: list[Child] = []
+                try:
+                    for _ in range(n):
+                        made.append(await self._start_child(snap, host))
+                except BaseException:
+                    await asyncio.gather(*(self._stop_child(c) for c in made))
+                    raise
+                snap.children += made
+        clones = [{"url": c.url, "name": c.name} for c in made]
+        return web.json_response({"status": "success", "clones": clones})
+
+    async def release(self, request: web.Request) -> web.Response:
+        """Stop a snapshot's children and drop its saved state."""
+        body = await read_json(request, {"handle": str})
+        async with self._fork_lock:
+            snap = self._snapshot_of(body["handle"])
+            await self._drop(snap)
+        return web.json_response({"status": "success"})
+
+    def _check_running(self) -> None:
+        if self._stopping:  # a request that was waiting for the lock when the stop began
+            raise RequestError("this desktop is stopping: it takes no snapshot or fork", 503)
+
+    def _snapshot_of(self, handle: str) -> Snapshot:
+        snap = self.snapshots.get(handle)
+        if snap is not None:
+            return snap
+        shown = repr(handle[:100]) + ("..." if len(handle) > 100 else "")
+        if handle in self._expired:
+            raise RequestError(
+                f"snapshot {shown} expired: it was not released within "
+                f"{self.config.snapshot_ttl_s:g} s, so the server released it (its children "
+                "are stopped)",
+                410,
+            )
+        raise RequestError(
+            f"unknown snapshot handle {shown}: never made by this desktop or already released",
+            410,
+        )
+
+    async def _start_child(self, snap: Snapshot, host: str) -> Child:
+        """One child server on a free port of `host`, in a copy of `snap`'s state."""
+        snap.forked += 1
+        name = f"{snap.handle}-{snap.forked}"
+        lat = self.config.latency  # same distribution, the child's own draws
+        lat = dataclasses.replace(lat, seed=zlib.crc32(f"{lat.seed}:{name}".encode()))
+        cfg = dataclasses.replace(self.config, port=0, latency=lat)
+        server = SimDesktopServer(cfg, snap.state.copy())
+        runner = web.AppRunner(
+            server.make_app(),
+            access_log=None,
+            handle_signals=False,
+            shutdown_timeout=CHILD_SHUTDOWN_S,
+        )
+        _Clones.live += 1
+        try:
+            await runner.setup()
+            site = web.TCPSite(runner, cfg.host, 0)
+            await site.start()
+        except BaseException:
+            _Clones.live -= 1
+            await runner.cleanup()
+            raise
+        return Child(name, _base_url(host, runner.addresses[0][1]), server, runner)
+
+    async def _stop_child(self, child: Child) -> None:
+        """Close the child's port and connections (its own snapshots' children with it)."""
+        try:
+            await child.runner.cleanup()
+        finally:
+            _Clones.live -= 1
+
+    async def _drop(self, snap: Snapshot) -> None:
+        """Forget `snap` and stop its children (the caller holds `_fork_lock`)."""
+        self.snapshots.pop(snap.handle, None)
+        if snap.expiry is not None:
+            snap.expiry.cancel()
+        children, snap.children = snap.children, []
+        results = await asyncio.gather(
+            *(self._stop_child(c) for c in children), return_exceptions=True
+        )
+        for child, r in zip(children, results, strict=True):
+            if isinstance(r, BaseException):
+                log.warning("fork child %s did not stop cleanly: %r", child.name, r)
+
+    def _expire(self, handle: str) -> None:
+        """snapshot_ttl_s passed: release the snapshot in a task of its own."""
+        task = asyncio.get_running_loop().create_task(self._release_expired(handle))
+        self._expiring.add(task)
+        task.add_done_callback(self._expiring.discard)
+
+    async def _release_expired(self, handle: str) -> None:
+        async with self._fork_lock:
+            snap = self.snapshots.get(handle)
+            if snap is None:
+                return
+            log.warning(
+                "snapshot %s was not released within %g s: releasing it and stopping its %d "
+                "children",
+                handle,
+                self.config.snapshot_ttl_s,
+                len(snap.children),
+            )
+            self._expired[handle] = time.monotonic()
+            while len(self._expired) > MAX_SNAPSHOTS:
+                self._expired.popitem(last=False)
+            await self._drop(snap)
+
+    async def _release_all(self, app: web.Application) -> None:
+        """The server stops: so do all its children."""
+        self._stopping = True
+        for task in list(self._expiring):
+            task.cancel()
+        async with self._fork_lock:
+            for snap in list(self.snapshots.values()):
+                await self._drop(snap)
+
 
 # ---- several desktops in one process ----------------------------------------------------------
 
@@ -557,9 +744,7 @@ async def start_servers(configs: list[SimConfig]) -> tuple[list[web.AppRunner], 
             site = web.TCPSite(runner, cfg.host, cfg.port, reuse_address=True)
             await site.start()
             runners.append(runner)
-            port = runner.addresses[0][1]
-            host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
-            urls.append(f"http://{host}:{port}")
+            urls.append(_base_url(cfg.host, runner.addresses[0][1]))
     except BaseException:
         for runner in runners:
             await runner.cleanup()

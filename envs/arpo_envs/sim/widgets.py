@@ -136,6 +136,9 @@ class Label(Widget):
             anchor="lm",
         )
 
+    def a11y(self) -> tuple[str, dict[str, str], str | None]:
+        return self.role, {}, self.label  # a GTK label's text is its label
+
 
 @dataclass(eq=False)
 class Button(Widget):
@@ -341,7 +344,7 @@ class Checkbox(Widget):
         return {"label": self.label, "checked": self.checked}
 
     def a11y(self) -> tuple[str, dict[str, str], str | None]:
-        return self.role, {"checked": "true" if self.checked else "false"}, None
+        return self.role, {"checkable": "true", "checked": str(self.checked).lower()}, None
 
 
 @dataclass(eq=False)
@@ -377,6 +380,18 @@ class ListBox(Widget):
         return self.x + (self.w - self.bar_w) // 2, self.y + 1 + (
             index - self.top
         ) * self.row_h + self.row_h // 2
+
+    def row_box(self, index: int) -> tuple[int, int, int, int] | None:
+        """Screen box (x, y, w, h) of row `index` as drawn, the scroll bar left out; None if
+        the row is scrolled out of view."""
+        if not self.top <= index < self.top + self.visible_rows:
+            return None
+        return (
+            self.x + 1,
+            self.y + 1 + (index - self.top) * self.row_h,
+            self.w - self.bar_w - 2,
+            self.row_h,
+        )
 
     def _set_top(self, top: int) -> None:
         self.top = max(0, min(self.max_top, top))
