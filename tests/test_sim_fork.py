@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncIterator
 
 import pytest
 from arpo_envs.sim import server as sim_server
-from arpo_envs.sim.server import MAX_CHILDREN, MAX_FORK, SimConfig, running
+from arpo_envs.sim.desktop import Desktop
+from arpo_envs.sim.server import MAX_CHILDREN, MAX_FORK, DesktopState, SimConfig, running
 from arpo_envs.sim.tasks import load_scene
+from arpo_envs.sim.widgets import Button, TextField, Window
 from test_desktop_common import require_desktop, running_desk
 
 from arpo.env.client import ClientConfig, EnvClient
@@ -68,8 +71,6 @@ async def dead(url: str) -> bool:
 
 
 def oracle(family: str, seed: int) -> list[str]:
-    from arpo_envs.sim.desktop import Desktop
-
     return load_scene(Desktop(), family, seed).oracle
 
 
@@ -95,7 +96,8 @@ def test_a_child_continues_exactly_from_its_parents_state() -> None:
                     assert await view(kid) == before  # the PNG byte for byte
                     assert await kid.get_file("/home/user/notes.txt") == b"kept by the snapshot"
                 # the same actions on a child and on the parent: the same screens, step by step
-                rest = [*steps[half:], "pyautogui.moveTo(10, 700)", "pyautogui.scroll(-5)"]
+                # first a pointer move alone: the child draws its screen for the first time
+                rest = ["pyautogui.moveTo(10, 700)", *steps[half:], "pyautogui.scroll(-5)"]
                 for code in rest:
                     a = await kids[0].execute_pyautogui(code)
                     b = await parent.execute_pyautogui(code)
@@ -274,6 +276,53 @@ def test_children_keep_their_parents_token() -> None:
             await provider.release(handle)
 
     run(body())
+
+
+class Counter:
+    def __init__(self) -> None:
+        self.n = 0
+
+    def hit(self, desk, _w) -> None:
+        self.n += 1
+        desk.state["hits"] = self.n
+
+
+def _record(field, desk, _w) -> None:
+    desk.state["partial"] = field.value
+
+
+def test_a_copy_rebuilds_callbacks_of_every_kind() -> None:
+    """Closures (nested too), functools.partial and bound methods of a copied desktop act
+    on the copy's widgets, never on the original's."""
+    desk = Desktop()
+    win = Window("win", 20, 60, 500, 300, "Callbacks")
+    field = TextField("field", 40, 120, 300, 30, "Field", value="original")
+    counter = Counter()
+
+    def outer(d, _w) -> None:
+        def inner() -> str:
+            return field.value
+
+        d.state["closure"] = inner()
+
+    buttons = [
+        Button("closure", 40, 170, 100, 30, "A", on_press=outer),
+        Button("partial", 150, 170, 100, 30, "B", on_press=functools.partial(_record, field)),
+        Button("method", 260, 170, 100, 30, "C", on_press=counter.hit),
+        Button("lambda", 370, 170, 100, 30, "D", on_press=lambda d, w: d.state.update(w=w.wid)),
+    ]
+    win.children += [field, *buttons]
+    desk.add_window(win)
+    png = desk.screenshot_png()
+    copy = DesktopState(desk, None, {}).copy()
+    assert copy.desk.cached_png() == png
+    copy.desk.widgets["field"].value = "copied"
+    for b in buttons:
+        copy.desk.widgets[b.wid].press(copy.desk)
+    assert copy.desk.state == {"closure": "copied", "partial": "copied", "hits": 1, "w": "lambda"}
+    assert desk.state == {} and counter.n == 0 and field.value == "original"
+    copy.desk.touch()
+    assert copy.desk.screenshot_png() != png and desk.screenshot_png() == png
 
 
 def test_the_local_desktop_cannot_fork(tmp_path) -> None:
