@@ -215,18 +215,16 @@ def render_sim(r: dict[str, Any]) -> list[str]:
         "",
         "| prefix actions | reset + replay (one desktop) | "
         + " | ".join(f"fork n={n} (first screenshots)" for n in SIM_FORKS)
-        + " | release n=16 |",
+        + f" | release n={max(SIM_FORKS)} |",
         "|---|---|" + "---|" * len(SIM_FORKS) + "---|",
     ]
     for row in r["rows"]:
-        cells = [
-            f"{ms(row['fork'][str(n)]['fork_s'])} ({ms(row['fork'][str(n)]['to_first_screenshots_s'])})"
-            for n in SIM_FORKS
-        ]
+        forks = [row["fork"][str(n)] for n in SIM_FORKS]
+        cells = [f"{ms(f['fork_s'])} ({ms(f['to_first_screenshots_s'])})" for f in forks]
         lines.append(
             f"| {row['prefix']} | {ms(row['replay_s'])} | "
             + " | ".join(cells)
-            + f" | {ms(row['fork'][str(max(SIM_FORKS))]['release_s'])} |"
+            + f" | {ms(forks[-1]['release_s'])} |"
         )
     spans = r["server_spans"]
     m = r["memory"]

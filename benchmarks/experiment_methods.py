@@ -101,6 +101,8 @@ ONLINE = (
     "arpo_nofloor",
     "arpo_stale",
     "arpo_uncorrected_stale",
+    "tree_arpo",
+    "tree_grpo",
 )
 OFFLINE = ("dpo", "kto", "rft")
 DEFAULT_METHODS = ("grpo", "arpo", "arpo_prefill", "arpo_uncorrected", "dpo", "kto", "rft")
@@ -124,6 +126,11 @@ CONTRASTS = (
     ("dpo", "warm_start"),
     ("kto", "warm_start"),
     ("rft", "warm_start"),
+    ("tree_arpo", "rft"),
+    ("tree_arpo", "grpo"),
+    ("tree_arpo", "arpo"),
+    ("tree_grpo", "grpo"),
+    ("tree_arpo", "warm_start"),
 )
 # ---------------------------------------------------------------------------- set-up
 
@@ -267,7 +274,8 @@ def _eval(args: argparse.Namespace, policy: str, s: dict[str, Any], out: Path) -
 def _train_config(args: argparse.Namespace, method: str, seed: int, s: dict[str, Any]):
 
     stale = method.endswith("_stale")
-    base = method.removesuffix("_stale")
+    tree = method.startswith("tree_")
+    base = method.removesuffix("_stale").removeprefix("tree_")
 
     cfg = _config(
         args,
@@ -299,11 +307,17 @@ def _train_config(args: argparse.Namespace, method: str, seed: int, s: dict[str,
         assemble = replace(assemble, groups_per_step=args.groups, max_staleness=args.staleness)
     elif stale:  # the staleness bound the slowed learner lets the actors run ahead to
         assemble = replace(assemble, max_staleness=args.staleness)
+    grants = la.grants
+    if tree:  # every group one tree of GROUP_SIZE leaves, forked on the simulated desktop
+        grants = replace(grants, tree_slots=GROUP_SIZE, branch_width=args.branch_width,
+                         branch_every=args.branch_every)  # fmt: skip
+        assemble = replace(assemble, step_weight=args.step_weight)
     la = replace(
         la,
         selection=s["selection"],
         iterations=args.iterations,
         assemble=assemble,
+        grants=grants,
         trainer=replace(la.trainer, loss=loss),
     )
     # The learner is gone when the actors are stopped: nothing would acknowledge a flush.
@@ -350,8 +364,20 @@ def _online(args, method: str, seed: int, s: dict[str, Any]) -> dict[str, Any]:
     lr_max = _values(rows, "losses/seq_logratio_replay_max")
     fr_min = _values(rows, "losses/seq_logratio_fresh_min")
     fr_max = _values(rows, "losses/seq_logratio_fresh_max")
+    successes = sum(
+        (r.get("charts/success_rate") or 0.0) * r.get("charts/episodes", 0)
+        for r in rows
+        if r.get("charts/success_rate") is not None and not math.isnan(r["charts/success_rate"])
+    )
+    env_steps = max(_values(rows, "charts/env_steps") or [math.nan])
     return {
         "curve": [r.get("charts/success_rate") for r in rows],
+        "env_steps": env_steps,
+        "train_successes": successes,
+        "successes_per_1k_steps": 1000 * successes / env_steps if env_steps else math.nan,
+        "successes_per_learner_min": successes / (sm["wall_s"] / 60)
+        if sm.get("wall_s")
+        else math.nan,
         "parse_fail": [r.get("charts/parse_failure_rate") for r in rows],
         "replay_hits": sum(r.get("replay/hits", 0) for r in rows),
         "triggered": sum(r.get("replay/triggered", 0) for r in rows),
@@ -693,6 +719,9 @@ def main(argv: list[str] | None = None) -> int:
         default=0.5,
         help="Online reward = checker score + this x format reward (0.5: the reference).",
     )
+    p.add_argument("--branch-width", type=int, default=2, help="tree_*: children per fork.")
+    p.add_argument("--branch-every", type=int, default=3, help="tree_*: turns between forks.")
+    p.add_argument("--step-weight", type=float, default=1.0, help="tree_*: step-level weight.")
     p.add_argument("--eval-runs", type=int, default=12, help="Evaluation episodes per task.")
     p.add_argument("--offline-lr", type=float, default=1e-4, help="arpo offline lr (dpo, rft).")
     p.add_argument("--kto-lr", type=float, default=1e-5, help="arpo offline lr of kto.")

@@ -105,7 +105,9 @@ def test_loss_with_per_token_advantages_leaves_masked_tokens_without_gradient():
     # Per-token advantages equal to a per-row one give the same loss as the [B] form.
     same = torch.tensor([[0.7] * 4, [-0.3] * 4])
     full = torch.ones(2, 4, dtype=torch.bool)
-    l1, _ = arpo_loss(logp.detach(), prox, prox, same, full, torch.tensor([False, False]), LossConfig())
+    l1, _ = arpo_loss(
+        logp.detach(), prox, prox, same, full, torch.tensor([False, False]), LossConfig()
+    )
     l2, _ = arpo_loss(logp.detach(), prox, prox, torch.tensor([0.7, -0.3]), full,
                       torch.tensor([False, False]), LossConfig())  # fmt: skip
     assert l1.item() == pytest.approx(l2.item())

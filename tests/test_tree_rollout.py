@@ -13,12 +13,13 @@ from arpo_envs.sim.server import SimConfig, running
 from arpo_envs.sim.tasks import generate_tasks
 
 from arpo import wire
-from arpo.actor.episode import EpisodeConfig, Environment
+from arpo.actor.episode import Environment, EpisodeConfig
 from arpo.actor.scripted import ScriptedPolicy
 from arpo.actor.tree import TreeStats, run_tree
 from arpo.buffer import ReplayStore
 from arpo.env.runner import RunnerConfig
 from arpo.learner.assemble import AssembleConfig, GroupAssembler
+from arpo.learner.learner import EnvSteps
 from arpo.record import Status, Trajectory
 from arpo.service.grants import GrantBook, GrantConfig
 
@@ -30,13 +31,19 @@ def _book(task: dict, **kw) -> GrantBook:
     return GrantBook([task], cfg)
 
 
-async def _run(grant: wire.Grant, policy, sim: SimConfig | None = None):
+async def _run(grant: wire.Grant, policy, sim: SimConfig | None = None, on_step=None):
     stats = TreeStats()
     async with running([sim or SimConfig(port=0)]) as urls:
         env = Environment(0, urls[0], RunnerConfig(reset_before_setup=True))
         try:
             results, back = await run_tree(
-                env, grant, policy, EpisodeConfig(max_steps=0), actor_id="a0", stats=stats
+                env,
+                grant,
+                policy,
+                EpisodeConfig(max_steps=0),
+                actor_id="a0",
+                stats=stats,
+                on_step=on_step,
             )
         finally:
             await env.close()
@@ -75,7 +82,8 @@ def test_a_tree_grant_fills_its_group_once_and_each_shared_turn_trains_once():
     # A scripted policy that follows the oracle, with a garbled response now and then (the
     # children of one branch point then differ).
     policy = ScriptedPolicy(garbage_prob=0.12, seed=5)
-    results, back, stats = asyncio.run(_run(grant, policy))
+    ran = []
+    results, back, stats = asyncio.run(_run(grant, policy, on_step=lambda: ran.append(1)))
 
     slots = sorted(s for s, _, _ in results)
     assert slots == [0, 1, 2, 3], "every slot exactly once"
@@ -89,6 +97,10 @@ def test_a_tree_grant_fills_its_group_once_and_each_shared_turn_trains_once():
     assert len(ok) >= 2
     assert _shared_turns_agree(ok) >= 1
     assert all(t.branch is not None for t in ok)
+    # The learner counts the environment steps the tree ran, shared turns once.
+    steps = EnvSteps()
+    assert sum(steps.add(t) for t in trajs) == len(ran) == steps.total
+    assert len(ran) < sum(t.steps for t in trajs)
 
     # The learner's side: the group, taken from a real store, trains each turn once.
     store = ReplayStore(max_bytes=1 << 28, fresh_capacity=64, replay_capacity=8, seed=0)

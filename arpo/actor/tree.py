@@ -26,8 +26,8 @@ back):
   first slot as a plain episode and gives the others back (`cannot_fork`); the actor
   logs it once per environment. The learner then gets plain groups.
 - A fork that fails (an `EnvError`): the node goes on with its first slot; each of its
-  other slots is delivered as `env_error` with the reason ("fork: ..."), so the learner
-  grants it again (and counts it).
+  other slots is delivered as `env_error` with the reason ("fork: ...") and no turns (it
+  ran none of its own), so the learner grants it again (and counts it).
 - A step or checker failure of a child is that leaf's `env_error` / `eval_error`; a
   policy failure gives that leaf's grant back; the other leaves go on.
 - The saved states and their clones are released when the tree ends, whatever happened.
@@ -237,8 +237,7 @@ async def run_tree(
             log.warning("grant %s: fork failed: %s", grant.grant_id, e)
             for part in parts:
                 for sl in part:
-                    leaf(None, sl, Status.ENV_ERROR, error=f"fork: {type(e).__name__}: {e}",
-                         run=fork.base)  # fmt: skip
+                    leaf(None, sl, Status.ENV_ERROR, error=f"fork: {type(e).__name__}: {e}")
             return
         kids = []
         for ce, part in zip(envs, parts, strict=True):
@@ -267,8 +266,7 @@ async def run_tree(
             stats.fork_errors += 1
             log.warning("grant %s: saving %s failed: %s", grant.grant_id, node.env.url, e)
             for sl in node.slots[1:]:
-                leaf(None, sl, Status.ENV_ERROR, error=f"fork: {type(e).__name__}: {e}",
-                     run=node.run)  # fmt: skip
+                leaf(None, sl, Status.ENV_ERROR, error=f"fork: {type(e).__name__}: {e}")
             node.slots = node.slots[:1]
             return await grow(node)
         stats.forks += 1

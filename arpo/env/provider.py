@@ -28,7 +28,7 @@ any other failure of the three is an `EnvError` with its reason.
 
 | provider | fork |
 |---|---|
-| `DesktopProvider` | the simulated desktop copies its scene into `n` child servers (`POST /snapshot`, `/fork`, `/release`); the local desktop answers 404: `ForkUnsupported` |
+| `DesktopProvider` | the simulated desktop copies its scene into `n` child servers (`POST /snapshot`, `/fork`, `/release`); the local desktop answers 501: `ForkUnsupported` |
 | `FleetVMProvider` | the fleet saves the VM's state and starts `n` VMs from it on copy-on-write overlays (control API `/vms/<name>/snapshot`, `/snapshots/<id>/fork`, `DELETE /snapshots/<id>`) |
 | `StaticProvider` | `ForkUnsupported` |
 

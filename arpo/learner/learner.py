@@ -134,6 +134,12 @@ class LearnerConfig:
         "", "Task selection file written by `arpo select-tasks`: train on its selected tasks."
     )
     iterations: int = option(0, "Training iterations to run (0: until stopped).")
+    max_env_steps: int = option(
+        0,
+        "Also stop once the delivered trajectories hold this many environment steps (a "
+        "tree's shared turns counted once, as its environment ran them; `charts/env_steps`), "
+        "to compare methods at the same environment cost. 0: no such bound.",
+    )
     hold_after_iterations: bool = option(
         False,
         "After `iterations` and their checkpoint, issue no more grants but keep storing and "
@@ -212,6 +218,8 @@ class LearnerConfig:
                 fail(name, f"{path!r} is not a file")
         if self.iterations < 0:
             fail("iterations", "must be >= 0 (0: until stopped)")
+        if self.max_env_steps < 0:
+            fail("max_env_steps", "must be >= 0 (0: no bound)")
         check_range(
             "success_score", self.success_score, 0, 1, "checker scores are in [0, 1]", lo_open=True
         )
@@ -339,6 +347,9 @@ class Learner:
         self._stop = threading.Event()
         self.spans = Spans()
         self.iteration = 0
+        self.env_steps = EnvSteps()
+        """Environment steps of the trajectories delivered (`max_env_steps`)."""
+        self._spent_logged = False
         self.version = 0
         self.task_stats = TaskStats()
         self.last_checkpoint: Path | None = None
@@ -471,6 +482,7 @@ class Learner:
             self.iteration = ckpt.iteration
             self.version = int(ckpt.state["version"])
             self.task_stats = TaskStats.from_dict(ckpt.state.get("tasks", {}))
+            self.env_steps.total = int(ckpt.state.get("env_steps", 0))
             store = restored if restored is not None else self._new_store()
             ckpt.restore_seen_log(cfg.ingest.seen_log)
         else:
@@ -619,6 +631,7 @@ class Learner:
 
         def on(traj: Any) -> bool:
             book.complete(traj)
+            self.env_steps.add(traj)
             return True
 
         return on
@@ -682,7 +695,9 @@ class Learner:
         ahead: Future[Batch | None] | None = None
         try:
             while ahead is not None or not (
-                self._stop.is_set() or (cfg.iterations and self.iteration >= cfg.iterations)
+                self._stop.is_set()
+                or (cfg.iterations and self.iteration >= cfg.iterations)
+                or self._spent()
             ):
                 t0 = time.perf_counter()
                 with self.spans("wait"):
@@ -707,6 +722,17 @@ class Learner:
             if ahead is not None:
                 ahead.cancel()
         return last
+
+    def _spent(self) -> bool:
+        """The environment-step budget (`max_env_steps`) is used up."""
+        spent = bool(self.config.max_env_steps) and (
+            self.env_steps.total >= self.config.max_env_steps
+        )
+        if spent and not self._spent_logged:
+            self._spent_logged = True
+            log.info("environment-step budget reached: %d steps delivered (max_env_steps %d)",
+                     self.env_steps.total, self.config.max_env_steps)  # fmt: skip
+        return spent
 
     def _finish_partial_batch(self) -> bool:
         """At a stop: train the groups the assembler took for an incomplete batch (and
@@ -791,6 +817,7 @@ class Learner:
                 else math.nan
             ),
             "charts/episodes": float(len(fresh)),
+            "charts/env_steps": float(self.env_steps.total),
             "charts/parse_failure_rate": (
                 float(np.mean([float(s.item.rewards[2]) < 0 for s in fresh])) if fresh else math.nan
             ),
@@ -992,6 +1019,7 @@ class Learner:
             "optimizer_steps": t.optimizer_steps_done,
             "assembler_totals": dict(self.assembler.totals),
             "tasks_out": dict(self.grants.book.retired),
+            "env_steps": self.env_steps.total,
         }
         model_state, optim_state = self._checkpoint_collectives()
         self.last_checkpoint = save_checkpoint(
@@ -1019,6 +1047,41 @@ class Learner:
             self.metrics = None
         if self.store is not None and not self.store.closed:
             self.store.close()
+
+
+class EnvSteps:
+    """Environment steps of delivered trajectories: their turns, a tree's shared turns
+    counted once (its environment ran them once; `arpo.record.Branch`)."""
+
+    MAX_NODES = 1 << 17
+    """Tree nodes remembered (the oldest are forgotten: a tree's leaves arrive together)."""
+
+    def __init__(self) -> None:
+        self.total = 0
+        self._seen: collections.OrderedDict[tuple[str, tuple[int, ...]], None] = (
+            collections.OrderedDict()
+        )
+        self._lock = threading.Lock()
+
+    def add(self, traj: Any) -> int:
+        """Count `traj`; the steps it added."""
+        b = traj.branch
+        if b is None:
+            n = traj.steps
+        else:
+            bounds = [0, *b.steps, traj.steps]
+            n = traj.steps - b.steps[-1] if b.steps else traj.steps
+            with self._lock:
+                for d in range(len(b.path)):
+                    key = (b.tree, b.path[:d])
+                    if key not in self._seen:
+                        self._seen[key] = None
+                        n += bounds[d + 1] - bounds[d]
+                        if len(self._seen) > self.MAX_NODES:
+                            self._seen.popitem(last=False)
+        with self._lock:
+            self.total += n
+        return n
 
 
 def _pack(samples: list[Sample]) -> list[tuple[Any, ...]]:

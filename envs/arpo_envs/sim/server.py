@@ -286,8 +286,6 @@ class Snapshot:
     handle: str
     state: DesktopState
     """Never served: each child gets a copy of it."""
-    taken: float
-    """time.monotonic() when it was saved."""
     children: list[Child] = field(default_factory=list)
     forked: int = 0
     """Children started from it so far (numbers their names)."""
@@ -330,7 +328,7 @@ class SimDesktopServer:
         self.snapshots: dict[str, Snapshot] = {}
         """Saved states by handle, each with the children forked from it."""
         # Handles released by the server (snapshot_ttl_s), for the 410's message.
-        self._expired: OrderedDict[str, float] = OrderedDict()
+        self._expired: OrderedDict[str, None] = OrderedDict()
         # /snapshot, /fork and /release of one desktop run one at a time: a release never
         # overlaps a fork of the same handle, and the counts checked are the counts used.
         self._fork_lock = asyncio.Lock()
@@ -579,7 +577,7 @@ class SimDesktopServer:
                 with self._span("snapshot"):
                     saved = DesktopState(self.desk, self.task, self.files).copy()
             handle = f"snap-{secrets.token_hex(8)}"
-            snap = Snapshot(handle, saved, time.monotonic())
+            snap = Snapshot(handle, saved)
             loop = asyncio.get_running_loop()
             snap.expiry = loop.call_later(self.config.snapshot_ttl_s, self._expire, handle)
             self.snapshots[handle] = snap
@@ -700,7 +698,12 @@ class SimDesktopServer:
         """snapshot_ttl_s passed: release the snapshot in a task of its own."""
         task = asyncio.get_running_loop().create_task(self._release_expired(handle))
         self._expiring.add(task)
-        task.add_done_callback(self._expiring.discard)
+        task.add_done_callback(self._expired_done)
+
+    def _expired_done(self, task: asyncio.Task[None]) -> None:
+        self._expiring.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("releasing an expired snapshot failed", exc_info=task.exception())
 
     async def _release_expired(self, handle: str) -> None:
         async with self._fork_lock:
@@ -714,8 +717,8 @@ class SimDesktopServer:
                 self.config.snapshot_ttl_s,
                 len(snap.children),
             )
-            self._expired[handle] = time.monotonic()
-            while len(self._expired) > MAX_SNAPSHOTS:
+            self._expired[handle] = None
+            while len(self._expired) > MAX_SNAPSHOTS:  # the last ones are enough to explain a 410
                 self._expired.popitem(last=False)
             await self._drop(snap)
 
