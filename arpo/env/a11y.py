@@ -7,7 +7,8 @@ desktop and the simulated one. This module builds them, matching OSWorld's own c
 mm_agents/agent.py `linearize_accessibility_tree`, `tag_screenshot`, `trim_accessibility_tree`
 and `parse_code_from_som_string`; mm_agents/accessibility_tree_wrap/heuristic_retrieve.py
 `judge_node`, `filter_nodes` and `draw_bounding_boxes`), which tests/test_a11y_osworld.py runs
-side by side with this module on the same trees.
+side by side with this module on the same trees (`pytest tests/test_a11y_osworld.py`, after
+`make osworld-evaluator`).
 
     table = linearize(xml)                          # a11y_tree, screenshot_a11y_tree
     table = trim(table, tokenizer, max_tokens=10_000)
@@ -25,9 +26,10 @@ Which nodes count (`filter_nodes`), OSWorld's rules:
 Nodes are taken in document order.
 
 The table (`linearize`): the header `tag, name, text, class, description, position (top-left
-x&y), size (w&h)` and one tab-separated row per node, joined by newlines, nothing escaped but
-the text cell: a node's text (or, for a Windows "EditWrapper" node without text, its value),
-wrapped in double quotes with inner quotes doubled when it contains one, `""` when empty.
+x&y), size (w&h)` and one tab-separated row per node, joined by newlines. Nothing is escaped
+(a text holding newlines spans several lines, as in OSWorld) but the text cell is quoted: a
+node's text (or, for a Windows "EditWrapper" node without text, its value), wrapped in double
+quotes with inner quotes doubled when it contains one, `""` when empty.
 OSWorld reads the class and description cells from the *Windows* attributes namespace even on
 Ubuntu (its `attributes_ns_ubuntu` holds the Windows URI), so on Ubuntu trees those two cells
 are always empty; matched here on purpose, since the table is what OSWorld's agents see.
@@ -48,7 +50,8 @@ Deviations from OSWorld's code:
    laughs" expansion); OSWorld parses with an unbounded `ElementTree.fromstring`. Refusals
    raise `EnvProtocolError`: the environment sent a tree no real one is.
 2. Positions and sizes are parsed as two integers, never `eval`ed: a value that is not
-   "(int, int)" drops its node, where OSWorld's `eval` would run it (and crash on most).
+   "(int, int)" drops its node, where OSWorld runs it as Python (a malformed value fails the
+   whole observation there). Every server here and OSWorld's write "(x, y)".
 3. `trim` counts tokens with the policy's own tokenizer (its `encode` / `decode`), not
    tiktoken's gpt-4 encoding: the budget is in the tokens the policy reads.
 4. Marks read positions from the platform's own component namespace; OSWorld's
