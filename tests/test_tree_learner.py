@@ -11,17 +11,21 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from test_learner import actor_args, config, sim_tasks_file, tiny_dir  # noqa: F401
+import test_learner
+from test_learner import actor_args, config
 
 from arpo.learner.assemble import AssembleConfig
 from arpo.learner.learner import Learner
 from arpo.service.grants import GrantConfig
 
+tiny_dir = test_learner.tiny_dir  # the module's fixtures
+sim_tasks_file = test_learner.sim_tasks_file
+
 
 def test_tree_grants_train_and_the_run_stops_at_its_environment_step_budget(
     tmp_path,
     tiny_dir,
-    sim_tasks_file,  # noqa: F811
+    sim_tasks_file,
 ):
     budget = 40
     cfg = config(
@@ -41,7 +45,7 @@ def test_tree_grants_train_and_the_run_stops_at_its_environment_step_budget(
             "sim_envs=1",
             "episode.max_steps=3",
             "episode.on_parse_failure='continue'",
-        )  # fmt: skip
+        )
     )
     try:
         learner.run()
