@@ -9,7 +9,9 @@ again (DESIGN section 3):
   policy version that generated the turn, the sampling settings it was drawn with
   (temperature, top_p), the parsed action and whether it parsed;
 - outcome: checker score, format reward, total reward, status, wall times;
-- ids: trajectory (uuid hex), task, group (the task grant), slot in the group, actor.
+- ids: trajectory (uuid hex), task, group (the task grant), slot in the group, actor;
+- what the model was shown each turn (`observation`: screenshot, a11y_tree,
+  screenshot_a11y_tree or som; a turn without an image has an empty screenshot).
 
 The training sequence is `prompt_0 + response_0 + prompt_1 + response_1 + ...`;
 the loss mask covers the response tokens only (`Trajectory.sequence()`).
@@ -99,6 +101,12 @@ MAX_SLOT = 1 << 31
 """Largest slot in a group (the grants' bound)."""
 MAX_ERROR_CHARS = 2000
 """Longest `Trajectory.error` kept (a longer one is cut)."""
+MAX_ID_BYTES = 1024
+"""Longest id (trajectory, task, group, grant, actor, tree), in UTF-8 bytes."""
+OBSERVATION_TYPES = ("screenshot", "a11y_tree", "screenshot_a11y_tree", "som")
+"""What the model is shown each turn, as OSWorld's run.py names it (`observation_type`):
+the screenshot; the linearised accessibility table instead; both; the screenshot with
+numbered marks drawn on it and the table of the marks (`arpo.env.a11y`)."""
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -241,11 +249,23 @@ def _finite(value: Any, name: str) -> float:
     return value
 
 
-def ident_problem(value: str) -> str | None:
-    """Why `value` cannot be an id, or None. Ids (trajectory, task, group, grant, actor)
-    are printable characters without whitespace: ledgers (`seen.log`, `trained.log`,
-    spool ledgers) write them one per line, tab-separated, so a newline, carriage return,
-    tab, line separator or surrounding space in an id would forge or split lines."""
+def ident_problem(value: Any, *, allow_empty: bool = False) -> str | None:
+    """What is wrong with `value` as an id, or None. An id (trajectory, task, group, grant,
+    actor, tree) is a string of 1..MAX_ID_BYTES UTF-8 bytes ("" too where `allow_empty`) of
+    printable characters without whitespace: ledgers (`seen.log`, `trained.log`, spool
+    ledgers) write ids one per line, tab-separated, so a newline, carriage return, tab, line
+    separator or surrounding space in an id would forge or split lines. The record raises
+    the answer as a RecordError, the wire as a WireError, both after the field's name."""
+    if not isinstance(value, str):
+        return f"must be a string, got {type(value).__name__}"
+    if not value and not allow_empty:
+        return "must not be empty"
+    try:
+        n = len(value.encode("utf-8"))
+    except UnicodeEncodeError:
+        return "is not valid unicode (lone surrogate)"
+    if n > MAX_ID_BYTES:
+        return f"must be at most {MAX_ID_BYTES} bytes in UTF-8, got {n}"
     for c in value:
         if c.isspace() or not c.isprintable():
             return (
@@ -256,18 +276,7 @@ def ident_problem(value: str) -> str | None:
 
 
 def _ident(value: Any, name: str, *, allow_empty: bool = False) -> str:
-    if not isinstance(value, str):
-        raise RecordError(f"{name} must be a str, got {type(value).__name__}")
-    if not value and not allow_empty:
-        raise RecordError(f"{name} must not be empty")
-    if len(value.encode("utf-8", "surrogatepass")) > 1024:
-        raise RecordError(f"{name} is longer than 1024 bytes")
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        raise RecordError(f"{name} is not valid unicode (lone surrogate)") from None
-    why = ident_problem(value)
-    if why is not None:
+    if (why := ident_problem(value, allow_empty=allow_empty)) is not None:
         raise RecordError(f"{name} {why}")
     return value
 
@@ -367,6 +376,11 @@ class Trajectory:
     """The environment that ran the episode (its URL or name; "" when not recorded)."""
     branch: Branch | None = None
     """Its place in a tree rollout (None: an episode of its own, from the task's start)."""
+    observation: str = "screenshot"
+    """What the model was shown each turn (one of OBSERVATION_TYPES). The turns' prompt ids
+    hold it all (a table's tokens), their PNGs the images as shown (for `som` with the marks
+    drawn; none for `a11y_tree`), so the learner scores exactly what was sampled; this says
+    which kind it was."""
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -418,6 +432,11 @@ class Trajectory:
                     f"trajectory.branch: branch point at turn {self.branch.steps[-1]} of an "
                     f"episode of {len(turns)} turns"
                 )
+        if self.observation not in OBSERVATION_TYPES:
+            raise RecordError(
+                f"trajectory.observation must be one of {', '.join(OBSERVATION_TYPES)}, got "
+                f"{self.observation!r:.60}"
+            )
         for name, limit in (("error", MAX_ERROR_CHARS), ("env", 1024)):
             v = getattr(self, name)
             if not isinstance(v, str):
@@ -479,6 +498,7 @@ class Trajectory:
             and self.error == other.error
             and self.env == other.env
             and self.branch == other.branch
+            and self.observation == other.observation
             and self.turns == other.turns
         )
 

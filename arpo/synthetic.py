@@ -2,7 +2,7 @@
 
     traj = synthetic_trajectory(processor, "Open the file", screenshots=[png, png],
                                 responses=[ids0, ids1], reward=1.0, version=3)
-    item = arpo.wire.to_item(traj)
+    item = arpo.store_item.to_item(traj)
 
 The prompt ids come from the real prompt builder (`arpo.policy.prompt.EpisodePrompt`
 with the processor's min / max pixels), so image-token counts, chat markers and the

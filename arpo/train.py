@@ -1179,7 +1179,7 @@ def account(run_dir: Path, checkpoint: Path | None) -> dict[str, Any]:
     `trained_twice` counts fresh trajectories trained in two iterations. Both must be 0."""
     import collections
 
-    from arpo import wire
+    from arpo import store_item, wire
     from arpo.actor.spool import REFUSED, SUFFIX, read_ledger
     from arpo.buffer import ReplayStore
     from arpo.learner.checkpoint import load_checkpoint
@@ -1213,7 +1213,7 @@ def account(run_dir: Path, checkpoint: Path | None) -> dict[str, Any]:
             for task in store.tasks():
                 n = store.fresh_len(task)
                 if n:
-                    in_store |= {wire.from_item(i).trajectory_id
+                    in_store |= {store_item.from_item(i).trajectory_id
                                  for i in store.take_group(task, n, timeout=0)}  # fmt: skip
             store.close()
         journal = run_dir / "learner" / "journal"

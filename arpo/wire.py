@@ -7,9 +7,10 @@ A message is a list of frames (a ZeroMQ multipart message):
     frame 2.. payload frames declared by the header (raw little-endian arrays, PNG bytes)
 
 Trajectory (kind 1): header keys `tid task group slot actor score fmt reward
-status timings turns error env branch` (`error`, `env` and `branch` may be left out by
-records written before they existed: "", "" and nil; `branch` is nil or `{"tree", "path",
-"steps"}`, the leaf's place in a tree rollout, `arpo.record.Branch`), where `turns` is a list of
+status timings turns error env branch obs` (`error`, `env`, `branch` and `obs` may be left
+out by records written before they existed: "", "", nil and "screenshot"; `branch` is nil or
+`{"tree", "path", "steps"}`, the leaf's place in a tree rollout, `arpo.record.Branch`; `obs`
+the observation type, `arpo.record.OBSERVATION_TYPES`), where `turns` is a list of
 `[n_prompt, n_response, n_png, policy_version, parsed, action, temperature, top_p]`
 (the sampling settings the turn was drawn with; the decoder also accepts the 6-entry
 form of records written before they existed, which decodes with NaN for both, "not
@@ -74,7 +75,6 @@ from __future__ import annotations
 
 import math
 import struct
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -83,6 +83,7 @@ import msgpack
 import numpy as np
 
 from arpo.errors import RecordError, WireError
+from arpo.record import MAX_ID_BYTES as MAX_ID_BYTES  # a wire limit too (control message ids)
 from arpo.record import (
     MAX_SLOT,
     MAX_VERSION,
@@ -127,8 +128,6 @@ MAX_STATS = 64
 """Most counters in a heartbeat's stats map."""
 MAX_CHUNK_BYTES = 256 << 20
 """Largest weights chunk."""
-MAX_ID_BYTES = 1024
-"""Longest id (actor, grant, task, group) accepted in a control message."""
 
 _I32 = np.dtype("<i4")
 _F32 = np.dtype("<f4")
@@ -149,9 +148,10 @@ _TRAJ_KEYS = frozenset(
         "error",
         "env",
         "branch",
+        "obs",
     )
 )
-_TRAJ_OPTIONAL = frozenset(("error", "env", "branch"))
+_TRAJ_OPTIONAL = frozenset(("error", "env", "branch", "obs"))
 """Trajectory header keys a record written before they existed leaves out ("")."""
 
 
@@ -186,16 +186,7 @@ class Refuse:
 
 
 def _check_id(v: Any, name: str, *, allow_empty: bool = False) -> str:
-    if type(v) is not str:
-        raise WireError(f"{name} must be a string, got {type(v).__name__}")
-    if (not v and not allow_empty) or len(v) > MAX_ID_BYTES:
-        raise WireError(f"{name} must be a string of 1..{MAX_ID_BYTES} characters")
-    try:
-        v.encode("utf-8")
-    except UnicodeEncodeError:
-        raise WireError(f"{name} is not valid unicode (lone surrogate)") from None
-    why = ident_problem(v)
-    if why is not None:
+    if (why := ident_problem(v, allow_empty=allow_empty)) is not None:
         raise WireError(f"{name} {why}")
     return v
 
@@ -611,7 +602,7 @@ def encode(msg: Message) -> list[Frame]:
 
 
 def trajectory_header(traj: Trajectory) -> dict[str, Any]:
-    """The header map of a trajectory (also used as the replay store's metadata)."""
+    """The header map of a trajectory (frame 1 of its message, packed)."""
     return {
         "tid": traj.trajectory_id,
         "task": traj.task_id,
@@ -626,6 +617,7 @@ def trajectory_header(traj: Trajectory) -> dict[str, Any]:
         "error": traj.error,
         "env": traj.env,
         "branch": None if traj.branch is None else traj.branch.to_json(),
+        "obs": traj.observation,
         "turns": [
             [
                 len(t.prompt_ids),
@@ -642,6 +634,12 @@ def trajectory_header(traj: Trajectory) -> dict[str, Any]:
     }
 
 
+def pack_trajectory_header(traj: Trajectory) -> bytes:
+    """The trajectory's header frame: `trajectory_header` as msgpack. A replay store item
+    keeps the same bytes as its metadata (`arpo.store_item`)."""
+    return _pack(trajectory_header(traj))
+
+
 def _concat(arrays: list[np.ndarray], dtype: np.dtype) -> bytes | memoryview:
     if not arrays:
         return b""
@@ -654,7 +652,7 @@ def _encode_trajectory(traj: Trajectory) -> list[Frame]:
     turns = traj.turns
     frames: list[Frame] = [
         _preamble(KIND_TRAJECTORY),
-        _pack(trajectory_header(traj)),
+        pack_trajectory_header(traj),
         _concat([t.prompt_ids for t in turns], _I32),
         _concat([t.response_ids for t in turns], _I32),
         _concat([t.logprobs for t in turns], _F32),
@@ -902,6 +900,15 @@ def _turn_specs(header: dict[str, Any]) -> list[list[Any]]:
     return turns_h
 
 
+def unpack_trajectory_header(buf: Any) -> dict[str, Any]:
+    """The header map packed in `buf` (`pack_trajectory_header`'s bytes), checked: its keys,
+    and its `turns` as 8-entry specs (the 6-entry form filled with NaN). WireError when
+    malformed. The payload is checked by `assemble_trajectory`."""
+    header = _unpack(memoryview(buf))
+    _turn_specs(header)
+    return header
+
+
 def decode_trajectory_parts(
     header: dict[str, Any], payload: Sequence[Any], *, first_index: int = 0
 ) -> Trajectory:
@@ -927,18 +934,23 @@ def decode_trajectory_parts(
         lps.append(logprobs[orr : orr + n_r])
         op += n_p
         orr += n_r
-    return _assemble(header, specs, prompts, responses, lps, logprobs, views[3:])
+    return assemble_trajectory(header, prompts, responses, lps, logprobs, views[3:])
 
 
-def _assemble(
+def assemble_trajectory(
     header: dict[str, Any],
-    specs: list[list[Any]],
     prompts: list[np.ndarray],
     responses: list[np.ndarray],
     lps: list[np.ndarray],
     all_logprobs: np.ndarray,
     pngs: Sequence[memoryview],
 ) -> Trajectory:
+    """The Trajectory of a checked header (`unpack_trajectory_header`, or
+    `decode_trajectory_parts`' own check) and every turn's prompt ids, response ids,
+    log-probs and PNG, kept as the views they are; `all_logprobs` holds every turn's
+    log-probs (one finiteness check for all). Checks what the header could not: PNG sizes
+    and signatures, finite log-probs, the record's fields. WireError when malformed."""
+    specs = header["turns"]
     timings = _get(header, "timings", dict, "a map")
     if all_logprobs.size and not np.isfinite(all_logprobs).all():
         raise WireError("log-probs frame holds NaN or inf")
@@ -974,84 +986,7 @@ def _assemble(
             error=_get(header, "error", str, "a string") if "error" in header else "",
             env=_get(header, "env", str, "a string") if "env" in header else "",
             branch=None if header.get("branch") is None else Branch.from_json(header["branch"]),
+            observation=_get(header, "obs", str, "a string") if "obs" in header else "screenshot",
         )
     except RecordError as e:
         raise WireError(f"invalid trajectory: {e}") from None
-
-
-# ---------------------------------------------------------------------------- replay store items
-
-
-def to_item(traj: Trajectory) -> Any:
-    """A trajectory as an item of the replay store (`arpo.buffer.Item`).
-
-    Layout: `tokens` is the training sequence (prompt_0, response_0, prompt_1, ...),
-    `offsets` the per-turn lengths [n_prompt_0, n_response_0, n_prompt_1, ...],
-    `logprobs` the behaviour log-probs of the response tokens in order, `rewards`
-    [reward, checker_score, format_reward], `version` the oldest turn's policy
-    version, `blobs` the PNGs (kept by reference, without a copy when they are bytes or
-    views of received frames), `metadata` the wire header.
-    """
-    from arpo.buffer import Item
-
-    ids: list[np.ndarray] = []
-    offsets: list[int] = []
-    for t in traj.turns:
-        ids += [t.prompt_ids, t.response_ids]
-        offsets += [len(t.prompt_ids), len(t.response_ids)]
-    tokens = np.concatenate(ids) if ids else np.zeros(0, np.int32)
-    lps = [t.logprobs for t in traj.turns]
-    return Item(
-        tokens.astype(np.int32, copy=False),
-        np.concatenate(lps).astype(np.float32, copy=False) if lps else np.zeros(0, np.float32),
-        np.asarray(offsets, dtype=np.int32),
-        np.asarray([traj.reward, traj.checker_score, traj.format_reward], dtype=np.float32),
-        max(traj.min_version, 0),
-        blobs=[_as_blob(t.screenshot) for t in traj.turns],
-        metadata=_pack(trajectory_header(traj)),
-    )
-
-
-def _as_blob(buf: Frame) -> bytes | memoryview:
-    """The PNG as a blob the store keeps by reference (see `arpo.buffer`), without a copy
-    when it is bytes or a view of bytes or of a zmq.Frame: frames received with
-    `recv_multipart(copy=True)` are bytes, with `copy=False` zmq.Frames, and decode's
-    memoryviews point at them (a view of a frame is passed read-only: the store rejects
-    writable views). Anything else (a bytearray, a view of writable memory) is copied."""
-    if isinstance(buf, bytes):
-        return buf
-    if isinstance(buf, memoryview) and buf.c_contiguous:
-        if isinstance(buf.obj, bytes):
-            return buf.obj if buf.nbytes == len(buf.obj) else buf
-        zmq = sys.modules.get("zmq")  # frames exist only once pyzmq is imported
-        if zmq is not None and isinstance(buf.obj, zmq.Frame):
-            return buf.toreadonly()
-    return bytes(buf)
-
-
-def from_item(item: Any) -> Trajectory:
-    """The trajectory stored as `item` (see `to_item`), as views into the item's memory."""
-    header = _unpack(memoryview(item.metadata))
-    specs = _turn_specs(header)
-    offsets = item.offsets
-    if len(offsets) != 2 * len(specs) or len(item.blobs) != len(specs):
-        raise WireError(
-            f"store item does not match its header: {len(specs)} turns, "
-            f"{len(offsets)} offsets, {len(item.blobs)} blobs"
-        )
-    tokens, logprobs = item.tokens, item.logprobs
-    prompts, responses, lps = [], [], []
-    pos = lpos = 0
-    for i, (n_p, n_r, *_) in enumerate(specs):
-        if offsets[2 * i] != n_p or offsets[2 * i + 1] != n_r:
-            raise WireError(f"store item offsets disagree with the header at turn {i}")
-        prompts.append(tokens[pos : pos + n_p])
-        responses.append(tokens[pos + n_p : pos + n_p + n_r])
-        lps.append(logprobs[lpos : lpos + n_r])
-        pos += n_p + n_r
-        lpos += n_r
-    if pos != len(tokens) or lpos != len(logprobs):
-        raise WireError("store item token or log-prob count disagrees with its header")
-    return _assemble(
-        header, specs, prompts, responses, lps, logprobs, [memoryview(b) for b in item.blobs]
-    )

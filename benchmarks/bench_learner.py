@@ -45,7 +45,7 @@ STAGES = ["wait", "sequences", "proximal_forward", "forward_backward", "optimize
 
 def make_items(trainer, n: int, turns: int, response: int, seed: int):
     """n on-policy trajectories (behaviour log-probs = the model's own, teacher-forced)."""
-    from arpo import wire
+    from arpo import store_item
     from arpo.learner.batch import build_sequence
     from arpo.synthetic import (
         random_response,
@@ -67,14 +67,14 @@ def make_items(trainer, n: int, turns: int, response: int, seed: int):
             reward=float(i % 2),
             task_id=f"task-{i // 4}",
         )
-        item = wire.to_item(traj)
+        item = store_item.to_item(traj)
         (lp,) = trainer.proximal([build_sequence(item, proc, trainer.image_token_id)])
         out.append(with_logprobs(traj, lp.numpy()))
     return out
 
 
 def run_setting(model_dir: Path, args, micro: int, trajs) -> dict:
-    from arpo import wire
+    from arpo import store_item
     from arpo.learner.assemble import AssembleConfig
     from arpo.learner.checkpoint import CheckpointConfig
     from arpo.learner.learner import Learner, LearnerConfig
@@ -100,7 +100,7 @@ def run_setting(model_dir: Path, args, micro: int, trajs) -> dict:
     learner = Learner(cfg)
     learner.setup()
     for t in trajs:
-        learner.store.put(t.task_id, wire.to_item(t))
+        learner.store.put(t.task_id, store_item.to_item(t))
     learner.run()
     rows = learner.history[1:]
     first = learner.history[0]

@@ -53,7 +53,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def one_length(model_dir: str, turns: int, response: int, repeats: int, episodes: int) -> dict:
     import torch
 
-    from arpo import wire
+    from arpo import store_item
     from arpo.learner.assemble import Sample
     from arpo.learner.batch import build_sequence
     from arpo.learner.trainer import Trainer, TrainerConfig
@@ -69,7 +69,7 @@ def one_length(model_dir: str, turns: int, response: int, repeats: int, episodes
     shots = [screenshot_png(rng, 1280, 720) for _ in range(turns)]
     resps = [random_response(rng, proc.tokenizer, response) for _ in range(turns)]
     traj = synthetic_trajectory(proc, "fill in the form", screenshots=shots, responses=resps)
-    item = wire.to_item(traj)
+    item = store_item.to_item(traj)
     seq = build_sequence(item, proc, trainer.image_token_id)
 
     lo, hi = pixel_bounds(proc)

@@ -19,7 +19,7 @@ acknowledgement received. Rows:
                       receiver answers each message with a small ack, at most 32 unacked:
                       the ZeroMQ ceiling of the arpo rows (no decoding, no store)
 - arpo transport      ActorLink (DEALER, asyncio) -> Ingest (ROUTER): decode + validate +
-                      `wire.to_item` + `store.put` + an ack per trajectory; at most 32 unacked
+                      `store_item.to_item` + `store.put` + an ack per trajectory; at most 32 unacked
 - arpo + journal      the same with the learner's write-ahead journal (its default in
                       `arpo-learner`): each trajectory appended and fsynced before its ack
 - arpo + spool        the same as `arpo transport` with the actor's spool: write + fsync +
@@ -59,7 +59,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_wire import machine  # noqa: E402
 from conftest import make_png, make_trajectory  # noqa: E402
 
-from arpo import wire  # noqa: E402
+from arpo import store_item, wire  # noqa: E402
 from arpo.record import Trajectory  # noqa: E402
 
 
@@ -88,7 +88,7 @@ def _learner(q: mp.Queue, done: mp.Event, n: int, journal: str) -> None:
     done.wait()
     ingest.stop()
     task = store.tasks()[0]
-    first = wire.from_item(store.take_group(task, 1, timeout=0)[0])
+    first = store_item.from_item(store.take_group(task, 1, timeout=0)[0])
     q.put(
         {
             "stored": ingest.stats().get("stored", 0),
@@ -298,7 +298,7 @@ def step_costs(trajs: list[Trajectory]) -> dict[str, tuple[str, float]]:
     frames, enc = each(wire.encode, trajs)
     received = [[zmq.Frame(bytes(f)) for f in fr] for fr in frames]  # as ingest receives them
     decoded, dec = each(wire.decode, received)
-    items, item = each(wire.to_item, decoded)
+    items, item = each(store_item.to_item, decoded)
     store = ReplayStore(max_bytes=8 << 30, fresh_capacity=len(items) + 1, seed=0)
     _, put = each(lambda it: store.put("task", it), items)
     _, ack = each(lambda t: wire.encode(wire.Ack((t.trajectory_id,))), decoded)
@@ -306,7 +306,7 @@ def step_costs(trajs: list[Trajectory]) -> dict[str, tuple[str, float]]:
     return {
         "wire.encode (trajectory -> frames)": ("actor", enc),
         "wire.decode (frames -> validated trajectory)": ("learner", dec),
-        "wire.to_item (trajectory -> store item)": ("learner", item),
+        "store_item.to_item (trajectory -> store item)": ("learner", item),
         "store.put": ("learner", put),
         "wire.encode (ack)": ("learner", ack),
     }

@@ -21,7 +21,7 @@ import pytest
 from arpo_envs.sim.tasks import generate_tasks
 from conftest import sim_desktop
 
-from arpo import wire
+from arpo import store_item
 from arpo.actor.actor import Actor
 from arpo.actor.config import ActorConfig
 from arpo.actor.episode import EpisodeConfig
@@ -108,7 +108,10 @@ class Learner:
     def drain(self) -> list[Trajectory]:
         out = []
         for t in self.store.tasks():
-            out += [wire.from_item(i) for i in self.store.take_group(t, self.store.fresh_len(t), 0)]
+            out += [
+                store_item.from_item(i)
+                for i in self.store.take_group(t, self.store.fresh_len(t), 0)
+            ]
         return out
 
     def close(self) -> None:

@@ -10,7 +10,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from arpo import wire
+from arpo import store_item
 from arpo.buffer import ReplayStore
 from arpo.errors import ConfigError
 from arpo.learner.assemble import AssembleConfig, GroupAssembler
@@ -36,7 +36,7 @@ def store() -> ReplayStore:
 
 
 def put(s: ReplayStore, t: Trajectory) -> Trajectory:
-    s.put(t.task_id, wire.to_item(t))
+    s.put(t.task_id, store_item.to_item(t))
     return t
 
 
@@ -78,7 +78,7 @@ def test_stale_and_non_ok_trajectories_are_dropped_and_counted():
 def test_reference_replay_replaces_one_fresh_episode():
     s = store()
     old = traj("a", 1.0, version=1)
-    s.add_success("a", wire.to_item(old))
+    s.add_success("a", store_item.to_item(old))
     fresh = [put(s, traj("a", 0.0)) for _ in range(8)]
     b = GroupAssembler(s, AssembleConfig(group_size=8, groups_per_step=1)).next_batch(5, 1)
     assert len(b.samples) == 8
@@ -96,7 +96,7 @@ def test_replay_variants_add_k_newest_and_off():
     s = store()
     olds = [traj("a", 1.0, version=v) for v in (1, 2, 3)]
     for o in olds:
-        s.add_success("a", wire.to_item(o))
+        s.add_success("a", store_item.to_item(o))
     for _ in range(4):
         put(s, traj("a", 0.0))
     cfg = AssembleConfig(
@@ -198,7 +198,7 @@ def scored(task: str, checker: float, fmt: float = 0.0, version: int = 5, **kw) 
 
 def stored_success(s: ReplayStore, task: str, version: int = 1) -> Trajectory:
     old = scored(task, 1.0, version=version)
-    s.add_success(task, wire.to_item(old))
+    s.add_success(task, store_item.to_item(old))
     return old
 
 

@@ -26,7 +26,7 @@ import zmq
 from conftest import make_trajectory
 from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
 
-from arpo import wire
+from arpo import store_item, wire
 from arpo.buffer import ReplayStore
 from arpo.config import validate
 from arpo.errors import ConfigError, SnapshotError
@@ -73,7 +73,7 @@ def _items(store: ReplayStore) -> list[str]:
     for task in store.tasks():
         n = store.fresh_len(task)
         if n:
-            ids += [wire.from_item(it).trajectory_id for it in store.take_group(task, n, 0)]
+            ids += [store_item.from_item(it).trajectory_id for it in store.take_group(task, n, 0)]
     return sorted(ids)
 
 
@@ -92,8 +92,8 @@ def test_round_trip(tmp_path: Path, tiny_dir: Path, trained, png_pool: list[byte
         for i in range(3)
     ]
     for t in trajs:
-        store.put(t.task_id, wire.to_item(t))
-    store.add_success(trajs[0].task_id, wire.to_item(trajs[0]), priority=2.0)
+        store.put(t.task_id, store_item.to_item(t))
+    store.add_success(trajs[0].task_id, store_item.to_item(trajs[0]), priority=2.0)
     seen_log = tmp_path / "seen.log"
     seen_log.write_text("".join(t.trajectory_id + "\n" for t in trajs))
     state = {"version": 7, "tasks": {"task-a": {"success": 0.25, "n": 4}}, "replay_hits": 3}
@@ -156,7 +156,7 @@ def test_round_trip(tmp_path: Path, tiny_dir: Path, trained, png_pool: list[byte
     restored = ReplayStore.restore(ckpt.store_path)
     assert restored.stats()["total"]["items"] == store.stats()["total"]["items"]
     (success,) = restored.sample(trajs[0].task_id, 1, mode="newest")
-    assert wire.from_item(success) == trajs[0]
+    assert store_item.from_item(success) == trajs[0]
     assert _items(restored) == sorted(t.trajectory_id for t in trajs)
     assert ckpt.seen_log is not None and ckpt.seen_log.read_bytes() == seen_log.read_bytes()
     dest = tmp_path / "live" / "seen.log"

@@ -13,7 +13,7 @@ import pytest
 from arpo_envs.sim.tasks import generate_tasks, write_tasks
 from conftest import POOL_FAMILIES, SCRIPTED_ACTOR, ListStore, loopback
 
-from arpo import cli, wire
+from arpo import cli, store_item
 from arpo.config import load_config, validate
 from arpo.errors import ArpoError, ConfigError
 from arpo.pool.collect import CollectConfig, load_outcomes, run_collect
@@ -71,7 +71,9 @@ def test_every_ok_episode_is_stored_once_and_outcomes_count_everything(
     store = ListStore()
     result = run_collect(cfg, store=store)
 
-    received = {wire.from_item(i).trajectory_id: wire.from_item(i) for _, i in store.items}
+    received = {
+        store_item.from_item(i).trajectory_id: store_item.from_item(i) for _, i in store.items
+    }
     assert len(received) == len(store.items) == 6 * n  # every ok run, once
     counts: collections.Counter[str] = collections.Counter()
     collected = list(read_collection(out, counts))

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 from conftest import make_trajectory
 
-from arpo import wire
+from arpo import store_item, wire
 from arpo.buffer import ReplayStore
 from arpo.learner.assemble import AssembleConfig, GroupAssembler
 from arpo.record import Trajectory
@@ -149,7 +149,7 @@ def test_actors_fill_groups_that_get_replayed_successes_over_a_real_socket(
         for task in SCORES:
             assert restored.replay_len(task) == store.replay_len(task)
         (item,) = restored.sample("once", 1)
-        assert wire.from_item(item).trajectory_id == "once-0-0"
+        assert store_item.from_item(item).trajectory_id == "once-0-0"
     finally:
         restored.close()
         store.close()

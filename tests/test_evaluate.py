@@ -16,7 +16,7 @@ import torch
 from arpo_envs.sim.tasks import generate_tasks, write_tasks
 from conftest import POOL_FAMILIES, SCRIPTED_ACTOR, ListStore, loopback
 
-from arpo import cli, wire
+from arpo import cli, store_item
 from arpo.config import load_config, validate
 from arpo.env.task import load_pool, task_domain
 from arpo.errors import ArpoError, ConfigError
@@ -79,7 +79,7 @@ def test_scripted_eval_counts_match_ingest_and_domains_sum_their_tasks(
         assert r["domain"] == domain_of[tid]
         items = received[tid]
         assert len(items) == n
-        trajs = [wire.from_item(i) for i in items]
+        trajs = [store_item.from_item(i) for i in items]
         assert all(t.status == Status.OK for t in trajs)
         assert r["successes"] == sum(t.checker_score >= 1.0 for t in trajs)
         assert r["success_rate"] == pytest.approx(r["successes"] / n)

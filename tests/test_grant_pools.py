@@ -24,7 +24,7 @@ from pathlib import Path
 from arpo_envs.sim.tasks import generate_tasks
 from conftest import sim_desktop
 
-from arpo import wire
+from arpo import store_item
 from arpo.buffer import ReplayStore
 from arpo.env.task import task_pool
 from arpo.record import Status
@@ -99,7 +99,9 @@ def test_sim_and_other_pool_tasks_run_only_on_their_own_environments(tmp_path: P
         ingest.stop()
         grants.stop()
     trajs = [
-        wire.from_item(i) for t in store.tasks() for i in store.take_group(t, store.fresh_len(t), 0)
+        store_item.from_item(i)
+        for t in store.tasks()
+        for i in store.take_group(t, store.fresh_len(t), 0)
     ]
     store.close()
     text = log.read_text()

@@ -11,7 +11,7 @@ import pytest
 import zmq
 from conftest import make_trajectory
 
-from arpo import wire
+from arpo import store_item, wire
 from arpo.buffer import ReplayStore
 from arpo.record import Status, Trajectory
 from arpo.service.ingest import Ingest, IngestConfig
@@ -68,7 +68,7 @@ def test_ingest_stores_acks_and_survives_everything(
         assert _reply(sock) == wire.Ack((first.trajectory_id,))
         assert store.fresh_len(first.task_id) == 1
         (item,) = store.take_group(first.task_id, 1, timeout=0)
-        assert wire.from_item(item) == first  # exactly what the actor sent
+        assert store_item.from_item(item) == first  # exactly what the actor sent
         store.put(first.task_id, item)
 
         # Replayed: acknowledged again (the actor lost our ack), never stored twice.

@@ -24,7 +24,7 @@ import pytest
 import zmq
 from conftest import make_trajectory
 
-from arpo import wire
+from arpo import store_item, wire
 from arpo.buffer import ReplayStore
 from arpo.config import validate
 from arpo.errors import ConfigError
@@ -82,7 +82,7 @@ def _drain_ids(store: ReplayStore) -> list[str]:
     for task in store.tasks():
         n = store.fresh_len(task)
         if n:
-            ids += [wire.from_item(it).trajectory_id for it in store.take_group(task, n, 0)]
+            ids += [store_item.from_item(it).trajectory_id for it in store.take_group(task, n, 0)]
     return ids
 
 

@@ -17,7 +17,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from arpo import wire  # noqa: E402
+from arpo import store_item  # noqa: E402
 from arpo.errors import ConfigError  # noqa: E402
 from arpo.learner.assemble import AssembleConfig  # noqa: E402
 from arpo.learner.checkpoint import CheckpointConfig, list_checkpoints  # noqa: E402
@@ -84,7 +84,7 @@ def put_groups(learner: Learner, n_groups: int, seed: int) -> None:
                 reward=r,
                 task_id="fixed",
             )
-            learner.store.put("fixed", wire.to_item(traj))
+            learner.store.put("fixed", store_item.to_item(traj))
 
 
 def test_resume_gives_the_same_next_step_and_skips_a_corrupt_checkpoint(
@@ -398,7 +398,7 @@ def test_a_trajectory_the_model_cannot_take_is_dropped_not_fatal(
             png = png[: len(png) // 2]
         traj = synthetic_trajectory(proc, "do it", screenshots=[png], responses=[resp],
                                     reward=r, task_id="fixed")  # fmt: skip
-        learner.store.put("fixed", wire.to_item(traj))
+        learner.store.put("fixed", store_item.to_item(traj))
     learner.run()
     assert learner.iteration == 1
     row = read_metrics(Path(cfg.run_dir) / "metrics.jsonl")[-1]

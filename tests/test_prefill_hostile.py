@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from conftest import make_trajectory
 
-from arpo import wire
+from arpo import store_item, wire
 from arpo.buffer import ReplayStore
 from arpo.errors import ConfigError
 from arpo.learner.groups import ReplayConfig
@@ -52,7 +52,7 @@ def test_a_damaged_record_costs_that_record_only(tmp_path: Path, png_pool) -> No
     try:
         assert n == len(ids) - 2
         got = {
-            wire.from_item(i).trajectory_id
+            store_item.from_item(i).trajectory_id
             for t in TASKS
             for i in store.sample(t, 8, mode="newest")
         }
@@ -70,7 +70,7 @@ def test_a_truncated_collection_keeps_what_is_whole(tmp_path: Path, png_pool) ->
     try:
         assert n == 7
         got = {
-            wire.from_item(i).trajectory_id
+            store_item.from_item(i).trajectory_id
             for t in TASKS
             for i in store.sample(t, 8, mode="newest")
         }

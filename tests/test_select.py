@@ -13,7 +13,7 @@ import pytest
 from arpo_envs.sim.tasks import generate_tasks, write_tasks
 from conftest import POOL_FAMILIES, loopback
 
-from arpo import cli, wire
+from arpo import cli, store_item, wire
 from arpo.buffer import ReplayStore
 from arpo.config import load_config, validate
 from arpo.env.task import load_selection, load_task_pool
@@ -64,7 +64,7 @@ def test_every_task_gets_n_runs_and_the_counts_match_what_ingest_stored(
         result = run_selection(cfg, store=store, on_progress=lambda d, t: progress.append((d, t)))
         stored: list[Trajectory] = []
         for t in store.tasks():
-            stored += [wire.from_item(i) for i in store.take_group(t, store.fresh_len(t), 0)]
+            stored += [store_item.from_item(i) for i in store.take_group(t, store.fresh_len(t), 0)]
     finally:
         store.close()
 
@@ -287,7 +287,7 @@ def test_kept_episodes_prefill_the_replay_buffers_with_the_selection_runs_succes
                 continue
             assert (store.replay_len(tid) if k else 0) == min(k, 2)
             if k:
-                got = [wire.from_item(i) for i in store.sample(tid, 2, mode="newest")]
+                got = [store_item.from_item(i) for i in store.sample(tid, 2, mode="newest")]
                 assert all(t.task_id == tid and t.checker_score >= 1.0 for t in got)
                 assert all(t.status == Status.OK for t in got)
         assert n == sum(result["tasks"][t]["successes"] for t in train)

@@ -50,7 +50,7 @@ pytest.importorskip("transformers")
 import zmq
 from test_train_faults import fault_run_config, free_port, start_sim_server, wait_for
 
-from arpo import wire
+from arpo import store_item, wire
 from arpo.actor.spool import LEDGER
 from arpo.buffer import ReplayStore
 from arpo.config import load_config
@@ -254,7 +254,8 @@ def _pending_ids(run_dir: Path, checkpoint: str | None) -> set[str]:
         for task in store.tasks():
             if n := store.fresh_len(task):
                 out |= {
-                    wire.from_item(i).trajectory_id for i in store.take_group(task, n, timeout=0)
+                    store_item.from_item(i).trajectory_id
+                    for i in store.take_group(task, n, timeout=0)
                 }
         store.close()
     journal = run_dir / "learner" / "journal"

@@ -13,7 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from arpo import wire  # noqa: E402
+from arpo import store_item, wire  # noqa: E402
 from arpo.buffer import ReplayStore  # noqa: E402
 from arpo.errors import ConfigError, RecordError  # noqa: E402
 from arpo.learner.assemble import AssembleConfig, GroupAssembler, Sample  # noqa: E402
@@ -71,12 +71,12 @@ def make_samples(trainer: Trainer, rewards, *, seed=0, turns=2, replay=(), shift
             reward=float(r),
             task_id=f"t{seed}",
         )
-        item = wire.to_item(traj)
+        item = store_item.to_item(traj)
         (lp,) = trainer.proximal([build_sequence(item, proc, trainer.image_token_id)])
         traj = with_logprobs(traj, lp.numpy() + shift)
         out.append(
             Sample(
-                wire.to_item(traj),
+                store_item.to_item(traj),
                 traj.task_id,
                 traj.trajectory_id,
                 float(r),
@@ -120,7 +120,7 @@ def test_stored_ids_give_the_engines_sampled_logprobs(tiny_dir, base_trainer):
             return Trajectory("t", tuple(turns), 0.0)
 
     traj = asyncio.run(episode())
-    item = wire.to_item(wire.decode(wire.encode(traj)))
+    item = store_item.to_item(wire.decode(wire.encode(traj)))
     seq = build_sequence(item, proc, base_trainer.image_token_id)
     (lp,) = base_trainer.proximal([seq])
     np.testing.assert_allclose(lp.numpy(), item.logprobs, atol=1e-4, rtol=0)
@@ -269,8 +269,8 @@ def test_replayed_success_gets_its_importance_weight_and_advantage(base_trainer,
     (success,) = make_samples(t, [1.0], seed=10, shift=0.5)
     store = ReplayStore(max_bytes=1 << 30, fresh_capacity=64, replay_capacity=8, seed=0)
     task = fails[0].task_id
-    old = wire.from_item(success.item)
-    store.add_success(task, wire.to_item(old))
+    old = store_item.from_item(success.item)
+    store.add_success(task, store_item.to_item(old))
     for s in fails:
         store.put(task, s.item)
     asm = GroupAssembler(store, AssembleConfig(group_size=4, groups_per_step=1))

@@ -12,7 +12,7 @@ import pytest
 from arpo_envs.sim.server import SimConfig, running
 from arpo_envs.sim.tasks import generate_tasks
 
-from arpo import wire
+from arpo import store_item, wire
 from arpo.actor.episode import Environment, EpisodeConfig
 from arpo.actor.scripted import ScriptedPolicy
 from arpo.actor.tree import TreeStats, run_tree
@@ -105,7 +105,7 @@ def test_a_tree_grant_fills_its_group_once_and_each_shared_turn_trains_once():
     # The learner's side: the group, taken from a real store, trains each turn once.
     store = ReplayStore(max_bytes=1 << 28, fresh_capacity=64, replay_capacity=8, seed=0)
     for t in ok:
-        store.put(t.task_id, wire.to_item(t))
+        store.put(t.task_id, store_item.to_item(t))
     asm = GroupAssembler(store, AssembleConfig(group_size=len(ok), groups_per_step=1,
                                                min_group_size=1, norm_std=False))  # fmt: skip
     batch = asm.next_batch(version=0, timeout=5)

@@ -19,7 +19,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from arpo import wire  # noqa: E402
+from arpo import store_item  # noqa: E402
 from arpo.learner.batch import build_sequence  # noqa: E402
 from arpo.learner.trainer import Trainer, TrainerConfig  # noqa: E402
 from arpo.policy.engine import EngineConfig, SamplingParams, process_logits  # noqa: E402
@@ -97,7 +97,7 @@ def _learner_logprobs(model_dir, proc, out) -> np.ndarray:
                                 responses=[np.asarray(out.token_ids, np.int32)],
                                 logprobs=[np.asarray(out.logprobs, np.float32)])  # fmt: skip
     trainer = Trainer(TrainerConfig(model=str(model_dir), micro_batch=1, temperature=1.0))
-    seq = build_sequence(wire.to_item(traj), trainer.processor, trainer.image_token_id)
+    seq = build_sequence(store_item.to_item(traj), trainer.processor, trainer.image_token_id)
     (lp,) = trainer.proximal([seq])
     return lp.numpy()
 

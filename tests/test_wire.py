@@ -14,7 +14,7 @@ from conftest import make_png, make_trajectory
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from arpo import wire
+from arpo import store_item, wire
 from arpo.errors import RecordError, WireError
 from arpo.record import PNG_SIGNATURE, Status, Trajectory, Turn, ident_problem
 
@@ -341,13 +341,13 @@ def test_store_item_roundtrip_keeps_png_objects(realistic: Trajectory) -> None:
 
     frames = [bytes(f) for f in wire.encode(realistic)]  # as recv_multipart(copy=True) gives
     decoded = wire.decode(frames)
-    item = wire.to_item(decoded)
+    item = store_item.to_item(decoded)
     # The received PNG frames go into the store by reference, not copied.
     assert all(b is f for b, f in zip(item.blobs, frames[5:], strict=True))
     store = ReplayStore(max_bytes=1 << 26, seed=0)
     store.put(realistic.task_id, item)
     (got,) = store.take_group(realistic.task_id, 1, timeout=0)
-    back = wire.from_item(got)
+    back = store_item.from_item(got)
     assert back == realistic
     ids, _, _ = back.sequence()
     assert np.array_equal(ids, got.tokens)  # the stored tokens are the training sequence
@@ -372,7 +372,7 @@ def test_store_item_of_frames_received_without_copy_shares_their_memory(
         pull.close(0)
     finally:
         ctx.term()
-    item = wire.to_item(wire.decode(frames))
+    item = store_item.to_item(wire.decode(frames))
     # Each PNG blob is a read-only view of its received frame: same memory, no copy.
     for blob, frame in zip(item.blobs, frames[5:], strict=True):
         assert isinstance(blob, memoryview) and blob.readonly and blob.obj is frame
@@ -384,14 +384,14 @@ def test_store_item_of_frames_received_without_copy_shares_their_memory(
     store.put(realistic.task_id, item)
     del item
     (got,) = store.take_group(realistic.task_id, 1, timeout=0)
-    assert wire.from_item(got) == realistic  # the store kept the frames alive
+    assert store_item.from_item(got) == realistic  # the store kept the frames alive
 
 
 def test_store_item_copies_pngs_in_mutable_memory() -> None:
     png = make_png(np.random.default_rng(0), 2_000)
     traj = Trajectory(task_id="t", turns=(_turn(png=png),), checker_score=1.0, reward=1.0)
     frames = [bytearray(bytes(f)) for f in wire.encode(traj)]
-    item = wire.to_item(wire.decode(frames))
+    item = store_item.to_item(wire.decode(frames))
     (blob,) = item.blobs
     assert type(blob) is bytes and blob == png  # a bytearray can change: stored as a copy
     frames[-1][10] ^= 0xFF
@@ -452,7 +452,7 @@ _ANN = {"version": 1, "nbytes": 10, "chunks": 1, "chunk_bytes": 10, "sha256": "0
         (_control(3, {"actor": "a", "req": 0}), "missing ['want']"),
         (_control(3, {"actor": "a", "req": 0, "want": 0}), "want must be an int in [1, 256]"),
         (_control(3, {"actor": "a", "req": True, "want": 1}), "req must be an int"),
-        (_control(3, {"actor": "", "req": 0, "want": 1}), "actor must be a string of 1.."),
+        (_control(3, {"actor": "", "req": 0, "want": 1}), "actor must not be empty"),
         (_control(3, {"actor": "a", "req": 0, "want": 1}, b"x"), "has 2 frames, got 3"),
         (_control(3, {"actor": "a", "req": 0, "want": 1, "pool": 3}), "pool must be a string"),
         (_control(3, {"actor": "a", "req": 0, "want": 1, "pool": "p" * 1025}), "pool must be"),
@@ -545,7 +545,7 @@ def test_turns_carry_their_sampling_settings() -> None:
     assert msgpack.unpackb(frames[1])["turns"][0][6:] == [0.6, 0.9]
     (t,) = wire.decode([bytes(f) for f in frames]).turns
     assert (t.temperature, t.top_p) == (0.6, 0.9)
-    assert (wire.from_item(wire.to_item(traj)).turns[0].top_p) == 0.9
+    assert (store_item.from_item(store_item.to_item(traj)).turns[0].top_p) == 0.9
     # A record from before the fields (6-entry turns): settings not recorded (NaN).
     header = msgpack.unpackb(frames[1])
     header["turns"] = [x[:6] for x in header["turns"]]

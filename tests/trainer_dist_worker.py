@@ -18,7 +18,7 @@ import argparse
 import numpy as np
 import torch
 
-from arpo import wire
+from arpo import store_item
 from arpo.learner.assemble import Sample
 from arpo.learner.batch import build_sequence
 from arpo.learner.distributed import DistConfig, init_distributed, shutdown
@@ -48,10 +48,10 @@ def make_samples(maker: Trainer) -> list[Sample]:
             reward=r,
             task_id=f"t{i // 3}",
         )
-        item = wire.to_item(traj)
+        item = store_item.to_item(traj)
         (lp,) = maker.proximal([build_sequence(item, proc, maker.image_token_id)])
         traj = with_logprobs(traj, lp.numpy() - 0.3)
-        out.append(Sample(wire.to_item(traj), traj.task_id, traj.trajectory_id, r, r, 0, 0.0,
+        out.append(Sample(store_item.to_item(traj), traj.task_id, traj.trajectory_id, r, r, 0, 0.0,
                           i == 5, i // 3))  # fmt: skip
     for g in (0, 1):
         adv = advantages(REWARDS[3 * g : 3 * g + 3])

@@ -5,11 +5,12 @@
 
 The loop (the ARPO reference's, asynchronous per environment):
 
-1. reset + the task's setup steps (`TaskRunner.setup`, `reset_env`); a failed reset is
-   the environment's fault (retried with capped backoff, `reset_retries`; then the
-   environment is unhealthy and the episode is `env_error` with no turns), a failed setup
-   on an environment that reset fine the task's (`setup_error`, the reason in
-   `Trajectory.error`: the learner takes a task whose setup keeps failing out of the run);
+1. reset + the task's setup steps (`Environment.prepare`, arpo.env.environment); a failed
+   reset is the environment's fault (retried with capped backoff,
+   `EnvironmentConfig.reset_retries`; then the environment is unhealthy and the episode is
+   `env_error` with no turns), a failed setup on an environment that reset fine the
+   task's (`setup_error`, the reason in `Trajectory.error`: the learner takes a task whose
+   setup keeps failing out of the run);
 2. up to `step_budget(task, max_steps)` turns (`max_steps`, or fitted to the task's
    oracle): screenshot, the turn's prompt ids (`EpisodePrompt`), one
    sampled response (token ids + behaviour log-probs + the policy version that
@@ -36,7 +37,6 @@ import dataclasses
 import functools
 import json
 import logging
-import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -46,12 +46,9 @@ import numpy as np
 
 from arpo import wire
 from arpo.config import MAX_TEMPERATURE, check_range, check_seconds, fail, option
-from arpo.env.client import ClientConfig, EnvAuthError, EnvClient, auth_failure
-from arpo.env.osworld.client import OSWorldEvaluator
-from arpo.env.provider import TaskQuarantined
-from arpo.env.runner import RunnerConfig, TaskRunner
+from arpo.env.environment import Environment
 from arpo.env.task import Task
-from arpo.errors import EnvError, ResetError, TaskError
+from arpo.errors import EnvError, TaskError
 from arpo.policy import actions as A
 from arpo.policy.engine import Completion, SamplingParams
 from arpo.policy.prompt import EpisodePrompt, image_size, pixel_bounds
@@ -103,14 +100,6 @@ class EpisodeConfig:
     scroll_clicks: int = option(
         5, "Wheel clicks per scroll action (the reference's 5; 1..MAX_SCROLL_CLICKS)."
     )
-    reset_retries: int = option(
-        3, "Tries of reset + setup before the environment is unhealthy (1..MAX_RESET_RETRIES)."
-    )
-    reset_backoff_s: float = option(
-        1.0,
-        "Delay before the second try; doubles, capped at RESET_BACKOFF_CAP_S (30 s), which "
-        "bounds it too (0: none).",
-    )
     step_timeout_s: float = option(
         600.0, "Longest policy call plus action of one turn (> 0, at most a week)."
     )
@@ -143,16 +132,6 @@ class EpisodeConfig:
             MAX_SCROLL_CLICKS,
             "wheel clicks per scroll; the direction gives the sign",
         )
-        check_range(
-            "reset_retries", self.reset_retries, 1, MAX_RESET_RETRIES, "tries of reset + setup"
-        )
-        check_range(
-            "reset_backoff_s",
-            self.reset_backoff_s,
-            0,
-            RESET_BACKOFF_CAP_S,
-            "seconds; the delay doubles up to this cap",
-        )
         check_seconds("step_timeout_s", self.step_timeout_s, "one policy call plus its action")
 
 
@@ -166,13 +145,6 @@ is all a group's advantages see (and 1e308 overflows them to inf)."""
 MAX_SCROLL_CLICKS = 100
 """Most wheel clicks in one scroll action: 100 clicks move about 300 lines (3 a click on
 common desktops), more than any window shows; beyond it every scroll jumps to an end."""
-MAX_RESET_RETRIES = 20
-"""Most tries of reset + setup: with the delay between tries capped at RESET_BACKOFF_CAP_S,
-20 tries wait at most 19 x 30 s (under 10 minutes) before the environment is unhealthy
-and the grant is handed back."""
-RESET_BACKOFF_CAP_S = 30.0
-"""The cap of the doubling delay between tries of reset + setup (`prepare`), and so the
-largest `reset_backoff_s`: a larger first delay would hold the grant past the cap."""
 MAX_STEPS = 15
 """The reference's step budget: the most turns a fitted budget (max_steps = 0) gives."""
 STEP_SLACK = 3
@@ -189,79 +161,6 @@ def step_budget(task: Task | dict[str, Any], max_steps: int) -> int:
     if isinstance(extra, list) and extra:
         return min(MAX_STEPS, len(extra) + STEP_SLACK)
     return MAX_STEPS
-
-
-class Environment:
-    """One environment server, its provider and the runner driving it. `healthy` turns False
-    after repeated reset failures of an environment nobody replaces (the actor then asks it
-    every `env_recheck_s` until it answers); a fleet VM instead waits until the fleet has it
-    serving again. `retired` says why it is given up for good: an environment that refuses
-    the client's token is never asked again (until its configuration changes)."""
-
-    def __init__(
-        self,
-        index: int,
-        url: str,
-        runner: RunnerConfig | None = None,
-        token: str | None = None,
-        osworld: OSWorldEvaluator | None = None,
-        provider: Any = None,
-        quarantine: dict[str, str] | None = None,
-        files: Any = None,
-    ):
-        """`osworld`: OSWorld evaluator workers shared with other environments (the actor's
-        pool); None: the runner starts its own when a task first needs one. `provider`: a
-        function of the client giving its provider (arpo.env.provider); None: the runner's
-        default (the desktop's /reset when `runner.reset_before_setup`). `files`: the
-        actor's `FileSource` of the task files grants name by content."""
-        self.index = index
-        self.url = url
-        self.client = EnvClient(ClientConfig(base_url=url, token=token, max_retries=2))
-        self.provider = provider(self.client) if provider is not None else None
-        self.runner = TaskRunner(
-            self.client, runner, osworld=osworld, provider=self.provider, files=files
-        )
-        self.replaceable = getattr(self.provider, "kind", "") == "vm"
-        """A fleet VM: a failed revert waits for the fleet's replacement, never retires it."""
-        self.quarantined: dict[str, str] = {} if quarantine is None else quarantine
-        """Tasks not set up again (a bad task, or the fleet's verdict), with the reason; the
-        actor shares one dict between its environments."""
-        self.healthy = True
-        self.retired = ""
-        """Why this environment is given up for good ("" while it may serve again): it
-        refuses the token, or it is unhealthy and nobody rechecks it."""
-        self.busy_s = 0.0
-        """Seconds this environment spent in requests (reset, screenshots, actions, checks)."""
-
-    def retire_refused(self, refused: EnvAuthError) -> None:
-        """Give this environment up for good: it refuses the client's token."""
-        self.healthy = False
-        self.retired = (
-            f"it refuses the token (HTTP {refused.status}): the token configured for "
-            f"{self.url} is wrong (the actor's env_tokens / env_token, or the fleet's state "
-            "file); it is not asked again until its configuration changes"
-        )
-
-    async def close(self) -> None:
-        self.runner.close()
-        if self.provider is not None:
-            await self.provider.stop()
-        await self.client.close()
-
-    async def wait_healthy(self, bound_s: float = 600.0) -> bool:
-        """For a fleet VM: wait until the fleet says it serves (it may be being replaced);
-        False after `bound_s` or when the fleet gave the VM up."""
-        if self.provider is None:
-            return True
-        end = time.monotonic() + bound_s
-        while True:
-            h = await self.runner.provider.health()
-            if h.ok:
-                return True
-            if h.final or time.monotonic() > end:
-                log.error("env %d (%s): not serving: %s", self.index, self.url, h.reason)
-                return False
-            await asyncio.sleep(max(0.5, h.retry_s))
 
 
 @functools.lru_cache(maxsize=4)
@@ -294,99 +193,6 @@ def _prompt_for(
         tok, instruction, min_pixels=lo, max_pixels=hi, history_images=cfg.history_images
     )
     return prompt, lo, hi
-
-
-async def _timed(env: Environment, coro: Any) -> Any:
-    t0 = time.perf_counter()
-    try:
-        return await coro
-    finally:
-        env.busy_s += time.perf_counter() - t0
-
-
-@dataclass(frozen=True, slots=True)
-class SetupFailure:
-    """Why an episode could not start: `status` env_error (the environment would not
-    reset) or setup_error (it reset, the task's setup failed), and the reason."""
-
-    status: Status
-    reason: str
-
-
-async def reset_env(env: Environment, task: Task, cfg: EpisodeConfig) -> SetupFailure | None:
-    """Revert + setup with retries; None on success, else why the episode cannot start.
-
-    Who is at fault decides the outcome:
-    - the environment refuses the token (401, or 403 outside the file endpoints, from the
-      revert or any step; `auth_failure`): final until its configuration changes. Not
-      retried: the environment is unhealthy and `retired` says why (the actor logs it once
-      and never asks it again); env_error.
-    - the revert / reset failed (ResetError; that includes any malformed, oversize or late
-      answer of the environment to it, and a reset answered with a status other than
-      success): the environment's fault, never the task's. Retried with capped backoff;
-      after `reset_retries` tries an environment nobody replaces is marked unhealthy (the
-      actor rechecks it), a fleet VM waits for its replacement; env_error.
-    - the task is broken (TaskError: an unknown step, bad parameters, a refused path, a
-      task file whose bytes do not match its hash, or the fleet quarantined it; or any
-      other exception of its setup code): quarantined on this actor, setup_error at once.
-    - a setup step failed on an environment that reset fine (EnvError): retried; after
-      `reset_retries` tries setup_error, and the environment stays healthy. The learner
-      takes a task out of the run when its setup fails on several environments.
-    Every outcome is reported to the provider (the fleet counts them too)."""
-    if task.id in env.quarantined:
-        return SetupFailure(
-            Status.SETUP_ERROR, f"quarantined on this actor: {env.quarantined[task.id]}"
-        )
-    delay = cfg.reset_backoff_s
-    err = ""
-    reset_failed = False
-    provider = env.runner.provider
-    for attempt in range(cfg.reset_retries):
-        if attempt:
-            await asyncio.sleep(delay * (0.5 + random.random() / 2))
-            delay = min(RESET_BACKOFF_CAP_S, delay * 2)
-            if env.replaceable and not await env.wait_healthy():
-                env.healthy = False  # the fleet gave the VM up, or is gone
-                return SetupFailure(Status.ENV_ERROR, err or "the VM is not serving")
-        try:
-            await _timed(env, env.runner.setup(task))
-            await provider.report(task.id, True)
-            return None
-        except TaskQuarantined as e:
-            env.quarantined[task.id] = str(e)
-            log.error("env %d: %s; its grants end as setup_error", env.index, e)
-            return SetupFailure(Status.SETUP_ERROR, str(e))
-        except EnvError as e:
-            refused = auth_failure(e)
-            if refused is not None:
-                env.retire_refused(refused)
-                return SetupFailure(Status.ENV_ERROR, f"token refused: {refused}")
-            if isinstance(e, ResetError):
-                err, reset_failed = f"reset: {e}", True
-                log.warning(
-                    "env %d (%s): reset failed (try %d): %s", env.index, env.url, attempt + 1, e
-                )
-                continue
-            err, reset_failed = f"setup: {type(e).__name__}: {e}", False
-            log.warning(
-                "env %d (%s): setup of task %s failed (try %d): %s",
-                env.index, env.url, task.id, attempt + 1, err,
-            )  # fmt: skip
-            await provider.report(task.id, False, err)
-        except Exception as e:  # the task's setup itself is broken: the task's failure
-            err = f"{type(e).__name__}: {e}"
-            env.quarantined[task.id] = err
-            log.error("env %d: task %s cannot be set up, quarantined: %s", env.index, task.id, err)
-            await provider.report(task.id, False, err)
-            return SetupFailure(Status.SETUP_ERROR, err)
-    if not reset_failed:
-        return SetupFailure(Status.SETUP_ERROR, err)
-    if not env.replaceable:
-        env.healthy = False
-        log.error(
-            "env %d (%s): unhealthy after %d failed resets", env.index, env.url, cfg.reset_retries
-        )
-    return SetupFailure(Status.ENV_ERROR, err)
 
 
 @dataclass
@@ -459,7 +265,7 @@ async def play(
     lo, hi = run.pixels
     while not run.over and len(run.turns) < until:
         t0 = time.perf_counter()
-        png = await _timed(env, env.client.screenshot())
+        png = await env.timed(env.client.screenshot())
         if run.frame is None:
             w, h = image_size(png)
             run.frame = A.Frame.for_screen(w, h, min_pixels=lo, max_pixels=hi)
@@ -514,7 +320,7 @@ async def play(
         prompt.add_response(response)
         t0 = time.perf_counter()
         for cmd in parsed.commands:
-            await _timed(env, env.runner.act(cmd))
+            await env.timed(env.runner.act(cmd))
             run.ended = cmd in (A.DONE, A.FAIL)
         timings["env"] += time.perf_counter() - t0
 
@@ -523,7 +329,7 @@ async def conclude(env: Environment, run: EpisodeRun) -> tuple[Status, float, st
     """Check the finished episode on `env`: (status, checker score, error)."""
     t0 = time.perf_counter()
     try:
-        result = await _timed(env, env.runner.evaluate(run.task))
+        result = await env.timed(env.runner.evaluate(run.task))
     except EnvError as e:
         log.warning("env %d: evaluation failed: %s", env.index, e)
         return Status.ENV_ERROR, 0.0, f"evaluate: {type(e).__name__}: {e}"
@@ -610,7 +416,7 @@ async def run_episode(
         return finish([], 0.0, 0.0, Status.SETUP_ERROR, task)
 
     t0 = time.perf_counter()
-    failed = await reset_env(env, task, cfg)
+    failed = await env.prepare(task)
     timings["reset"] = time.perf_counter() - t0
     if failed is not None:
         return finish([], 0.0, 0.0, failed.status, failed.reason)

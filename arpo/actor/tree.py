@@ -20,8 +20,11 @@ back):
 - A node that ends (DONE / FAIL, a response that does not parse, the step budget)
   while holding several slots keeps the first; the others become more children of the
   branch point it came from (forked from the same saved state, so they are its
-  siblings). A root that ends before its first branch point has no saved state: its
-  other slots are given back (`tree_ended`) and granted again as plain episodes.
+  siblings). A root that ends before its first branch point passes its other slots to a
+  new root started from the task's start (saved right after the setup: no second
+  setup), the root of another tree of the group (`Branch.tree` "<grant id>#<n>"). When
+  the start could not be saved, they are given back (`tree_ended`) and granted again as
+  plain episodes.
 - An environment that cannot fork (`ForkUnsupported`: the local desktop) runs the grant's
   first slot as a plain episode and gives the others back (`cannot_fork`); the actor
   logs it once per environment. The learner then gets plain groups.
@@ -77,6 +80,7 @@ class _Fork:
     steps: tuple[int, ...]
     env: Environment
     """The environment that was saved (its clones' parent)."""
+    tree: str = ""
     children: int = 0
     """Children forked so far (the next one's index)."""
 
@@ -91,6 +95,8 @@ class _Node:
     parent: _Fork | None = None
     start: int = 0
     """Turns it had when it started (a child starts at its branch point)."""
+    tree: str = ""
+    """Its tree's id (`Branch.tree`)."""
 
 
 @dataclass
@@ -141,7 +147,7 @@ async def run_tree(
         timings["total"] = time.perf_counter() - t_start
         branch = None
         if node is not None:
-            branch = Branch(grant.grant_id, node.path, node.steps)
+            branch = Branch(node.tree, node.path, node.steps)
         traj = trajectory(
             grant, r.turns if r is not None else (), score, r.fmt if r is not None else 0.0,
             status, cfg, actor_id=actor_id, env=(node.env.url if node else env.url),
@@ -166,10 +172,21 @@ async def run_tree(
         leaf(None, spec.slots[0], failed.status, error=failed.reason)
         back(list(spec.slots[1:]), "tree_ended")
         return results, give_back
-    root = _Node(env, start_run(task, grant, policy, cfg), list(spec.slots))
+    root = _Node(env, start_run(task, grant, policy, cfg), list(spec.slots), tree=grant.grant_id)
     root.run.timings["reset"] = time.perf_counter() - t0
     forks: list[_Fork] = []
     clones: list[Environment] = []
+    roots = 1
+    # The task's start, saved: slots a root could not use (it ended before its first branch
+    # point) start from here as the roots of more trees, without another setup.
+    start: _Fork | None = None
+    prov0 = env.runner.provider
+    if getattr(prov0, "can_fork", False):
+        try:
+            start = _Fork(prov0, await prov0.snapshot(), root.run.branch(0), (), (), env)
+            forks.append(start)
+        except EnvError as e:  # ForkUnsupported included: the first branch point says so
+            log.info("grant %s: the start state was not saved (%s)", grant.grant_id, e)
 
     async def clone_envs(fork: _Fork, n: int) -> list[Environment]:
         t = time.perf_counter()
@@ -218,12 +235,26 @@ async def run_tree(
         await finish(node, status, score, error)
 
     async def finish(node: _Node, status: Status, score: float, error: str) -> None:
+        nonlocal roots
         leaf(node, node.slots[0], status, score, error)
         extra = node.slots[1:]
         if not extra:
             return
         if node.parent is None:
-            back(extra, "tree_ended")
+            if start is None:
+                back(extra, "tree_ended")
+                return
+            try:
+                (ce,) = await clone_envs(start, 1)
+            except EnvError as e:
+                stats.fork_errors += 1
+                log.warning("grant %s: fork of the start failed: %s", grant.grant_id, e)
+                for sl in extra:
+                    leaf(None, sl, Status.ENV_ERROR, error=f"fork: {type(e).__name__}: {e}")
+                return
+            roots += 1
+            tree = f"{grant.grant_id}#{roots}"
+            await grow(_Node(ce, start.base.branch(roots), extra, tree=tree))
             return
         # More children of the branch point it came from: its siblings.
         await spawn(node.parent, [[s] for s in extra] if len(extra) == 1 else
@@ -244,7 +275,7 @@ async def run_tree(
             i = fork.children
             fork.children += 1
             kids.append(_Node(ce, fork.base.branch(i), part, (*fork.path, i), fork.steps,
-                              fork, len(fork.base.turns)))  # fmt: skip
+                              fork, len(fork.base.turns), fork.tree))  # fmt: skip
         await asyncio.gather(*(grow(k) for k in kids))
 
     async def branch(node: _Node) -> None:
@@ -270,7 +301,7 @@ async def run_tree(
             node.slots = node.slots[:1]
             return await grow(node)
         stats.forks += 1
-        fork = _Fork(prov, handle, node.run, node.path, (*node.steps, turns), node.env)
+        fork = _Fork(prov, handle, node.run, node.path, (*node.steps, turns), node.env, node.tree)
         forks.append(fork)
         await spawn(fork, _split(node.slots, min(spec.width, len(node.slots))))
 

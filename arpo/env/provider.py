@@ -1,8 +1,9 @@
 """Providers: what brings an environment back to a clean state before every episode.
 
 OSWorld's `DesktopEnv.reset()` asks its VM provider to `revert_to_snapshot` before each
-task, then runs the task's setup. The task runner does the same through one of these
-(`TaskRunner.setup` calls `revert_to_snapshot(task_id)` first):
+task, then runs the task's setup. An environment (`arpo.env.environment.Environment`) does
+the same through one of these (`Environment.reset` calls `revert_to_snapshot(task_id)`,
+then `TaskRunner.setup`):
 
 | provider | environment | revert |
 |---|---|---|
@@ -97,6 +98,12 @@ class TaskQuarantined(TaskError):
 
 class Provider(Protocol):
     kind: str
+    needs_probe: bool
+    """Whether the runner asks the server for `GET /platform` before OSWorld's setup (a
+    desktop whose `/reset` just answered needs no such check)."""
+    osworld_ports: dict[str, int]
+    """Host ports of the environment's Chrome debugging port and VLC web interface for
+    OSWorld's getters ("chromium_port", "vlc_port"); empty: OSWorld's defaults."""
 
     async def start(self) -> None: ...
 
@@ -116,14 +123,18 @@ class Provider(Protocol):
 
     async def release(self, handle: str) -> None: ...
 
+    def for_clone(self, client: EnvClient, clone: Clone) -> Provider: ...
+
 
 class StaticProvider:
     """A server someone else started and reverts (or nobody does: logged once)."""
 
     kind = "static"
+    needs_probe = True
 
     def __init__(self, client: EnvClient, *, warn: bool = True):
         self.client = client
+        self.osworld_ports: dict[str, int] = {}
         self._warned = not warn
 
     async def start(self) -> None:
@@ -175,6 +186,8 @@ class DesktopProvider(StaticProvider):
     """The local or simulated desktop: `POST /reset` is the revert."""
 
     kind = "desktop"
+    needs_probe = False
+    """Its `/reset` answered right before the setup."""
 
     def __init__(self, client: EnvClient):
         super().__init__(client, warn=False)
@@ -265,6 +278,7 @@ class FleetVMProvider:
     """A VM of the project's fleet, reverted by snapshot through the fleet's control API."""
 
     kind = "vm"
+    needs_probe = True
 
     def __init__(
         self,

@@ -3,7 +3,7 @@
 One `TaskRunner` per environment; episodes run one after another:
 
     runner = TaskRunner(client, RunnerConfig(cache_dir="osworld_cache"))
-    await runner.setup(task)                 # the task's `config` steps
+    await runner.setup(task)                 # the task's `config` steps (no revert)
     await runner.act("pyautogui.click(10, 20)")   # or WAIT / DONE / FAIL
     result = await runner.evaluate()         # postconfig, getters, metrics -> EvalResult
     runner.close()
@@ -12,7 +12,8 @@ Setup steps: download (from the local file cache, never the network), upload_fil
 launch, execute and command (with OSWorld's `{SCREEN_WIDTH}`-style placeholders, `until`
 polling and `stdout` / `stderr` capture into the episode's work dir), sleep, activate_window,
 close_window, and the simulated desktop's `sim_scene` (`POST /sim/scene`). Any other step type
-raises `TaskError` before anything runs.
+raises `TaskError` before anything runs. The runner runs steps on the environment as it is:
+bringing it back to a clean state first is its `Environment`'s job (arpo.env.environment).
 
 Which code sets up and scores a task is `RunnerConfig.evaluator`: "own" (this module's steps,
 `arpo.env.getters` and `arpo.env.metrics`), "osworld" (OSWorld's published setup controller,
@@ -52,10 +53,9 @@ from arpo.env.getters import GETTERS, GetterContext
 from arpo.env.metrics import METRICS, TABLE_CELL_PROPS, TABLE_RULES
 from arpo.env.osworld.client import EvaluatorConfig, OSWorldError, OSWorldEvaluator, find_python
 from arpo.env.osworld.names import osworld_unsupported
-from arpo.env.provider import DesktopProvider, Provider, StaticProvider
 from arpo.env.task import STEP_TYPES, Step, Task
 from arpo.env.taskfiles import BlobMismatch, FileRef, FileSource, sha256_file
-from arpo.errors import EnvError, EnvHTTPError, EnvTimeout, FileCacheMiss, ResetError, TaskError
+from arpo.errors import EnvError, EnvHTTPError, EnvTimeout, FileCacheMiss, TaskError
 
 log = logging.getLogger(__name__)
 
@@ -89,8 +89,9 @@ class RunnerConfig:
     execute_max_failures: int = 5
     """Failed `execute` step requests tolerated before the step fails (OSWorld: 5)."""
     reset_before_setup: bool = False
-    """Without an explicit provider: call the desktop's `POST /reset` before the setup steps
-    (local and simulated desktops). VMs of the fleet are reverted by their provider."""
+    """Read by `Environment` (arpo.env.environment) without an explicit provider: the desktop's
+    `POST /reset` reverts it before the setup steps (local and simulated desktops); False:
+    nothing does. VMs of the fleet are reverted by their provider."""
     evaluator: str = "auto"
     """Who sets up and scores tasks: "own" (this project's steps, getters and metrics only),
     "osworld" (OSWorld's published code through its worker, always: benchmark scores exactly) or
@@ -203,25 +204,24 @@ class TaskRunner:
         client: EnvClient,
         config: RunnerConfig | None = None,
         osworld: OSWorldEvaluator | None = None,
-        provider: Provider | None = None,
         files: FileSource | None = None,
+        *,
+        probe_before_setup: bool = True,
+        osworld_ports: Mapping[str, int] | None = None,
     ) -> None:
         """`osworld`: a pool of OSWorld evaluator workers to share between runners; by default
-        each runner starts its own single worker when a task first needs it. `provider`
-        reverts the environment before every setup (arpo.env.provider); None: the local
-        desktop's `/reset` when `reset_before_setup`, else nothing. `files`: where the
-        files a task names by content (`sha256`, `arpo.env.taskfiles`) come from (an
-        actor's: the learner); None: only from beside the task file, hash checked."""
+        each runner starts its own single worker when a task first needs it. `files`: where
+        the files a task names by content (`sha256`, `arpo.env.taskfiles`) come from (an
+        actor's: the learner); None: only from beside the task file, hash checked. Given by
+        the environment's provider (`Environment`): `probe_before_setup`, whether to ask
+        the server for `GET /platform` before OSWorld's setup (`_probe`; not after a
+        desktop's `/reset` answered), and `osworld_ports`, a VM's forwarded Chrome / VLC
+        ports for OSWorld's getters (none: OSWorld's defaults)."""
         self.client = client
         self.files = files
         self.config = config or RunnerConfig()
-        if provider is None:
-            provider = (
-                DesktopProvider(client)
-                if self.config.reset_before_setup
-                else StaticProvider(client, warn=False)
-            )
-        self.provider = provider
+        self.probe_before_setup = probe_before_setup
+        self.osworld_ports = dict(osworld_ports or {})
         self._own_osworld = osworld is None
         self.osworld = osworld or OSWorldEvaluator(
             EvaluatorConfig(
@@ -276,15 +276,19 @@ class TaskRunner:
             return "osworld"
         return "own"
 
-    async def setup(self, task: Task) -> None:
-        """Start an episode of `task`: check its steps, revert the environment (its provider,
-        as OSWorld's reset reverts the VM's snapshot), run its `config` steps.
-
-        Raises TaskError for an unknown step type (before any step runs) and EnvError when the
-        environment fails.
-        """
+    def check(self, task: Task) -> None:
+        """Raise TaskError when `task` cannot be set up here: a step type this project's code
+        does not know, or (for OSWorld's code, `backend`) what OSWorld's evaluator lacks.
+        Nothing is sent to the environment."""
         if self.backend(task) == "osworld":
-            return await self._setup_osworld(task)
+            gaps = self._osworld_gaps(task)
+            if gaps:
+                own = own_unsupported(task) if self.config.evaluator == "auto" else []
+                raise TaskError(
+                    f"task {task.id}: cannot be set up here: "
+                    + "; ".join([*own, *(f"OSWorld's evaluator: {g}" for g in gaps)])
+                )
+            return
         for phase, steps in (
             ("config", task.config),
             ("evaluator.postconfig", task.evaluator.postconfig),
@@ -295,22 +299,20 @@ class TaskRunner:
                         f"task {task.id}: {phase}[{i}] has unknown step type {step.type!r} "
                         f"(parameters {dict(step.parameters)!r:.200}); supported: {', '.join(STEP_TYPES)}"
                     )
-        self._start_episode(task)
-        await self.revert(task)
-        await self.run_steps(task.config, task_id=task.id, phase="config")
 
-    async def revert(self, task: Task) -> None:
-        """The provider's revert before `task`; any failure of it is raised as ResetError
-        (the environment's fault, never the task's), the error it wraps as its cause (a
-        refused token: `arpo.env.client.auth_failure` finds it). Only TaskError (the fleet
-        quarantined the task) passes through: whatever else a provider raises, an
-        environment's answer cannot make its task look broken."""
-        try:
-            await self.provider.revert_to_snapshot(task.id)
-        except (ResetError, TaskError):
-            raise
-        except Exception as e:
-            raise ResetError(f"{type(e).__name__}: {e}") from e
+    async def setup(self, task: Task) -> None:
+        """Start an episode of `task` on the environment as it is: check the task (`check`),
+        run its `config` steps (or OSWorld's setup of it). Nothing is reverted here:
+        `Environment.reset` reverts first, as OSWorld's reset reverts the VM's snapshot.
+
+        Raises TaskError for an unknown step type (before any step runs) and EnvError when the
+        environment fails.
+        """
+        self.check(task)
+        self._start_episode(task)
+        if self.backend(task) == "osworld":
+            return await self._setup_osworld(task)
+        await self.run_steps(task.config, task_id=task.id, phase="config")
 
     def adopt(self, task: Task, history: Sequence[str]) -> None:
         """Take over an episode of `task` set up elsewhere, with the actions run so far: a
@@ -339,8 +341,9 @@ class TaskRunner:
         return await self.client.execute_pyautogui(action)
 
     async def run(self, task: Task, actions: Sequence[str]) -> EvalResult:
-        """Set up `task`, play `actions` (stopping at DONE / FAIL), evaluate; env failures become
-        an `env_error` result. TaskError (a bad task) is raised."""
+        """Set up `task` (no revert: `Environment.run` reverts first), play `actions` (stopping
+        at DONE / FAIL), evaluate; env failures become an `env_error` result. TaskError (a bad
+        task) is raised."""
         t0 = time.perf_counter()
         try:
             await self.setup(task)
@@ -641,16 +644,8 @@ class TaskRunner:
         return gaps
 
     async def _setup_osworld(self, task: Task) -> None:
-        gaps = self._osworld_gaps(task)
-        if gaps:
-            own = own_unsupported(task) if self.config.evaluator == "auto" else []
-            raise TaskError(
-                f"task {task.id}: cannot be set up here: "
-                + "; ".join([*own, *(f"OSWorld's evaluator: {g}" for g in gaps)])
-            )
-        self._start_episode(task)
-        await self.revert(task)
-        if not isinstance(self.provider, DesktopProvider):
+        """OSWorld's setup of `task` (checked, its episode started: `setup`)."""
+        if self.probe_before_setup:
             await self._probe()
         raw = await self._osworld_task(task, task.config)
         try:
@@ -726,7 +721,7 @@ class TaskRunner:
             "screen": [w, h],
             "client_password": self.config.client_password,
             # a fleet VM's forwarded Chrome / VLC ports (OSWorld's defaults otherwise)
-            **getattr(self.provider, "osworld_ports", {}),
+            **self.osworld_ports,
         }
 
     async def _osworld_task(

@@ -62,7 +62,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from arpo import wire
+from arpo import store_item
 from arpo.config import check_range, fail, option, validate
 from arpo.errors import BufferTimeout, BufferValueError, UnknownTask
 from arpo.learner.groups import ReplayConfig, advantages, needs_replay
@@ -140,7 +140,7 @@ class Sample:
     """One trajectory of a batch, with its group advantage."""
 
     item: Any
-    """The store item (`arpo.wire.to_item` layout)."""
+    """The store item (`arpo.store_item.to_item` layout)."""
     task_id: str
     trajectory_id: str
     reward: float
@@ -324,7 +324,7 @@ class GroupAssembler:
         kept: list[Sample] = []
         successes: list[Any] = []
         for item in items:
-            traj = wire.from_item(item)
+            traj = store_item.from_item(item)
             if traj.status != Status.OK:
                 counts["data/dropped_status"] += 1
                 self._pending_dropped.append((traj.trajectory_id, "status"))
@@ -404,7 +404,7 @@ class GroupAssembler:
             except (BufferValueError, UnknownTask):
                 break  # no success of this task (left)
             for item in items:
-                traj = wire.from_item(item)
+                traj = store_item.from_item(item)
                 bad = self._untrainable(item, traj)
                 if bad is None:
                     out.append(_sample(item, traj, task, is_replay=True))

@@ -130,7 +130,7 @@ def _images(blobs: tuple[bytes, ...]) -> list[Any]:
 
 
 def build_sequence(item: Any, processor: Any, image_token_id: int, name: str = "") -> TrainSequence:
-    """The model inputs of one store item (`arpo.wire.to_item` layout)."""
+    """The model inputs of one store item (`arpo.store_item.to_item` layout)."""
     tokens = np.asarray(item.tokens)
     offsets = np.asarray(item.offsets)
     pos = response_positions(offsets)

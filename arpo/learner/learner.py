@@ -61,7 +61,7 @@ from typing import Any
 
 import numpy as np
 
-from arpo import wire
+from arpo import store_item
 from arpo.config import (
     SET_BY_TRAIN,
     check_range,
@@ -319,7 +319,7 @@ def prefill_replay(store: Any, path: str, tasks: set[str], replay: ReplayConfig)
             elif not replay.admits(traj.status, traj.checker_score):
                 counts["not_success"] += 1
             else:
-                store.add_success(traj.task_id, wire.to_item(traj))
+                store.add_success(traj.task_id, store_item.to_item(traj))
                 kept[traj.task_id] += 1
     except ArpoError as e:
         raise ConfigError(f"config field assemble.replay.prefill: {e} ({fix})") from None
@@ -972,7 +972,7 @@ class Learner:
             if not n:
                 continue
             items = self.store.take_group(tid, n, timeout=0)
-            ids = [wire.from_item(i).trajectory_id for i in items]
+            ids = [store_item.from_item(i).trajectory_id for i in items]
             self._purged[tid] += len(ids)
             self._record(Batch([], 0, dropped=[(x, "task_out") for x in ids]))
 

@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from arpo import wire
+from arpo import store_item, wire
 from arpo.actor.episode import MAX_STEPS, Environment, EpisodeConfig, run_episode, step_budget
 from arpo.actor.scripted import oracle_to_actions
 from arpo.env.runner import RunnerConfig
@@ -338,7 +338,7 @@ def score_demos(
     trainer = Trainer(TrainerConfig(model=str(model), device=device, temperature=temperature))
     out: list[Trajectory] = []
     for d in demos:
-        item = wire.to_item(d)
+        item = store_item.to_item(d)
         (lp,) = trainer.proximal([build_sequence(item, trainer.processor, trainer.image_token_id)])
         lp = lp.numpy().astype(np.float32)
         turns, pos = [], 0

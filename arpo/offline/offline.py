@@ -66,7 +66,7 @@ from typing import Any, Literal
 
 import torch
 
-from arpo import wire
+from arpo import store_item
 from arpo.config import fail, option, to_dict, validate
 from arpo.errors import ArpoError, ConfigError
 from arpo.learner.batch import (
@@ -207,7 +207,9 @@ class OfflineTrainer:
 
     def sequences(self, trajs: Sequence[Trajectory]) -> list[TrainSequence]:
         return [
-            build_sequence(wire.to_item(t), self.processor, self.image_token_id, t.trajectory_id)
+            build_sequence(
+                store_item.to_item(t), self.processor, self.image_token_id, t.trajectory_id
+            )
             for t in trajs
         ]
 
@@ -361,7 +363,7 @@ class OfflineTrainer:
         cfg = self.config
         usable, unusable = [], 0
         for t in trajs:
-            why = check_item(wire.to_item(t), self.processor, self.image_token_id)
+            why = check_item(store_item.to_item(t), self.processor, self.image_token_id)
             if why is None:
                 usable.append(t)
             else:

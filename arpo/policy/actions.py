@@ -16,7 +16,17 @@ the image the model saw, i.e. the screenshot after Qwen2.5-VL's smart resize (19
     r = parse_response(text, frame)                # raises ActionParseError only
     r.commands  # ("import pyautogui\\nimport time\\npyautogui.click(109, 61, button='left')",)
     r.action    # what Turn.action records: the code, or WAIT / DONE / FAIL
+    parse_response("Action: click(mark=2)", frame, marks={2: Point(640, 360)})
     try_parse_response(text, frame)                # never raises; .parsed False + .error
+
+Set-of-marks (OSWorld's `som` observation: numbered marks drawn on the screenshot, a table
+of them in the prompt): a pointer action may name a mark instead of a position,
+`click(mark=3)` (also `left_double`, `right_single`, `hover`; `mark=tag_3`, OSWorld's
+variable name, is the same). The turn's marks (index -> the centre of the mark's box, in
+screen pixels) are given to the parser, which resolves the mark there, so the action runs
+as `pyautogui.click(<centre>)`; the typed action keeps the mark (`Click.mark`). A mark the
+turn does not have, or a mark on a turn that shows none, is a parse failure saying so.
+OSWorld's som agents write `pyautogui.click(tag_3)` in Python; this grammar is UI-TARS's.
 
 Translation to code follows OSWorld's UI-TARS agent as ARPO runs it (click ->
 `pyautogui.click(x, y, button='left')`, type -> `pyautogui.write` with a trailing newline
@@ -55,6 +65,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -202,11 +213,23 @@ class Frame:
 DIRECTIONS = ("up", "down", "left", "right")
 
 
+def _check_mark(action: object) -> None:
+    mark = action.mark  # type: ignore[attr-defined]
+    if mark is not None and (type(mark) is not int or mark < 1):
+        raise ValueError(f"{type(action).__name__}.mark must be an int >= 1 or None, got {mark!r}")
+
+
 @dataclass(frozen=True, slots=True)
 class Click:
     """Left click (`click`, also `left_single`)."""
 
     point: Point
+    mark: int | None = None
+    """The set-of-marks mark it named (`click(mark=3)`), resolved to `point`; None: a click
+    at coordinates."""
+
+    def __post_init__(self) -> None:
+        _check_mark(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,6 +237,11 @@ class LeftDouble:
     """Left double click (`left_double`)."""
 
     point: Point
+    mark: int | None = None
+    """The mark it named, resolved to `point` (see `Click.mark`)."""
+
+    def __post_init__(self) -> None:
+        _check_mark(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,6 +249,11 @@ class RightSingle:
     """Right click (`right_single`)."""
 
     point: Point
+    mark: int | None = None
+    """The mark it named, resolved to `point` (see `Click.mark`)."""
+
+    def __post_init__(self) -> None:
+        _check_mark(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,6 +261,11 @@ class Hover:
     """Move the pointer without clicking (`hover`)."""
 
     point: Point
+    mark: int | None = None
+    """The mark it named, resolved to `point` (see `Click.mark`)."""
+
+    def __post_init__(self) -> None:
+        _check_mark(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -470,18 +508,18 @@ def format_action(action: Action, frame: Frame, *, coords: CoordStyle = "box") -
     )
     one_key = "point" if coords == "point" else "start_box"
 
-    def at(p: Point) -> str:
-        return f"{one_key}='{_coord(p, frame, coords)}'"
+    def at(p: Point, mark: int | None = None) -> str:
+        return f"mark={mark}" if mark is not None else f"{one_key}='{_coord(p, frame, coords)}'"
 
     match action:
-        case Click(p):
-            return f"click({at(p)})"
-        case LeftDouble(p):
-            return f"left_double({at(p)})"
-        case RightSingle(p):
-            return f"right_single({at(p)})"
-        case Hover(p):
-            return f"hover({at(p)})"
+        case Click(p, mark):
+            return f"click({at(p, mark)})"
+        case LeftDouble(p, mark):
+            return f"left_double({at(p, mark)})"
+        case RightSingle(p, mark):
+            return f"right_single({at(p, mark)})"
+        case Hover(p, mark):
+            return f"hover({at(p, mark)})"
         case Drag(start, end):
             return (
                 f"drag({start_key}='{_coord(start, frame, coords)}', "
@@ -730,10 +768,11 @@ _KEYS: dict[str, type[Press | KeyDown | KeyUp]] = {
 _NAME_ALIASES = {"left_single": "click", "select": "drag", "release": "keyup"}
 # name -> (allowed keys in positional order, required keys)
 _SPECS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
-    "click": (("start_box",), frozenset({"start_box"})),
-    "left_double": (("start_box",), frozenset({"start_box"})),
-    "right_single": (("start_box",), frozenset({"start_box"})),
-    "hover": (("start_box",), frozenset({"start_box"})),
+    # start_box or mark, one of them (`_target`)
+    "click": (("start_box", "mark"), frozenset()),
+    "left_double": (("start_box", "mark"), frozenset()),
+    "right_single": (("start_box", "mark"), frozenset()),
+    "hover": (("start_box", "mark"), frozenset()),
     "drag": (("start_box", "end_box"), frozenset({"start_box", "end_box"})),
     "hotkey": (("key",), frozenset({"key"})),
     "press": (("key",), frozenset({"key"})),
@@ -791,6 +830,37 @@ def _coords(value: str, frame: Frame, what: str) -> Point:
     return frame.to_screen(x, y)
 
 
+Marks = Mapping[int, Point]
+"""A turn's set-of-marks: mark index (1-based, as drawn) -> the screen point it stands for."""
+_MARK = re.compile(r"\s*(?:tag_)?(\d{1,9})\s*")
+
+
+def _target(name: str, kw: dict[str, str], frame: Frame, marks: Marks | None) -> Point | int:
+    """Where a pointer action points: its start_box, or the mark it names (the mark's index;
+    `_to_action` resolves it)."""
+    if ("start_box" in kw) == ("mark" in kw):
+        if "mark" in kw:
+            raise ActionParseError(f"{name}() takes start_box or mark, not both")
+        raise ActionParseError(f"{name}() is missing start_box (or mark)")
+    if "start_box" in kw:
+        return _coords(kw["start_box"], frame, f"{name}() start_box")
+    m = _MARK.fullmatch(kw["mark"])
+    if m is None:
+        raise ActionParseError(f"{name}() mark must be a mark's number, got {kw['mark'][:40]!r}")
+    index = int(m.group(1))
+    if not marks:
+        raise ActionParseError(
+            f"{name}(mark={index}) names a mark, but this screen shows no marks (marks come "
+            "with the som observation)"
+        )
+    if index not in marks:
+        raise ActionParseError(
+            f"{name}(mark={index}): there is no mark {index} on this screen (its marks are "
+            f"{min(marks)}..{max(marks)})"
+        )
+    return index
+
+
 def _key_name(k: str) -> str:
     if len(k) > 1:
         k = k.lower()
@@ -806,7 +876,7 @@ def _hotkey_keys(value: str) -> tuple[str, ...]:
     return tuple(_key_name(p.lower()) for p in parts)
 
 
-def _to_action(call: _Call, frame: Frame) -> Action:
+def _to_action(call: _Call, frame: Frame, marks: Marks | None = None) -> Action:
     name = _NAME_ALIASES.get(call.name, call.name)
     if name not in _SPECS:
         raise ActionParseError(f"unknown action {call.name!r}")
@@ -829,7 +899,10 @@ def _to_action(call: _Call, frame: Frame) -> Action:
         raise ActionParseError(f"{call.name}() is missing {', '.join(sorted(missing))}")
 
     if name in _POINTER:
-        return _POINTER[name](_coords(kw["start_box"], frame, f"{call.name}() start_box"))
+        where = _target(call.name, kw, frame, marks)
+        if isinstance(where, Point):
+            return _POINTER[name](where)
+        return _POINTER[name](marks[where], where)  # type: ignore[index]  # checked
     if name == "drag":
         return Drag(
             _coords(kw["start_box"], frame, f"{call.name}() start_box"),
@@ -862,14 +935,15 @@ def _to_action(call: _Call, frame: Frame) -> Action:
     return CallUser()
 
 
-def parse_action(text: str, frame: Frame) -> Action:
-    """One action call, e.g. `click(start_box='(10,20)')`, mapped into screen coordinates."""
+def parse_action(text: str, frame: Frame, *, marks: Marks | None = None) -> Action:
+    """One action call, e.g. `click(start_box='(10,20)')`, mapped into screen coordinates
+    (`click(mark=3)`: the point of mark 3 in `marks`)."""
     if not isinstance(text, str):
         raise ActionParseError(f"an action must be a str, got {type(text).__name__}")
     calls = _scan_section(text.strip())
     if len(calls) != 1:
         raise ActionParseError(f"expected one action, got {len(calls)}")
-    return _to_action(calls[0], frame)
+    return _to_action(calls[0], frame, marks)
 
 
 # ---- responses -------------------------------------------------------------------------------
@@ -910,9 +984,10 @@ def _commands(actions: tuple[Action, ...], config: ActionConfig) -> tuple[str, .
 
 
 def parse_response(
-    text: str, frame: Frame, *, config: ActionConfig | None = None
+    text: str, frame: Frame, *, config: ActionConfig | None = None, marks: Marks | None = None
 ) -> ParsedResponse:
-    """Parse a UI-TARS response; raises ActionParseError (only) when it is not well formed."""
+    """Parse a UI-TARS response; raises ActionParseError (only) when it is not well formed.
+    `marks`: the turn's set-of-marks (`click(mark=N)` points there); None: it has none."""
     if not isinstance(text, str):
         raise ActionParseError(f"a response must be a str, got {type(text).__name__}")
     if len(text) > MAX_RESPONSE_CHARS:
@@ -936,7 +1011,7 @@ def parse_response(
             calls = _scan_section(_clean_section(body[end:]))
             if not calls:
                 raise ActionParseError("nothing after 'Action:'")
-            actions = tuple(_to_action(c, frame) for c in calls)
+            actions = tuple(_to_action(c, frame, marks) for c in calls)
         except ActionParseError as e:
             first_error = first_error or e
             continue
@@ -953,12 +1028,12 @@ def parse_response(
 
 
 def try_parse_response(
-    text: str, frame: Frame, *, config: ActionConfig | None = None
+    text: str, frame: Frame, *, config: ActionConfig | None = None, marks: Marks | None = None
 ) -> ParsedResponse:
     """Like `parse_response`, but a malformed response gives `parsed=False` and the reason in
     `error` (no actions, no commands, format reward -1) instead of an exception."""
     try:
-        return parse_response(text, frame, config=config)
+        return parse_response(text, frame, config=config, marks=marks)
     except ActionParseError as e:
         return ParsedResponse(
             text=text if isinstance(text, str) else "", parsed=False, error=str(e)

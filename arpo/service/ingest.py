@@ -13,7 +13,7 @@ For each message on the data link (a ROUTER, `arpo.transport`):
 2. a trajectory id already stored is a duplicate (the actor resent it because our ack
    was lost): acknowledged again, not stored again;
 3. an `ok` trajectory is appended to the journal (when `journal_dir` is set, below) and
-   goes into the store (`store.put(task, wire.to_item(traj))`); an
+   goes into the store (`store.put(task, store_item.to_item(traj))`); an
    `env_error` / `eval_error` / `timeout` one is delivered but excluded from training:
    counted by status, kept in a short list for inspection, not stored;
 4. `on_trajectory(traj, stored)` lets the grant book close the slot (and say whether the
@@ -80,7 +80,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from arpo import wire
+from arpo import store_item, wire
 from arpo.config import check_seconds, fail, option
 from arpo.errors import BufferClosed, WireError
 from arpo.record import Status, Trajectory
@@ -383,7 +383,7 @@ class Ingest:
             return None
         if traj.png_bytes + 4 * traj.num_tokens <= budget // 2:
             return None  # far below the budget: not worth measuring exactly
-        size = wire.to_item(traj).nbytes
+        size = store_item.to_item(traj).nbytes
         if size <= budget:
             return None
         return (
@@ -457,7 +457,7 @@ class Ingest:
                         log.error("ingest: journal write failed, %s not acknowledged: %s", tid, e)
                         return False
                 try:
-                    self.store.put(traj.task_id, wire.to_item(traj))
+                    self.store.put(traj.task_id, store_item.to_item(traj))
                 except BufferClosed:  # shutting down: not acknowledged, the actor sends it again
                     return False
                 except Exception as e:  # the store refused it: never acknowledged as stored

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from arpo import wire
+from arpo import store_item, wire
 from arpo.errors import ArpoError, BufferClosed, BufferError, WireError
 from arpo.files import fsync_dir
 from arpo.record import Trajectory
@@ -337,7 +337,7 @@ def replay_journal(
                 counts["duplicates"] += 1
                 continue
             try:
-                store.put(traj.task_id, wire.to_item(traj))
+                store.put(traj.task_id, store_item.to_item(traj))
             except BufferClosed:
                 raise
             except BufferError as e:
