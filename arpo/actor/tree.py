@@ -6,7 +6,7 @@
 A tree grant (`wire.Grant.tree`, from `GrantConfig.tree_slots`) holds `s` slots of one
 group. The actor sets the task up once and runs one episode, the root, holding all `s`
 slots. The branch rule: before turn `k * every` (k = 1, 2, ...), a node still holding
-more than one slot saves its environment (`Provider.snapshot`) and forks it
+more than one slot saves its environment (`Environment.snapshot`) and forks it
 (`Provider.fork`) into c = min(width, its slots) children, each a new environment in
 exactly that state; the node's slots are split among them in order, as evenly as
 possible (the first ones one more). Each child continues the episode from the same
@@ -36,7 +36,7 @@ back):
 - The saved states and their clones are released when the tree ends, whatever happened.
 
 Setup failures end the whole tree before anything is sampled: the first slot carries the
-failure (setup_error or env_error, as `reset_env` decides), the others are given back.
+failure (setup_error or env_error, as `Environment.prepare` decides), the others are given back.
 """
 
 from __future__ import annotations
@@ -49,17 +49,15 @@ from typing import Any
 
 from arpo import wire
 from arpo.actor.episode import (
-    Environment,
     EpisodeConfig,
     EpisodeRun,
     conclude,
     play,
     read_task,
-    reset_env,
     start_run,
     trajectory,
 )
-from arpo.env.provider import Clone
+from arpo.env.environment import Environment
 from arpo.errors import EnvError, ForkUnsupported
 from arpo.record import Branch, Status, Trajectory
 
@@ -71,9 +69,8 @@ Result = tuple[int, str, "Trajectory | None"]
 
 @dataclass
 class _Fork:
-    """A branch point: the saved state, its provider, the run as it was there."""
+    """A branch point: the saved state (`Environment.snapshot` handle), the run as it was there."""
 
-    provider: Any
     handle: str
     base: EpisodeRun
     path: tuple[int, ...]
@@ -167,7 +164,7 @@ async def run_tree(
         back(list(spec.slots[1:]), "tree_ended")
         return results, give_back
     t0 = time.perf_counter()
-    failed = await reset_env(env, task, cfg)
+    failed = await env.prepare(task)
     if failed is not None:
         leaf(None, spec.slots[0], failed.status, error=failed.reason)
         back(list(spec.slots[1:]), "tree_ended")
@@ -180,36 +177,19 @@ async def run_tree(
     # The task's start, saved: slots a root could not use (it ended before its first branch
     # point) start from here as the roots of more trees, without another setup.
     start: _Fork | None = None
-    prov0 = env.runner.provider
-    if getattr(prov0, "can_fork", False):
+    if env.can_fork:
         try:
-            start = _Fork(prov0, await prov0.snapshot(), root.run.branch(0), (), (), env)
+            start = _Fork(await env.snapshot(), root.run.branch(0), (), (), env)
             forks.append(start)
         except EnvError as e:  # ForkUnsupported included: the first branch point says so
             log.info("grant %s: the start state was not saved (%s)", grant.grant_id, e)
 
     async def clone_envs(fork: _Fork, n: int) -> list[Environment]:
         t = time.perf_counter()
-        made: list[Clone] = await fork.provider.fork(fork.handle, n)
+        out = await fork.env.clones(fork.handle, n, task)
         stats.fork_s += time.perf_counter() - t
-        stats.clones += len(made)
-        out = []
-        for c in made:
-            parent = fork.env
-            prov = parent.runner.provider
-            e = Environment(
-                parent.index,
-                c.url,
-                parent.runner.config,
-                token=c.token,
-                osworld=parent.runner.osworld,
-                provider=lambda client, c=c, prov=prov: prov.for_clone(client, c),
-                quarantine=parent.quarantined,
-                files=parent.runner.files,
-            )
-            e.runner.adopt(task, fork.env.runner.history)  # the parent idles from here
-            clones.append(e)
-            out.append(e)
+        stats.clones += len(out)
+        clones.extend(out)
         return out
 
     async def grow(node: _Node) -> None:
@@ -279,13 +259,12 @@ async def run_tree(
         await asyncio.gather(*(grow(k) for k in kids))
 
     async def branch(node: _Node) -> None:
-        prov = node.env.runner.provider
         turns = len(node.run.turns)
         try:
-            if not getattr(prov, "can_fork", False):
+            if not node.env.can_fork:
                 raise ForkUnsupported(f"{node.env.url}: its provider cannot fork")
             t = time.perf_counter()
-            handle = await prov.snapshot()
+            handle = await node.env.snapshot()
             stats.fork_s += time.perf_counter() - t
         except ForkUnsupported as e:
             stats.unsupported += 1
@@ -301,19 +280,20 @@ async def run_tree(
             node.slots = node.slots[:1]
             return await grow(node)
         stats.forks += 1
-        fork = _Fork(prov, handle, node.run, node.path, (*node.steps, turns), node.env, node.tree)
+        fork = _Fork(handle, node.run, node.path, (*node.steps, turns), node.env, node.tree)
         forks.append(fork)
         await spawn(fork, _split(node.slots, min(spec.width, len(node.slots))))
 
     try:
         await grow(root)
     finally:
-        for e in clones:
-            env.busy_s += e.busy_s
-            await e.close()
+        # Saved states first: a clone's own saved state is released through its client.
         for f in reversed(forks):
             try:
-                await f.provider.release(f.handle)
+                await f.env.release(f.handle)
             except EnvError as e:
                 log.warning("grant %s: releasing a saved state failed: %s", grant.grant_id, e)
+        for ce in clones:
+            env.busy_s += ce.busy_s
+            await ce.close()
     return results, give_back
