@@ -364,12 +364,15 @@ class TrainConfig:
 
     def pool_actor_args(self) -> list[str]:
         """Options of the local actor of an evaluation, selection or collection of this run's
-        simulated tasks: this run's desktops per actor and episode limits (steps, tokens)."""
+        simulated tasks: this run's desktops per actor, episode limits (steps, tokens) and what
+        the policy is shown (the observation type and its table budget)."""
         ep = self.actor.episode
         return [
             f"sim_envs={max(1, self.sim_envs_per_actor)}",
             f"episode.max_steps={ep.max_steps}",
             f"episode.max_new_tokens={ep.max_new_tokens}",
+            f"episode.observation_type={ep.observation_type!r}",
+            f"episode.a11y_max_tokens={ep.a11y_max_tokens}",
         ]
 
 

@@ -7,10 +7,11 @@ A tree rollout (`arpo.actor.tree`) needs `n` environments in the state one reach
 a prefix of actions. Two ways, side by side in one run:
 
 - **fork**: `POST /snapshot` then `POST /fork {n}` on the environment (through
-  `DesktopProvider`), then the first screenshot of every child (all at once);
-- **replay**: `POST /reset` then the prefix's actions again, one `/execute` each, then a
-  screenshot: what one environment pays to reach the state without forking (n of them
-  need n free environments doing it at once).
+  `DesktopProvider`; a VM: `FleetVMProvider` and the fleet's control API), then the first
+  screenshot of every child (all at once);
+- **replay**: `POST /reset` (a VM: the fleet's revert) then the prefix's actions again,
+  one `/execute` each, then a screenshot: what one environment pays to reach the state
+  without forking (n of them need n free environments doing it at once).
 
 Kinds, one function each (`KINDS`):
 
@@ -19,11 +20,21 @@ Kinds, one function each (`KINDS`):
   n = 1, 4, 16. Also the server's own time for the copies (`/sim/stats` spans
   `snapshot`, `fork`) and memory per child: RSS of the server process before the fork of
   16, after it, after one action and screenshot on each child, and after the release.
-- `vm` (`bench_vm`): the fleet's VMs, not written yet (its place is marked below).
+- `vm` (`bench_vm`): a VM of the project's fleet (`arpo-envs vm`, its own fleet of one VM
+  in a temporary folder), through `FleetVMProvider`; after the revert, the task's setup
+  (a terminal) and the prefix: the first 2, 5 or 10 of alternating clicks and typed
+  command lines (pyautogui through `/execute`); fork of n = 1, 2, 4 (at most
+  `VM_MAX_REPEATS` repeats: each is seconds). Also the fleet's own split of a snapshot
+  (pause, RAM transfer, disk copy; from its events) and host memory: RSS, PSS and USS of
+  4 clones right after the fork and after one action and a screenshot each, against the
+  parent VM's, and the size of the saved RAM file they share.
 
-Before any timing, per prefix: a child's first screenshot is byte for byte the parent's
-at snapshot time, so is the replayed desktop's, and a child that plays the rest of the
-oracle solves the task. Run alone on the machine (2 cores: anything else distorts it).
+Before any timing, per prefix: on the simulated desktop a child's first screenshot is
+byte for byte the parent's at snapshot time, so is the replayed desktop's, and a child
+that plays the rest of the oracle solves the task; on a VM the replay reaches the
+prefix's state (the typed lines), each of 2 clones is in it, and what one clone types
+reaches neither its sibling nor the parent. Run alone on the machine (2 cores: anything
+else distorts it).
 """
 
 from __future__ import annotations
@@ -244,17 +255,272 @@ def render_sim(r: dict[str, Any]) -> list[str]:
 
 
 # ---- vm ---------------------------------------------------------------------------------------
-# The fleet's VMs: `bench_vm(repeats) -> dict` and `render_vm(results) -> list[str]` go here,
-# measured the same way (fork latency of n = 1, 4, 16 and memory per clone, against a revert
-# plus a replay of the prefix), then listed in KINDS.
+
+VM_PREFIXES = (2, 5, 10)
+VM_FORKS = (1, 2, 4)
+VM_MAX_REPEATS = 5
+"""Timings per configuration on VMs at most (a VM fork is seconds, not milliseconds)."""
+VM_TITLE = "BenchTerm"
+
+
+def _fleet_status(fleet_dir: Path) -> dict[str, Any]:
+    from arpo_envs.vm.fleet import status
+
+    return status(fleet_dir / "fleet.json")
+
+
+def _smaps(pid: int) -> dict[str, float]:
+    """RSS, PSS and USS (private pages) of a process, MiB, from /proc/<pid>/smaps_rollup."""
+    kb: dict[str, int] = {}
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:]:
+        k, v = line.split(":", 1)
+        kb[k] = int(v.split()[0])
+    return {
+        "rss_mib": kb["Rss"] / 1024,
+        "pss_mib": kb["Pss"] / 1024,
+        "uss_mib": (kb["Private_Clean"] + kb["Private_Dirty"]) / 1024,
+    }
+
+
+def _vm_actions(k: int, center: tuple[int, int]) -> list[str]:
+    """A prefix of `k` agent actions as OSWorld sends them (pyautogui through /execute):
+    a click into the terminal, then a typed command line, in turn. Each typed line appends
+    its number to /home/user/prefix.txt, so the state reached says how many actions ran."""
+    x, y = center
+    out = []
+    for i in range(k):
+        if i % 2 == 0:
+            out.append(f"pyautogui.click({x + i}, {y})")
+        else:
+            out.append(f"pyautogui.write('echo {i} >> /home/user/prefix.txt\\n', interval=0.005)")
+    return out
+
+
+async def _vm_setup(env: EnvClient) -> tuple[int, int]:
+    """The task's setup after a revert: a terminal whose shell runs, waited for; its centre."""
+    await env.launch(f"xterm -title {VM_TITLE} -e bash --norc --noprofile", shell=True)
+    for _ in range(120):
+        r = await env.execute(
+            f"xdotool search --onlyvisible --name '^{VM_TITLE}$' getwindowgeometry --shell %1 && "
+            'pgrep -x bash -P "$(pgrep -n -x xterm)"',
+            shell=True,
+        )
+        if r.returncode == 0 and "WIDTH=" in r.output:
+            g = dict(line.split("=", 1) for line in r.output.split() if "=" in line)
+            return int(g["X"]) + int(g["WIDTH"]) // 2, int(g["Y"]) + int(g["HEIGHT"]) // 2
+        await asyncio.sleep(0.25)
+    raise RuntimeError(f"no {VM_TITLE} window 30 s after its launch")
+
+
+async def _vm_replay(provider: Any, env: EnvClient, k: int) -> bytes:
+    """Revert (the fleet's loadvm), the setup, `k` actions, a screenshot."""
+    await provider.revert_to_snapshot()
+    center = await _vm_setup(env)
+    for code in _vm_actions(k, center):
+        r = await env.execute_pyautogui(code)
+        assert r.returncode == 0, r.error
+    return await env.screenshot()
+
+
+async def _prefix_lines(env: EnvClient, want: list[str]) -> list[str]:
+    """The lines of the prefix's file once they are `want` (the shell in the terminal runs
+    what was typed at its own pace), or as they are after 10 s."""
+    for _ in range(40):
+        r = await env.execute("cat /home/user/prefix.txt 2>/dev/null; true", shell=True)
+        if r.output.split() == want:
+            break
+        await asyncio.sleep(0.25)
+    return r.output.split()
+
+
+async def _vm_fork(provider: Any, n: int) -> tuple[str, list[Any], float, float, float]:
+    """Snapshot, fork `n`, first screenshot of each clone (all at once):
+    (handle, clones, snapshot s, fork s, snapshot to the last first screenshot s)."""
+    t0 = time.perf_counter()
+    handle = await provider.snapshot()
+    t1 = time.perf_counter()
+    clones = await provider.fork(handle, n)
+    t2 = time.perf_counter()
+    async with contextlib.AsyncExitStack() as stack:
+        kids = [
+            await stack.enter_async_context(EnvClient(ClientConfig(base_url=c.url))) for c in clones
+        ]
+        shots = await asyncio.gather(*(k.screenshot() for k in kids))
+    assert all(s[:8] == b"\x89PNG\r\n\x1a\n" for s in shots)
+    return handle, clones, t1 - t0, t2 - t1, time.perf_counter() - t0
+
+
+async def _check_vm(provider: Any, env: EnvClient) -> None:
+    """Correctness before timing, per prefix: the replay reaches the prefix's state, each
+    of 2 clones is in it, and what one clone types reaches neither the other nor the parent."""
+    for k in VM_PREFIXES:
+        await _vm_replay(provider, env, k)
+        want = [str(i) for i in range(1, k, 2)]
+        got = await _prefix_lines(env, want)
+        assert got == want, f"prefix {k}: the replay did not get there: {got} != {want}"
+        handle, clones, *_ = await _vm_fork(provider, 2)
+        async with contextlib.AsyncExitStack() as stack:
+            kids = [
+                await stack.enter_async_context(EnvClient(ClientConfig(base_url=c.url)))
+                for c in clones
+            ]
+            for kid in kids:
+                assert await _prefix_lines(kid, want) == want, f"prefix {k}: a clone is elsewhere"
+                assert VM_TITLE in (await kid.execute("wmctrl -l", shell=True)).output
+            await kids[0].execute_pyautogui("pyautogui.write('echo x >> /home/user/prefix.txt\\n')")
+            assert await _prefix_lines(kids[0], [*want, "x"]) == [*want, "x"]
+            assert await _prefix_lines(kids[1], want) == want, "a clone saw its sibling's action"
+        assert await _prefix_lines(env, want) == want, "the parent saw a clone's action"
+        await provider.release(handle)
+
+
+async def _memory_vm(provider: Any, env: EnvClient, parent_pid: int, fleet_dir: Path) -> dict:
+    """Host memory of 4 clones after the prefix of 5: right after the fork, and after one
+    action and a screenshot each; the parent's; the saved RAM file."""
+    n = 4
+    await _vm_replay(provider, env, 5)
+    mem: dict[str, Any] = {"clones": n, "parent": _smaps(parent_pid)}
+    handle, clones, *_ = await _vm_fork(provider, n)
+    pids = {c["name"]: c["qemu_pid"] for c in _fleet_status(fleet_dir)["clones"]}
+    mem["forked"] = [_smaps(pids[c.name]) for c in clones]
+    async with contextlib.AsyncExitStack() as stack:
+        kids = [
+            await stack.enter_async_context(EnvClient(ClientConfig(base_url=c.url))) for c in clones
+        ]
+        for kid in kids:
+            await kid.execute_pyautogui("pyautogui.write('echo acted >> /home/user/prefix.txt\\n')")
+            await kid.screenshot()
+    mem["acted"] = [_smaps(pids[c.name]) for c in clones]
+    (snap,) = [s for s in _fleet_status(fleet_dir)["snapshots"] if s["id"] == handle]
+    mem["snapshot_ram_file_mib"] = snap["ram_mib"]
+    await provider.release(handle)
+    return mem
+
+
+async def _measure_vm(st: dict[str, Any], fleet_dir: Path, repeats: int) -> dict[str, Any]:
+    from arpo.env.provider import FleetLink, FleetVMProvider
+
+    vm = st["vms"][0]
+    out: dict[str, Any] = {"accel": st["accel"], "accel_reason": st["accel_reason"]}
+    async with EnvClient(ClientConfig(base_url=vm["url"])) as env:
+        provider = FleetVMProvider(env, FleetLink.from_state(fleet_dir / "fleet.json"), vm["name"])
+        try:
+            await _check_vm(provider, env)
+            rows = []
+            for k in VM_PREFIXES:
+                replay = []
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    await _vm_replay(provider, env, k)
+                    replay.append(time.perf_counter() - t0)
+                row: dict[str, Any] = {"prefix": k, "replay_s": replay, "fork": {}}
+                await _vm_replay(provider, env, k)  # the parent at the prefix, once
+                for n in VM_FORKS:
+                    snaps, forks, totals, releases = [], [], [], []
+                    for _ in range(repeats):
+                        handle, _, snap_s, fork_s, total_s = await _vm_fork(provider, n)
+                        t0 = time.perf_counter()
+                        await provider.release(handle)
+                        releases.append(time.perf_counter() - t0)
+                        snaps.append(snap_s)
+                        forks.append(fork_s)
+                        totals.append(total_s)
+                    row["fork"][str(n)] = {"snapshot_s": snaps, "fork_s": forks,
+                                           "to_first_screenshots_s": totals,
+                                           "release_s": releases}  # fmt: skip
+                rows.append(row)
+            out["rows"] = rows
+            out["memory"] = await _memory_vm(provider, env, int(vm["qemu_pid"]), fleet_dir)
+        finally:
+            await provider.stop()
+    events = [json.loads(x) for x in (fleet_dir / "events.jsonl").read_text().splitlines()]
+    snaps = [e for e in events if e["event"] == "snapshot"]
+    out["fleet_snapshot_s"] = {
+        k: [e[k] for e in snaps] for k in ("transfer_s", "disk_s", "paused_s", "total_s")
+    }
+    out["fleet_snapshot_ram_mib"] = [e["ram_mib"] for e in snaps]
+    forks = [e for e in events if e["event"] == "fork"]
+    out["fleet_fork_s"] = {str(n): [e["seconds"] for e in forks if e["n"] == n] for n in VM_FORKS}
+    return out
 
 
 def bench_vm(repeats: int = 10) -> dict[str, Any]:
-    raise SystemExit("bench_fork.py: the vm kind is not written yet; run with --kinds sim")
+    """Fork vs revert + replay on a VM of the fleet (see the module docstring)."""
+    import tempfile
+
+    from arpo_envs.vm.fleet import FleetConfig, down, up
+
+    repeats = min(repeats, VM_MAX_REPEATS)
+    tmp = Path(tempfile.mkdtemp(prefix="bench-fork-vm-"))
+    fleet_dir = tmp / "fleet"
+    try:
+        st = up(FleetConfig(n=1, dir=str(fleet_dir), health_interval_s=0), detach=True,
+                announce=lambda s: None)  # fmt: skip
+        assert st is not None
+        out = asyncio.run(_measure_vm(st, fleet_dir, repeats))
+    finally:
+        down(fleet_dir)
+        subprocess.run(["rm", "-rf", str(tmp)])
+    out["repeats"] = repeats
+    out["load_at_end"] = os.getloadavg()
+    return out
 
 
 def render_vm(r: dict[str, Any]) -> list[str]:
-    return []
+    s = lambda xs: f"{med(xs):.2f}"  # noqa: E731
+    lines = [
+        f"## VM of the fleet (`arpo-envs vm`, accelerator {r['accel']}: {r['accel_reason']})",
+        "",
+        f"Median seconds over {r['repeats']} repeats; load average at the end "
+        f"{r['load_at_end'][0]:.2f} (1 min), {r['load_at_end'][2]:.2f} (15 min). "
+        "Prefix: after the revert, the task's "
+        "setup (a terminal, waited for) and the prefix's actions, a click or a typed command "
+        "line each (pyautogui through `/execute`, as OSWorld's controller sends them). "
+        "snapshot: `FleetVMProvider.snapshot`; fork n: `fork(handle, n)` returned (every "
+        "clone's server answers); (to first screenshots: snapshot + fork + every clone's first "
+        "screenshot). revert + replay is one VM's way to the same state; n environments need "
+        "n VMs doing it at once.",
+        "",
+        "| prefix actions | revert + replay (one VM) | snapshot | "
+        + " | ".join(f"fork n={n} (to first screenshots)" for n in VM_FORKS)
+        + f" | release n={max(VM_FORKS)} |",
+        "|---|---|---|" + "---|" * len(VM_FORKS) + "---|",
+    ]
+    for row in r["rows"]:
+        forks = [row["fork"][str(n)] for n in VM_FORKS]
+        snaps = [x for f in forks for x in f["snapshot_s"]]
+        cells = [f"{s(f['fork_s'])} ({s(f['to_first_screenshots_s'])})" for f in forks]
+        lines.append(
+            f"| {row['prefix']} | {s(row['replay_s'])} | {s(snaps)} | "
+            + " | ".join(cells)
+            + f" | {s(forks[-1]['release_s'])} |"
+        )
+    fs = r["fleet_snapshot_s"]
+    m = r["memory"]
+    per = lambda key, what: ", ".join(f"{x[key]:.0f}" for x in m[what])  # noqa: E731
+    lines += [
+        "",
+        f"Snapshot, fleet side (median of all {len(fs['total_s'])}): {s(fs['total_s'])} s, of "
+        f"which the VM was paused {s(fs['paused_s'])} s (RAM transfer to the holder "
+        f"{s(fs['transfer_s'])} s, disk copy {s(fs['disk_s'])} s); saved RAM "
+        f"{med(r['fleet_snapshot_ram_mib']):.0f} MiB (the guest's non-zero pages).",
+        "",
+        f"Host memory, fork of {m['clones']} after the prefix of 5 (MiB per clone, "
+        "smaps_rollup; USS = pages the clone alone holds):",
+        "",
+        "| | RSS | PSS | USS |",
+        "|---|---|---|---|",
+        f"| the parent VM | {m['parent']['rss_mib']:.0f} | {m['parent']['pss_mib']:.0f} | "
+        f"{m['parent']['uss_mib']:.0f} |",
+        f"| each clone, right after the fork | {per('rss_mib', 'forked')} | "
+        f"{per('pss_mib', 'forked')} | {per('uss_mib', 'forked')} |",
+        f"| each clone, after one action and a screenshot | {per('rss_mib', 'acted')} | "
+        f"{per('pss_mib', 'acted')} | {per('uss_mib', 'acted')} |",
+        "",
+        f"The saved RAM file the clones share: {m['snapshot_ram_file_mib']:.0f} MiB "
+        "(tmpfs; counted once, in the clones' PSS shares).",
+    ]
+    return lines
 
 
 KINDS: dict[str, tuple[Callable[[int], dict[str, Any]], Callable[[dict[str, Any]], list[str]]]] = {

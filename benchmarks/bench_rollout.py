@@ -43,8 +43,9 @@ from bench_wire import machine  # noqa: E402
 
 from arpo.actor.actor import Actor  # noqa: E402
 from arpo.actor.config import ActorConfig  # noqa: E402
-from arpo.actor.episode import Environment, EpisodeConfig, _prompt_for, _timed, reset_env  # noqa: E402
+from arpo.actor.episode import EpisodeConfig, _prompt_for  # noqa: E402
 from arpo.actor.scripted import ScriptedPolicy  # noqa: E402
+from arpo.env.environment import Environment  # noqa: E402
 from arpo.env.runner import RunnerConfig  # noqa: E402
 from arpo.env.task import Task  # noqa: E402
 from arpo.policy import actions as A  # noqa: E402
@@ -97,9 +98,7 @@ async def lockstep(urls: list[str], args: argparse.Namespace, duration: float) -
     busy0 = sum(e.busy_s for e in envs)
     while time.perf_counter() - t0 < duration:
         round_tasks = [rng.choice(tasks) for _ in envs]
-        errs = await asyncio.gather(
-            *(reset_env(e, t, cfg) for e, t in zip(envs, round_tasks, strict=True))
-        )
+        errs = await asyncio.gather(*(e.prepare(t) for e, t in zip(envs, round_tasks, strict=True)))
         assert not any(errs), errs
         eps = [policy.episode(t) for t in round_tasks]
         prompts = [_prompt_for(policy, t.instruction, cfg) for t in round_tasks]
@@ -109,7 +108,7 @@ async def lockstep(urls: list[str], args: argparse.Namespace, duration: float) -
             if not active:
                 break
             pngs = await asyncio.gather(
-                *(_timed(envs[i], envs[i].client.screenshot()) for i in active)
+                *(envs[i].timed(envs[i].client.screenshot()) for i in active)
             )
             inputs = []
             for i, png in zip(active, pngs, strict=True):
@@ -138,11 +137,11 @@ async def lockstep(urls: list[str], args: argparse.Namespace, duration: float) -
 
             async def run(i: int, cmds: tuple[str, ...]) -> None:
                 for c in cmds:
-                    await _timed(envs[i], envs[i].runner.act(c))
+                    await envs[i].timed(envs[i].runner.act(c))
 
             await asyncio.gather(*(run(i, c) for i, c in acts))
         results = await asyncio.gather(
-            *(_timed(e, e.runner.evaluate(t)) for e, t in zip(envs, round_tasks, strict=True))
+            *(e.timed(e.runner.evaluate(t)) for e, t in zip(envs, round_tasks, strict=True))
         )
         episodes += len(results)
         failures += sum(r.score != 1.0 or r.status != "ok" for r in results)

@@ -599,6 +599,29 @@ def report(out: Path, results: dict[str, Any]) -> str:
         )
     lines += [
         "",
+        "Cost, per seed: environment steps the run's trajectories took (a tree's shared "
+        "turns once; the offline methods': their collection's), successes among the "
+        "training episodes (at the rollout temperature), successes per 1000 environment "
+        "steps and per minute of the run's wall clock (learner and actors together):",
+        "",
+        "| method | environment steps | training successes | per 1000 steps | per minute |",
+        "|---|---|---|---|---|",
+    ]
+    for m in ONLINE + OFFLINE:
+        ps = [v for k, v in sorted(results["methods"].get(m, {}).items(), key=lambda kv: int(kv[0]))
+              if k in seeds and "env_steps" in v]  # fmt: skip
+        if not ps:
+            continue
+
+        def col(key: str, fmt: str, ps=ps) -> str:
+            return ", ".join(format(p.get(key, math.nan), fmt) for p in ps)
+
+        lines.append(
+            f"| {m} | {col('env_steps', '.0f')} | {col('train_successes', '.0f')} | "
+            f"{col('successes_per_1k_steps', '.0f')} | {col('successes_per_learner_min', '.1f')} |"
+        )
+    lines += [
+        "",
         "Drift of the online runs (over all their iterations and seeds): per-sequence "
         "log-ratio pi_prox - mu of fresh and of replayed trajectories (min .. max), "
         "exp(pi_prox - mu) before truncation on replayed decision tokens (behaviour "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -97,6 +98,27 @@ def sim_desktop(*args: str, port: int = 0) -> tuple[subprocess.Popen, str]:
             raise AssertionError(f"the simulated desktop did not start: {cmd + list(args)}")
         if line.startswith("env 0 "):
             return proc, line.split()[2]
+
+
+@pytest.fixture(scope="session")
+def vm_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
+    """A fleet of 2 QEMU VMs of the test image (`arpo_envs.vm.fleet.FleetConfig`), started
+    once for every VM test module of the session (tests/test_vm.py, tests/test_vm_fork.py):
+    a fleet's start costs a minute or two under software emulation. Its health timer runs
+    every 3 s."""
+    from arpo_envs.vm.fleet import FleetConfig, down, up
+    from arpo_envs.vm.image import build
+    from arpo_envs.vm.qemu import MachineConfig
+
+    build()  # cached after the first time on a machine
+    folder = tmp_path_factory.mktemp("fleet") / "vms"
+    cfg = FleetConfig(
+        n=2, dir=str(folder), machine=MachineConfig(), health_interval_s=3.0, health_timeout_s=20.0
+    )
+    state = up(cfg, detach=True, announce=lambda s: None)
+    assert state is not None
+    yield cfg
+    down(folder)
 
 
 def loopback() -> object:

@@ -27,6 +27,7 @@ from arpo.actor.config import ActorConfig
 from arpo.actor.episode import EpisodeConfig
 from arpo.actor.scripted import ByteTokenizer, oracle_to_actions
 from arpo.buffer import ReplayStore
+from arpo.env.environment import EnvironmentConfig
 from arpo.policy import actions as A
 from arpo.record import Status, Trajectory
 from arpo.service.grants import GrantBook, GrantConfig, GrantServer
@@ -280,7 +281,7 @@ def test_desktop_killed_mid_episode_is_an_env_error(learner_factory, tmp_path: P
             policy="scripted",
             spool_dir=str(tmp_path / "spool"),
             transport=lr.transport(),
-            episode=EpisodeConfig(reset_retries=2, reset_backoff_s=0.1),
+            environment=EnvironmentConfig(reset_retries=2, reset_backoff_s=0.1),
             env_recheck_s=0,  # retired for good
             progress_s=0,
         )
@@ -322,7 +323,7 @@ def test_a_desktop_that_comes_back_rejoins_the_actor(learner_factory, tmp_path: 
         policy="scripted",
         spool_dir=str(tmp_path / "spool"),
         transport=lr.transport(),
-        episode=EpisodeConfig(reset_retries=2, reset_backoff_s=0.1),
+        environment=EnvironmentConfig(reset_retries=2, reset_backoff_s=0.1),
         env_recheck_s=0.5,
         progress_s=0,
     )

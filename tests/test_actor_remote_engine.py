@@ -15,7 +15,8 @@ pytest.importorskip("transformers")
 from aiohttp import web
 
 from arpo import wire
-from arpo.actor.episode import Environment, EpisodeConfig, run_episode
+from arpo.actor.episode import EpisodeConfig, run_episode
+from arpo.env.environment import Environment
 from arpo.env.runner import RunnerConfig
 from arpo.policy.engine import EngineConfig
 from arpo.policy.tiny import build_tiny_model

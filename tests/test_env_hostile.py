@@ -34,7 +34,7 @@ from arpo_envs.server_common import make_app as make_env_app
 from arpo_envs.sim.server import SimConfig, start_servers
 from arpo_envs.sim.tasks import generate_tasks
 
-from arpo.actor.episode import Environment, EpisodeConfig, reset_env
+from arpo.actor.episode import EpisodeConfig
 from arpo.env.client import (
     ClientConfig,
     EnvAnswerTooLarge,
@@ -42,14 +42,15 @@ from arpo.env.client import (
     EnvClient,
     EnvProtocolError,
 )
+from arpo.env.environment import Environment, EnvironmentConfig
 from arpo.env.provider import FleetLink, FleetVMProvider
-from arpo.env.runner import RunnerConfig, TaskRunner
+from arpo.env.runner import RunnerConfig
 from arpo.env.task import Task
 from arpo.errors import EnvError, EnvTimeout, ResetError, TaskError
 from arpo.record import Status
 
 RUNNER = RunnerConfig(reset_before_setup=True, sleep_scale=0.0, evaluator="own")
-EPISODE = EpisodeConfig(reset_retries=2, reset_backoff_s=0.01)
+RESET = EnvironmentConfig(reset_retries=2, reset_backoff_s=0.01)
 
 
 def http(status: str, body: bytes, headers: bytes = b"") -> bytes:
@@ -130,17 +131,17 @@ def test_a_garbage_reset_makes_the_environment_unhealthy_and_blames_no_task(kind
         quarantine: dict[str, str] = {}
         try:
             async with raw_server(GARBAGE[kind]) as bad_url:
-                bad = Environment(0, bad_url, RUNNER, quarantine=quarantine)
-                good = Environment(1, sim_url, RUNNER, quarantine=quarantine)
+                bad = Environment(0, bad_url, RUNNER, quarantine=quarantine, config=RESET)
+                good = Environment(1, sim_url, RUNNER, quarantine=quarantine, config=RESET)
                 try:
                     for task in sim_tasks(4):
-                        failed = await reset_env(bad, task, EPISODE)
+                        failed = await bad.prepare(task)
                         assert failed is not None and failed.status == Status.ENV_ERROR, failed
                         assert failed.reason.startswith("reset: "), failed.reason
                         assert not bad.healthy
                         if kind == "status_error":  # the server's own words are kept
                             assert "'error'" in failed.reason and "no display" in failed.reason
-                        assert await reset_env(good, task, EPISODE) is None  # it sets up
+                        assert await good.prepare(task) is None  # it sets up
                         assert good.healthy
                 finally:
                     await bad.close()
@@ -259,9 +260,11 @@ def test_a_hostile_fleet_control_api_gives_env_errors_only(kind: str) -> None:
     async def main() -> None:
         async with aiohttp_server(app) as url:
             link = FleetLink(control=url, token="t")
-            client = EnvClient(ClientConfig(base_url="http://127.0.0.1:9", max_retries=0))
-            provider = FleetVMProvider(client, link, "vm0", timeout_s=5.0)
-            runner = TaskRunner(client, RUNNER, provider=provider)
+            env = Environment(
+                0, "http://127.0.0.1:9", RUNNER,
+                provider=lambda c: FleetVMProvider(c, link, "vm0", timeout_s=5.0),
+            )  # fmt: skip
+            provider = env.provider
             try:
                 with pytest.raises(EnvError) as e:
                     await provider.revert_to_snapshot("task-a")
@@ -269,12 +272,10 @@ def test_a_hostile_fleet_control_api_gives_env_errors_only(kind: str) -> None:
                 health = await provider.health()
                 assert not health.ok and health.reason
                 await provider.report("task-a", False, "x")  # logged, never raised
-                with pytest.raises(ResetError):  # the runner: the environment's fault
-                    await runner.revert(sim_tasks(1)[0])
+                with pytest.raises(ResetError):  # the environment's fault
+                    await env.revert(sim_tasks(1)[0])
             finally:
-                runner.close()
-                await provider.stop()
-                await client.close()
+                await env.close()
 
     asyncio.run(main())
 
@@ -330,7 +331,8 @@ def test_a_desktop_behind_a_wrong_token_is_retired_once_and_the_other_goes_on(
                 policy="scripted",
                 spool_dir=str(tmp_path / "spool"),
                 transport=lr.transport(),
-                episode=EpisodeConfig(reset_retries=2, reset_backoff_s=0.05, scroll_clicks=1),
+                episode=EpisodeConfig(scroll_clicks=1),
+                environment=EnvironmentConfig(reset_retries=2, reset_backoff_s=0.05),
                 env_recheck_s=0.1,  # a recheck loop would show within a second
                 progress_s=0,
             )

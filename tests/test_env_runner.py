@@ -10,6 +10,7 @@ from osworld_fixtures.peer import Peer
 from osworld_fixtures.xlsx_writer import write_xlsx
 
 from arpo.env.client import ClientConfig, EnvClient
+from arpo.env.environment import Environment
 from arpo.env.runner import RunnerConfig, TaskRunner
 from arpo.env.task import Task
 from arpo.errors import FileCacheMiss, TaskError
@@ -43,6 +44,19 @@ async def with_runner(body, tmp_path, *, peer=None, **cfg):
         await peer.stop()
 
 
+async def with_env(body, tmp_path, **cfg):
+    """`body(env, peer)` on an Environment of a loopback peer (its runner configured by `cfg`)."""
+    peer = await Peer().start()
+    env = Environment(
+        0, peer.url, RunnerConfig(**{"cache_dir": tmp_path / "cache", "until_poll_s": 0.01, **cfg})
+    )
+    try:
+        return await body(env, peer)
+    finally:
+        await env.close()
+        await peer.stop()
+
+
 def test_unknown_step_raises_task_error_naming_it_before_anything_runs(tmp_path):
     t = task(
         [
@@ -60,6 +74,13 @@ def test_unknown_step_raises_task_error_naming_it_before_anything_runs(tmp_path)
             await runner.setup(bad_params)
 
     asyncio.run(with_runner(body, tmp_path, evaluator="own"))
+
+    async def reverted(env, peer):  # an environment checks the task before it reverts
+        with pytest.raises(TaskError, match=r"config\[1\].*'chrome_open_tabs'"):
+            await env.reset(t)
+        assert peer.calls == []
+
+    asyncio.run(with_env(reverted, tmp_path, evaluator="own", reset_before_setup=True))
 
 
 def test_placeholders_are_substituted_in_execute_and_command(tmp_path):
@@ -167,10 +188,17 @@ def test_download_comes_from_the_local_cache(tmp_path):
 def test_actions_and_sim_scene_and_reset(tmp_path):
     t = task([{"type": "sim_scene", "parameters": {"family": "calc", "seed": 7, "rows": 3}}])
 
-    async def body(runner, peer):
-        await runner.setup(t)
+    async def body(env, peer):
+        await env.reset(t)  # the desktop's /reset, then the task's steps
+        scene = {"family": "calc", "seed": 7, "rows": 3}
+        assert [c for c in peer.calls if c[0] in ("/reset", "/sim/scene")] == [
+            ("/reset", {}),
+            ("/sim/scene", scene),
+        ]
+        runner = env.runner
+        await runner.setup(t)  # the runner alone runs the steps and reverts nothing
         assert peer.recorded("/reset") == [{}]
-        assert peer.recorded("/sim/scene") == [{"family": "calc", "seed": 7, "rows": 3}]
+        assert peer.recorded("/sim/scene") == [scene, scene]
         res = await runner.act("pyautogui.typewrite('hi')")
         assert res is not None and res.returncode == 0
         assert await runner.act("WAIT") is None
@@ -178,7 +206,7 @@ def test_actions_and_sim_scene_and_reset(tmp_path):
         assert runner.history == ["pyautogui.typewrite('hi')", "WAIT", "DONE"]
         assert len(peer.recorded("/execute")) == 1
 
-    asyncio.run(with_runner(body, tmp_path, reset_before_setup=True, wait_seconds=0.0))
+    asyncio.run(with_env(body, tmp_path, reset_before_setup=True, wait_seconds=0.0))
 
 
 def test_evaluate_vm_file_against_cloud_file_with_compare_table(tmp_path):

@@ -30,6 +30,7 @@ from osworld_fixtures.peer import Peer
 from arpo.env import (
     ClientConfig,
     EnvClient,
+    Environment,
     RunnerConfig,
     TaskRunner,
     load_task,
@@ -227,14 +228,16 @@ def desktop_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 async def _play(url: str, tasks: list[Task], oracle: bool) -> list[tuple[str, float, str, str]]:
     """Run each task on the desktop (reset first), with its oracle or with no action at all."""
     out = []
-    async with EnvClient(ClientConfig(base_url=url)) as client:
-        await client.wait_ready(deadline_s=120)
-        runner = TaskRunner(client, RunnerConfig(reset_before_setup=True))
+    env = Environment(0, url, RunnerConfig(reset_before_setup=True))
+    try:
+        await env.client.wait_ready(deadline_s=120)
         for t in tasks:
             actions = [*t.extra["oracle"], "DONE"] if oracle else ["DONE"]
-            res = await runner.run(t, actions)
-            runner.close()
+            res = await env.run(t, actions)
+            env.runner.close()
             out.append((t.id, res.score, res.status, res.error or ""))
+    finally:
+        await env.close()
     return out
 
 

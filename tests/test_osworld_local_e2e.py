@@ -17,7 +17,7 @@ import pytest
 from osworld_fixtures.evaluator import needs_evaluator
 from test_local_tasks import desktop_url, suite  # noqa: F401  (desktop_url is a fixture)
 
-from arpo.env import ClientConfig, EnvClient, RunnerConfig, TaskRunner
+from arpo.env import Environment, RunnerConfig
 from arpo.env.osworld.client import EvaluatorConfig, OSWorldEvaluator
 from arpo.env.task import Task
 
@@ -36,23 +36,22 @@ async def _play_both(url: str, tasks: list[Task]) -> dict[str, list[Outcome]]:
     before each run."""
     out: dict[str, list[Outcome]] = {"own": [], "osworld": []}
     pool = OSWorldEvaluator(EvaluatorConfig(workers=1, request_timeout_s=300))
-    async with EnvClient(ClientConfig(base_url=url)) as client:
-        await client.wait_ready(deadline_s=120)
-        runners = {
-            ev: TaskRunner(
-                client, RunnerConfig(reset_before_setup=True, evaluator=ev), osworld=pool
-            )
-            for ev in out
-        }
-        try:
-            for t in tasks:
-                for how, actions in (("oracle", [*t.extra["oracle"], "DONE"]), ("noop", ["DONE"])):
-                    for ev, runner in runners.items():
-                        res = await runner.run(t, actions)
-                        runner.close()
-                        out[ev].append((t.id, how, res.status, res.score, res.error or ""))
-        finally:
-            await pool.aclose()
+    envs = {
+        ev: Environment(0, url, RunnerConfig(reset_before_setup=True, evaluator=ev), osworld=pool)
+        for ev in out
+    }
+    try:
+        await envs["own"].client.wait_ready(deadline_s=120)
+        for t in tasks:
+            for how, actions in (("oracle", [*t.extra["oracle"], "DONE"]), ("noop", ["DONE"])):
+                for ev, env in envs.items():
+                    res = await env.run(t, actions)
+                    env.runner.close()
+                    out[ev].append((t.id, how, res.status, res.score, res.error or ""))
+    finally:
+        for env in envs.values():
+            await env.close()
+        await pool.aclose()
     return out
 
 

@@ -73,13 +73,8 @@ def _config(tmp_path: Path, model: Path, *, iterations: int, preflight: bool) ->
         ),
         actor=replace(
             base.actor,
-            episode=replace(
-                base.actor.episode,
-                max_steps=2,
-                max_new_tokens=16,
-                reset_retries=2,
-                reset_backoff_s=0.2,
-            ),
+            episode=replace(base.actor.episode, max_steps=2, max_new_tokens=16),
+            environment=replace(base.actor.environment, reset_retries=2, reset_backoff_s=0.2),
         ),
     )
 

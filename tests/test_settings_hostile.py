@@ -57,8 +57,8 @@ TRAIN = [
     ("learner.trainer.lr=1e300", "learner.trainer.lr", "(0, 1]"),
     ("actor.episode.step_timeout_s=0", "actor.episode.step_timeout_s", "(0, 604800]"),
     ("actor.episode.step_timeout_s=-1", "actor.episode.step_timeout_s", "(0, 604800]"),
-    ("actor.episode.reset_backoff_s=-1", "actor.episode.reset_backoff_s", "[0, 30]"),
-    ("actor.episode.reset_backoff_s=1e300", "actor.episode.reset_backoff_s", "[0, 30]"),
+    ("actor.environment.reset_backoff_s=-1", "actor.environment.reset_backoff_s", "[0, 30]"),
+    ("actor.environment.reset_backoff_s=1e300", "actor.environment.reset_backoff_s", "[0, 30]"),
     ("actor.episode.scroll_clicks=-5", "actor.episode.scroll_clicks", "[1, 100]"),
     ("actor.episode.scroll_clicks=1000000000", "actor.episode.scroll_clicks", "[1, 100]"),
     ("actor.episode.format_weight=1e308", "actor.episode.format_weight", "[0, 100]"),
@@ -85,7 +85,7 @@ ACTOR_FOUND = [
     ("max_episodes=-1", "max_episodes", ">= 0"),
     ("runner.osworld_workers=100000", "runner.osworld_workers", "[0, 64]"),
     ("episode.step_timeout_s=0", "episode.step_timeout_s", "(0, 604800]"),
-    ("episode.reset_backoff_s=1e300", "episode.reset_backoff_s", "[0, 30]"),
+    ("environment.reset_backoff_s=1e300", "environment.reset_backoff_s", "[0, 30]"),
     ("episode.scroll_clicks=-1", "episode.scroll_clicks", "[1, 100]"),
     ("progress_s=-1", "progress_s", "[0, 604800]"),
     (f"actor_id='{'a' * 2000}'", "actor_id", "at most 1024 bytes"),
@@ -118,10 +118,10 @@ def test_the_store_budget_has_a_documented_floor(pool: Path, model: Path) -> Non
 SAME = [
     # (train override, actor override)
     ("actor.episode.step_timeout_s=0", "episode.step_timeout_s=0"),
-    ("actor.episode.reset_backoff_s=31", "episode.reset_backoff_s=31"),
+    ("actor.environment.reset_backoff_s=31", "environment.reset_backoff_s=31"),
     ("actor.episode.scroll_clicks=101", "episode.scroll_clicks=101"),
     ("actor.episode.format_weight=-0.5", "episode.format_weight=-0.5"),
-    ("actor.episode.reset_retries=1000", "episode.reset_retries=1000"),
+    ("actor.environment.reset_retries=1000", "environment.reset_retries=1000"),
     ("actor.progress_s=1e300", "progress_s=1e300"),
     ("actor.max_episodes=-1", "max_episodes=-1"),
     ("actor.runner.osworld_workers=65", "runner.osworld_workers=65"),
@@ -242,16 +242,16 @@ def test_the_defaults_and_the_edges_of_every_range_are_accepted(
     fleet = tmp_path / "fleet.json"
     fleet.write_text(json.dumps({"control": "http://127.0.0.1:1", "token": "t", "vms": []}))
     edges = [
-        "actor.episode.step_timeout_s=604800", "actor.episode.reset_backoff_s=30",
-        "actor.episode.reset_backoff_s=0", "actor.episode.scroll_clicks=100",
-        "actor.episode.format_weight=0", "actor.episode.reset_retries=20",
+        "actor.episode.step_timeout_s=604800", "actor.environment.reset_backoff_s=30",
+        "actor.environment.reset_backoff_s=0", "actor.episode.scroll_clicks=100",
+        "actor.episode.format_weight=0", "actor.environment.reset_retries=20",
         "progress_s=0", f"progress_s={MAX_SECONDS}", "eval_temperature=0",
         "sft_target_nll=0", "learner.trainer.lr=1.0", f"tasks={str(pool)!r}",
         f"model={str(model)!r}", 'env_urls=["https://[::1]:5000", "http://10.0.0.5:5000/"]',
         "minutes=525600", "learner.store_max_bytes=67108864", "learner.trainer.device='cuda:1'",
     ]  # fmt: skip
     cfg = load_config(TrainConfig, None, edges)
-    assert cfg.actor.episode.reset_backoff_s == 0 and cfg.model == str(model)
+    assert cfg.actor.environment.reset_backoff_s == 0 and cfg.model == str(model)
     load_config(TrainConfig, None, [f"vm_fleet={str(fleet)!r}"])
     load_config(TrainConfig, None, ["model='Qwen/Qwen2.5-VL-3B-Instruct'"])  # a hub id
     actor = load_config(

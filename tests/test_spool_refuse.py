@@ -15,6 +15,7 @@ from arpo.actor.config import ActorConfig
 from arpo.actor.episode import EpisodeConfig
 from arpo.actor.spool import MARKER, Spool
 from arpo.buffer import ReplayStore
+from arpo.env.environment import EnvironmentConfig
 from arpo.record import Trajectory
 from arpo.service.grants import GrantBook, GrantConfig, GrantServer
 from arpo.service.ingest import Ingest, IngestConfig
@@ -136,7 +137,8 @@ def test_a_desktop_that_answers_but_cannot_reset_burns_one_grant_not_one_per_rec
             actor_id="actor-g", sim_envs=1, envs=[bad], env_pool="sim", policy="scripted",
             spool_dir=str(tmp_path / "spool"), env_recheck_s=0.2,
             transport=TransportConfig(data=data, control=control, heartbeat_s=0.2),
-            episode=EpisodeConfig(scroll_clicks=1, reset_retries=1, reset_backoff_s=0.1),
+            episode=EpisodeConfig(scroll_clicks=1),
+            environment=EnvironmentConfig(reset_retries=1, reset_backoff_s=0.1),
             progress_s=0,
         )  # fmt: skip
         actor = Actor(cfg)

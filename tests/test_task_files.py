@@ -130,7 +130,7 @@ def test_an_actor_that_cannot_see_the_task_folder_trains_on_upload_tasks(tmp_pat
             f"engine.model={model}", f"transport.data={data}",
             f"transport.control={control}", f"spool_dir={tmp_path / 'spool'}",
             f"file_cache_dir={cache}", "episode.max_steps=2", "episode.max_new_tokens=16",
-            "episode.reset_backoff_s=0.2",
+            "environment.reset_backoff_s=0.2",
         ])  # fmt: skip
         # The task folder is an empty tmpfs for the actor; its working directory elsewhere.
         script = (f"mount -t tmpfs none {tasks} && test -z \"$(ls -A {tasks})\" && "

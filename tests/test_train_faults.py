@@ -93,12 +93,9 @@ def fault_run_config(
         ),
         actor=replace(
             base.actor,
-            episode=replace(
-                base.actor.episode,
-                max_steps=2,
-                max_new_tokens=16,
-                reset_retries=reset_retries,
-                reset_backoff_s=0.5,
+            episode=replace(base.actor.episode, max_steps=2, max_new_tokens=16),
+            environment=replace(
+                base.actor.environment, reset_retries=reset_retries, reset_backoff_s=0.5
             ),
             shutdown_deadline_s=30.0,
         ),

@@ -111,3 +111,19 @@ def test_loss_with_per_token_advantages_leaves_masked_tokens_without_gradient():
     l2, _ = arpo_loss(logp.detach(), prox, prox, torch.tensor([0.7, -0.3]), full,
                       torch.tensor([False, False]), LossConfig())  # fmt: skip
     assert l1.item() == pytest.approx(l2.item())
+
+
+def test_a_tree_split_over_two_groups_trains_its_shared_turns_once():
+    from arpo.learner.tree import TrainedNodes
+
+    leaves = _tree_group()[:4]
+    seen = TrainedNodes()
+    first, second = leaves[:2], leaves[2:]  # leaves (0, *) then (1, *)
+    a = turn_advantages(first, advantages([lf.reward for lf in first]))
+    assert seen.drop_trained(first, a) == 0
+    b = turn_advantages(second, advantages([lf.reward for lf in second]))
+    assert not np.isnan(b[0][:2]).any()  # the second group alone would train the root again
+    assert seen.drop_trained(second, b) == 2
+    assert np.isnan(b[0][:2]).all() and not np.isnan(b[0][2:]).any()
+    trained = sum(int((~np.isnan(x)).sum()) for x in (*a, *b))
+    assert trained == 2 + 2 * 2 + 4 * 2  # each turn of the tree once, as in one group

@@ -13,10 +13,11 @@ from arpo_envs.sim.server import SimConfig, running
 from arpo_envs.sim.tasks import generate_tasks
 
 from arpo import store_item, wire
-from arpo.actor.episode import Environment, EpisodeConfig
+from arpo.actor.episode import EpisodeConfig
 from arpo.actor.scripted import ScriptedPolicy
 from arpo.actor.tree import TreeStats, run_tree
 from arpo.buffer import ReplayStore
+from arpo.env.environment import Environment
 from arpo.env.runner import RunnerConfig
 from arpo.learner.assemble import AssembleConfig, GroupAssembler
 from arpo.learner.learner import EnvSteps

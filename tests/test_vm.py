@@ -36,8 +36,9 @@ from conftest import loopback
 
 from arpo.config import validate
 from arpo.env.client import ClientConfig, EnvClient
+from arpo.env.environment import Environment
 from arpo.env.provider import FleetLink, FleetVMProvider
-from arpo.env.runner import RunnerConfig, TaskRunner
+from arpo.env.runner import RunnerConfig
 from arpo.env.task import Task
 from arpo.pool.collect import CollectConfig, run_collect
 
@@ -45,8 +46,6 @@ if shutil.which("qemu-system-x86_64") is None or shutil.which("debootstrap") is 
     pytest.fail("the VM tests need `make sysdeps` (qemu-system-x86, debootstrap)", pytrace=False)
 
 from arpo_envs.vm.fleet import FleetConfig, down, read_state, status, up
-from arpo_envs.vm.image import build
-from arpo_envs.vm.qemu import MachineConfig
 
 REPO = Path(__file__).resolve().parent.parent
 LOCAL_TASKS = REPO / "envs" / "arpo_envs" / "tasks" / "local"
@@ -54,16 +53,9 @@ OSWORLD_PY = REPO / ".venv-osworld" / "bin" / "python"
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    build()  # cached after the first time on a machine
-    folder = tmp_path_factory.mktemp("fleet") / "vms"
-    cfg = FleetConfig(
-        n=2, dir=str(folder), machine=MachineConfig(), health_interval_s=3.0, health_timeout_s=20.0
-    )
-    state = up(cfg, detach=True, announce=lambda s: None)
-    assert state is not None
-    yield cfg
-    down(folder)
+def fleet(vm_fleet: FleetConfig) -> FleetConfig:
+    """The session's fleet of 2 VMs (conftest's `vm_fleet`, shared with test_vm_fork.py)."""
+    return vm_fleet
 
 
 def _fleet_status(cfg: FleetConfig) -> dict[str, Any]:
@@ -92,13 +84,13 @@ def test_the_next_episode_starts_from_the_snapshot(fleet: FleetConfig) -> None:
     link = FleetLink.from_state(fleet.state_file)
 
     async def main() -> tuple[str, str, str, str]:
-        client = EnvClient(ClientConfig(base_url=vm["url"]))
-        provider = FleetVMProvider(client, link, vm["name"])
-        runner = TaskRunner(
-            client, RunnerConfig(evaluator="own", osworld_probe_timeout_s=0), provider=provider
-        )
+        env = Environment(
+            0, vm["url"], RunnerConfig(evaluator="own", osworld_probe_timeout_s=0),
+            provider=lambda c: FleetVMProvider(c, link, vm["name"]),
+        )  # fmt: skip
+        client = env.client
         try:
-            await runner.setup(
+            await env.reset(
                 _task(
                     "leave-a-mess",
                     [
@@ -115,7 +107,7 @@ def test_the_next_episode_starts_from_the_snapshot(fleet: FleetConfig) -> None:
                     break
                 await asyncio.sleep(0.5)
             files = await _shell(client, "ls /home/user")
-            await runner.setup(_task("second", []))
+            await env.reset(_task("second", []))
             return (
                 files,
                 windows,
@@ -123,9 +115,8 @@ def test_the_next_episode_starts_from_the_snapshot(fleet: FleetConfig) -> None:
                 await _shell(client, "wmctrl -l"),
             )
         finally:
-            await runner.aclose()
-            await provider.stop()
-            await client.close()
+            await env.runner.aclose()
+            await env.close()
 
     files1, windows1, files2, windows2 = asyncio.run(main())
     assert "leak.txt" in files1 and "LeftOpen" in windows1
@@ -351,7 +342,7 @@ def test_a_task_whose_setup_always_fails_is_quarantined(fleet: FleetConfig, tmp_
     }
     (tasks / "os" / "always-fails.json").write_text(json.dumps(bad))
     before = _fleet_status(fleet)
-    result = _collect_on_vms(fleet, tmp_path, tasks, 2, 4, "episode.reset_retries=1")
+    result = _collect_on_vms(fleet, tmp_path, tasks, 2, 4, "environment.reset_retries=1")
     after = _fleet_status(fleet)
     assert "always-fails" in after["quarantined_tasks"], after
     assert "2 VM" in after["quarantined_tasks"]["always-fails"]
@@ -385,17 +376,17 @@ async def _play_on_vm(fleet: FleetConfig, tasks: list[Task]) -> list[tuple[str, 
     vm = st["vms"][0]
     link = FleetLink.from_state(fleet.state_file)
     out = []
-    client = EnvClient(ClientConfig(base_url=vm["url"]))
-    provider = FleetVMProvider(client, link, vm["name"])
-    runner = TaskRunner(client, RunnerConfig(evaluator="osworld"), provider=provider)
+    env = Environment(
+        0, vm["url"], RunnerConfig(evaluator="osworld"),
+        provider=lambda c: FleetVMProvider(c, link, vm["name"]),
+    )  # fmt: skip
     try:
         for t in tasks:
-            res = await runner.run(t, [*t.extra["oracle"], "DONE"])
+            res = await env.run(t, [*t.extra["oracle"], "DONE"])
             out.append((t.id, res.score, res.status, res.error or ""))
     finally:
-        await runner.aclose()
-        await provider.stop()
-        await client.close()
+        await env.runner.aclose()
+        await env.close()
     return out
 
 

@@ -49,10 +49,11 @@ from typing import Any
 
 from arpo import wire
 from arpo.actor.config import ActorConfig, default_actor_id
-from arpo.actor.episode import Environment, run_episode
+from arpo.actor.episode import run_episode
 from arpo.actor.spool import Spool
 from arpo.actor.tree import TreeStats, run_tree
 from arpo.env.client import EnvAuthError
+from arpo.env.environment import Environment
 from arpo.env.osworld.client import OSWorldEvaluator
 from arpo.env.provider import FleetLink, FleetVMProvider, StaticProvider
 from arpo.env.runner import RunnerConfig
@@ -245,7 +246,7 @@ class Actor:
         self.envs = [
             Environment(i, u, cfg, token=tokens.get(u) or c.env_token or None,
                         osworld=self.osworld, provider=prov, quarantine=self.quarantined,
-                        files=self.files)
+                        files=self.files, config=c.environment)
             for i, (u, _, cfg, prov) in enumerate(envs)
         ]  # fmt: skip
         self.env_pools = {i: pool for i, (_, pool, _, _) in enumerate(envs)}
@@ -409,7 +410,7 @@ class Actor:
 
     async def _worker(self, env: Environment) -> None:
         """Episodes on `env` until the actor stops. An environment that becomes unhealthy
-        (its resets failed `episode.reset_retries` times) is probed every `env_recheck_s`
+        (its resets failed `environment.reset_retries` times) is probed every `env_recheck_s`
         and rejoins when it answers; with `env_recheck_s=0` it is retired for good. One that
         refuses its token (`Environment.retired`) is retired at once, said once at ERROR
         with its URL: no recheck makes a wrong token right. The actor stops when every
@@ -453,8 +454,8 @@ class Actor:
                 await self._unless_stopping(probe)
                 # A desktop that answers but still cannot reset (garbage, an error status)
                 # would fail its next episode's reset again: its reset is the probe.
-                if not self._stopping.is_set() and env.runner.provider.kind == "desktop":
-                    await self._unless_stopping(env.runner.provider.revert_to_snapshot(""))
+                if not self._stopping.is_set() and env.provider.kind == "desktop":
+                    await self._unless_stopping(env.provider.revert_to_snapshot(""))
             except EnvAuthError as e:
                 env.retire_refused(e)
                 return False

@@ -11,6 +11,7 @@ from typing import Literal
 
 from arpo.actor.episode import EpisodeConfig
 from arpo.config import check_range, check_seconds, fail, folder_problem, option, url_problem
+from arpo.env.environment import EnvironmentConfig
 from arpo.env.osworld.client import EvaluatorConfig, find_python
 from arpo.env.runner import RunnerConfig
 from arpo.policy.engine import EngineConfig
@@ -164,6 +165,11 @@ class ActorConfig:
         0.0, "Scripted policy: share of calls that fail like an engine fault (tests)."
     )
     episode: EpisodeConfig = option(EpisodeConfig(), "How episodes run.")
+    environment: EnvironmentConfig = option(
+        EnvironmentConfig(),
+        "How every environment is reverted and set up before an episode (the tries, their "
+        "backoff).",
+    )
     runner: ActorRunnerConfig = option(
         ActorRunnerConfig(), "How tasks are set up and scored on the `envs` URLs."
     )
@@ -187,7 +193,7 @@ class ActorConfig:
     )
     env_recheck_s: float = option(
         2.0,
-        "An environment unhealthy after `episode.reset_retries` failed resets is asked this "
+        "An environment unhealthy after `environment.reset_retries` failed resets is asked this "
         "often whether it answers again, and rejoins when it does (a desktop restarted); 0: "
         "it is retired for good and the actor stops when none is left. Fleet VMs wait for "
         "their replacement instead.",

@@ -12,7 +12,9 @@ The loop (the ARPO reference's, asynchronous per environment):
    task's (`setup_error`, the reason in `Trajectory.error`: the learner takes a task whose
    setup keeps failing out of the run);
 2. up to `step_budget(task, max_steps)` turns (`max_steps`, or fitted to the task's
-   oracle): screenshot, the turn's prompt ids (`EpisodePrompt`), one
+   oracle): the observation (`observe`: the screenshot, the accessibility table, or
+   both, or the set-of-marks, as `observation_type` says), the turn's prompt ids
+   (`EpisodePrompt`), one
    sampled response (token ids + behaviour log-probs + the policy version that
    produced them + the temperature and top_p they were drawn with: the grant's when it
    carries them, else `EpisodeConfig`'s), parse (`try_parse_response`), execute the
@@ -46,13 +48,14 @@ import numpy as np
 
 from arpo import wire
 from arpo.config import MAX_TEMPERATURE, check_range, check_seconds, fail, option
+from arpo.env import a11y
 from arpo.env.environment import Environment
 from arpo.env.task import Task
 from arpo.errors import EnvError, TaskError
 from arpo.policy import actions as A
 from arpo.policy.engine import Completion, SamplingParams
 from arpo.policy.prompt import EpisodePrompt, image_size, pixel_bounds
-from arpo.record import Branch, Status, Trajectory, Turn
+from arpo.record import OBSERVATION_TYPES, Branch, Status, Trajectory, Turn
 
 log = logging.getLogger("arpo.actor.episode")
 
@@ -74,8 +77,28 @@ class EpisodeConfig:
         "STEP_SLACK turns (finished() and two more), at most MAX_STEPS (15); any other "
         "task MAX_STEPS. `arpo train` uses 0.",
     )
+    observation_type: Literal["screenshot", "a11y_tree", "screenshot_a11y_tree", "som"] = option(
+        "screenshot",
+        "What the model is shown each turn, as OSWorld's run.py names it: 'screenshot' (the "
+        "reference's, UI-TARS's); 'a11y_tree' the accessibility tree linearised to a table "
+        "(tag, name, text, position, size of the visible elements) instead of the image; "
+        "'screenshot_a11y_tree' both; 'som' the screenshot with numbered marks drawn on the "
+        "elements and the table of the marks, and click(mark=N) in the action grammar. With "
+        "a table the model's coordinates are screen pixels (the table's unit); with the "
+        "screenshot alone, pixels of the resized image (UI-TARS's).",
+    )
+    a11y_max_tokens: int = option(
+        1280,
+        "Tokens (the policy's tokenizer's) each turn's table is cut to, '[...]' marking the "
+        "cut (OSWorld's a11y_tree_max_tokens, 10,000 there for 128k-context models). The "
+        "learner trains a whole episode as one sequence, so the default keeps 15 turns of "
+        "table + screenshot + a max_new_tokens response inside the tiny model's 32,768 "
+        "positions; the simulated desktop's tables are 150-1,020 tokens (1..MAX_A11Y_TOKENS).",
+    )
     history_images: int = option(
-        15, "Screenshots kept in the model's context (1..MAX_STEPS_LIMIT)."
+        15,
+        "Observations (screenshots and / or tables) kept in the model's context; older "
+        "turns keep their responses (1..MAX_STEPS_LIMIT).",
     )
     temperature: float = option(
         1.0,
@@ -113,6 +136,11 @@ class EpisodeConfig:
                 f"must be in [1, {MAX_NEW_TOKENS_LIMIT}] (tokens of one response; the "
                 "paper's agent writes about 100)",
             )
+        if self.observation_type not in OBSERVATION_TYPES:
+            fail("observation_type", f"must be one of {', '.join(OBSERVATION_TYPES)}")
+        check_range(
+            "a11y_max_tokens", self.a11y_max_tokens, 1, MAX_A11Y_TOKENS, "tokens of one table"
+        )
         check_range("temperature", self.temperature, 0, MAX_TEMPERATURE, "0: greedy")
         check_range("top_p", self.top_p, 0, 1, "the nucleus", lo_open=True)
         check_range(
@@ -139,6 +167,8 @@ MAX_STEPS_LIMIT = 1000
 """Largest `max_steps` accepted (OSWorld's own runs go to 100)."""
 MAX_NEW_TOKENS_LIMIT = 1 << 17
 """Largest `max_new_tokens` accepted (a long-context model's whole window)."""
+MAX_A11Y_TOKENS = 1 << 17
+"""Largest `a11y_max_tokens` accepted (a long-context model's whole window)."""
 MAX_FORMAT_WEIGHT = 100.0
 """Largest `format_weight`: checker scores are in [0, 1], so beyond 100 the format reward
 is all a group's advantages see (and 1e308 overflows them to inf)."""
@@ -174,10 +204,19 @@ def _saved_processor(model: str) -> Any:
 def _prompt_for(
     policy: Any, instruction: str, cfg: EpisodeConfig
 ) -> tuple[EpisodePrompt, int, int]:
-    """The episode's prompt builder and the (min, max) pixels of the model's image processor:
-    the policy's own processor (transformers engine), its `min_pixels` / `max_pixels` /
-    `tokenizer` (the scripted policy), else the processor saved with its model (`config.model`
-    of the vLLM and OpenAI-compatible engines, which keep none in the actor)."""
+    """The episode's prompt builder (showing `cfg.observation_type`) and the (min, max)
+    pixels of the model's image processor: the policy's own processor (transformers
+    engine), its `min_pixels` / `max_pixels` / `tokenizer` (the scripted policy), else the
+    processor saved with its model (`config.model` of the vLLM and OpenAI-compatible
+    engines, which keep none in the actor).
+
+    The image budget has one source, the processor saved with the model
+    (`preprocessor_config.json`: `min_pixels` / `max_pixels`, as Qwen2.5-VL and UI-TARS ship
+    it): the engines (transformers, vLLM, a vLLM server) and the learner load the same
+    folder, so the image-token counts of the actor's prompts are the ones the learner's
+    processor gives (`arpo.learner.batch` refuses a trajectory where they differ). To change
+    it, save the model with other bounds (`arpo-tiny-model --min-pixels/--max-pixels`, or
+    edit the file); `play` logs the budget and the image tokens per screenshot once."""
     processor = getattr(policy, "processor", None)
     if processor is None and not hasattr(policy, "min_pixels"):
         model = getattr(getattr(policy, "config", None), "model", "")
@@ -190,8 +229,9 @@ def _prompt_for(
         lo, hi = policy.min_pixels, policy.max_pixels
         tok = policy.tokenizer
     prompt = EpisodePrompt(
-        tok, instruction, min_pixels=lo, max_pixels=hi, history_images=cfg.history_images
-    )
+        tok, instruction, min_pixels=lo, max_pixels=hi, history_images=cfg.history_images,
+        observation=cfg.observation_type,
+    )  # fmt: skip
     return prompt, lo, hi
 
 
@@ -250,6 +290,99 @@ def start_run(task: Task, grant: wire.Grant, policy: Any, cfg: EpisodeConfig) ->
     )  # fmt: skip
 
 
+@dataclass(frozen=True, slots=True)
+class Observation:
+    """What one turn shows the model (`observe`)."""
+
+    screenshot: bytes | None
+    """The PNG shown (for som with the marks drawn on it); None: the turn shows none."""
+    table: str | None
+    """The accessibility table (som: the mark table), cut to `a11y_max_tokens`; None for
+    `screenshot`."""
+    marks: tuple[a11y.Mark, ...] | None
+    """som: the marks drawn, numbered from 1 (None for the other types)."""
+    frame: A.Frame
+    """How the model's coordinates map to the screen: the resized image's pixels for
+    `screenshot` (UI-TARS's), the screen's own pixels with a table (the table's unit)."""
+
+    @property
+    def points(self) -> dict[int, A.Point] | None:
+        """Each mark's index -> the screen point `click(mark=N)` clicks: its box's centre,
+        where OSWorld's `tag_N` points."""
+        if self.marks is None:
+            return None
+        return {m.index: A.Point(*m.center) for m in self.marks}
+
+
+_reported_budgets: set[tuple[Any, ...]] = set()
+
+
+def _frame(run: EpisodeRun, kind: str, screen: tuple[int, int]) -> A.Frame:
+    """The episode's coordinate frame (made at its first turn), logged once per process for
+    each (observation type, screen, image budget)."""
+    if run.frame is not None:
+        return run.frame
+    (w, h), (lo, hi) = screen, run.pixels
+    if kind == "screenshot":
+        run.frame = A.Frame.for_screen(w, h, min_pixels=lo, max_pixels=hi)
+    else:
+        run.frame = A.Frame(w, h, w, h)
+    key = (kind, w, h, lo, hi)
+    if key not in _reported_budgets:
+        _reported_budgets.add(key)
+        if kind == "a11y_tree":
+            shown = "no screenshot in the prompt"
+        else:
+            iw, ih = A.smart_resize(width=w, height=h, min_pixels=lo, max_pixels=hi)
+            n = (iw // A.IMAGE_FACTOR) * (ih // A.IMAGE_FACTOR)
+            shown = f"a {w}x{h} screenshot is shown at {iw}x{ih}, {n} image tokens"
+        log.info(
+            "observation %s; image budget min_pixels=%d max_pixels=%d (the model's saved "
+            "processor): %s", kind, lo, hi, shown,
+        )  # fmt: skip
+    return run.frame
+
+
+async def observe(env: Environment, run: EpisodeRun, cfg: EpisodeConfig) -> Observation:
+    """The turn's observation of type `run.prompt.observation`: the screenshot, then (as
+    OSWorld takes them, in that order) the accessibility tree, linearised and filtered
+    (`arpo.env.a11y`; som: marks chosen and drawn on a copy of the screenshot), cut to
+    `cfg.a11y_max_tokens` of the policy's tokens. EnvError when the environment fails or
+    sends a tree no environment sends (`EnvProtocolError`). Time spent waiting on the
+    environment goes to `timings["env"]`; building the table and drawing the marks (in a
+    worker thread: tens of ms for a 1280x720 som, a PNG decode and encode) to
+    `timings["observe"]`."""
+    kind, timings = run.prompt.observation, run.timings
+    t0 = time.perf_counter()
+    png = xml = None
+    if kind != "a11y_tree":
+        png = await env.timed(env.client.screenshot())
+    if kind != "screenshot":
+        xml = await env.timed(env.client.accessibility())
+    if png is not None:
+        screen = image_size(png)
+    elif run.frame is not None:
+        screen = run.frame.screen_w, run.frame.screen_h
+    else:  # a11y_tree: the screen's size, once (the frame of the table's positions)
+        screen = await env.timed(env.client.screen_size())
+    timings["env"] += time.perf_counter() - t0
+    frame = _frame(run, kind, screen)
+    if xml is None:
+        return Observation(png, None, None, frame)
+
+    t0 = time.perf_counter()
+    marks = None
+    if kind == "som":
+        assert png is not None
+        som = await asyncio.to_thread(a11y.set_of_marks, xml, png)
+        png, table, marks = som.screenshot, som.table, som.marks
+    else:
+        table = await asyncio.to_thread(a11y.linearize, xml)
+    table = a11y.trim(table, run.prompt.tokenizer, cfg.a11y_max_tokens)
+    timings["observe"] = timings.get("observe", 0.0) + time.perf_counter() - t0
+    return Observation(png, table, marks, frame)
+
+
 async def play(
     env: Environment,
     run: EpisodeRun,
@@ -260,19 +393,17 @@ async def play(
     on_step: Any = None,
 ) -> None:
     """Advance `run` on `env` until it has `until` turns or is over. EnvError when the
-    environment fails; any other exception is the policy's failure."""
-    prompt, timings = run.prompt, run.timings
-    lo, hi = run.pixels
-    while not run.over and len(run.turns) < until:
-        t0 = time.perf_counter()
-        png = await env.timed(env.client.screenshot())
-        if run.frame is None:
-            w, h = image_size(png)
-            run.frame = A.Frame.for_screen(w, h, min_pixels=lo, max_pixels=hi)
-        timings["env"] += time.perf_counter() - t0
+    environment fails; any other exception is the policy's failure.
 
-        prompt_ids = prompt.add_screenshot(png)
+    A policy with an `observe(observation)` method (the scripted oracle) is shown each
+    turn's `Observation` before it is asked; the engines have none."""
+    prompt, timings = run.prompt, run.timings
+    while not run.over and len(run.turns) < until:
+        obs = await observe(env, run, cfg)
+        prompt_ids = prompt.add_observation(obs.screenshot, obs.table)
         ids, images = prompt.model_input()
+        if hasattr(run.policy, "observe"):
+            run.policy.observe(obs)
         t0 = time.perf_counter()
         async with asyncio.timeout(cfg.step_timeout_s):
             comp = await run.policy.generate(ids, images, run.params)
@@ -289,11 +420,13 @@ async def play(
                 text=comp.text, parsed=False, error="the response holds <|image_pad|>"
             )
         else:
-            parsed = A.try_parse_response(comp.text, run.frame, config=run.action_cfg)
+            parsed = A.try_parse_response(
+                comp.text, obs.frame, config=run.action_cfg, marks=obs.points
+            )
         run.turns.append(
             Turn(
                 prompt_ids=prompt_ids,
-                screenshot=png,
+                screenshot=obs.screenshot or b"",
                 response_ids=response,
                 logprobs=np.asarray(comp.logprobs, np.float32),
                 policy_version=int(comp.policy_version),
@@ -379,6 +512,7 @@ def trajectory(
         error="" if ok else error,
         env=env,
         branch=branch,
+        observation=cfg.observation_type,
     )
 
 

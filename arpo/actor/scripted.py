@@ -10,6 +10,11 @@ policy version out; `update_weights(weights, version)` switches the version it r
   with the oracle's k-th pyautogui action written as UI-TARS text
   (`Thought: ...\\nAction: click(start_box='<|box_start|>(x,y)<|box_end|>')`, coordinates
   in the frame of the screenshot it was shown), then `finished()`.
+- Observations: the actor shows it each turn's observation (`observe`, `arpo.actor.episode.
+  Observation`); it answers in that turn's coordinate frame (screen pixels with a table,
+  so it needs no screenshot for `a11y_tree`), and with set-of-marks it names the mark of
+  the element a click targets (`click(mark=N)`: the smallest mark box holding the oracle's
+  point), clicking at coordinates only where no mark holds it.
 - Mistakes, to give rewards some spread: with `quit_prob` an episode says `finished()`
   half-way (score 0), with `garbage_prob` a response is not in the action format
   (format reward -1).
@@ -219,6 +224,28 @@ class _ScriptedEpisode:
         self.rng = rng
         self.step = 0
         self.quit_at = len(oracle) // 2 if rng.random() < policy.quit_prob else None
+        self.seen: Any = None
+        """The last observation the actor showed (None: it shows none; the frame is then
+        the screenshot's)."""
+
+    def observe(self, observation: Any) -> None:
+        """The turn's observation (`arpo.actor.episode.Observation`): its frame and marks."""
+        self.seen = observation
+
+    def _by_mark(self, action: A.Action) -> A.Action:
+        """A pointer action at a point some mark's box holds, as a click on the smallest."""
+        marks = getattr(self.seen, "marks", None)
+        if not marks or not isinstance(action, A.Click | A.LeftDouble | A.RightSingle | A.Hover):
+            return action
+        p = action.point
+        holding = [
+            m for m in marks
+            if m.box[0] <= p.x < m.box[0] + m.box[2] and m.box[1] <= p.y < m.box[1] + m.box[3]
+        ]  # fmt: skip
+        if not holding:
+            return action
+        m = min(holding, key=lambda m: m.box[2] * m.box[3])
+        return type(action)(A.Point(*m.center), m.index)
 
     def branch(self, child: int) -> _ScriptedEpisode:
         """A copy for fork child `child`: same plan and step, its own random stream."""
@@ -234,6 +261,7 @@ class _ScriptedEpisode:
         if k >= len(self.oracle) or (self.quit_at is not None and k >= self.quit_at):
             return A.format_response("The task is complete.", [A.Finished()], frame)
         acts = oracle_to_actions(self.oracle[k], self.policy.scroll_clicks)
+        acts = [self._by_mark(a) for a in acts]
         return A.format_response(f"Step {k + 1} of the plan.", acts, frame)
 
     async def generate(
@@ -243,10 +271,16 @@ class _ScriptedEpisode:
         params: SamplingParams | None = None,
     ) -> Completion:
         p = self.policy
-        if not images:
-            raise EngineError("the scripted policy needs the screenshot to place its clicks")
-        w, h = image_size(images[-1])
-        frame = A.Frame.for_screen(w, h, min_pixels=p.min_pixels, max_pixels=p.max_pixels)
+        if self.seen is not None:
+            frame = self.seen.frame
+        elif images:
+            w, h = image_size(images[-1])
+            frame = A.Frame.for_screen(w, h, min_pixels=p.min_pixels, max_pixels=p.max_pixels)
+        else:
+            raise EngineError(
+                "the scripted policy needs the screenshot or the observation (`observe`) "
+                "to place its clicks"
+            )
         version = p.policy_version
         await p._cost()
         if p.error_prob and self.rng.random() < p.error_prob:

@@ -2,11 +2,14 @@
 
 - `client`: async HTTP client of an OSWorld VM server or local desktop server;
 - `task`: OSWorld task files parsed into frozen dataclasses, and their loaders;
+- `environment`: one environment's life: its provider's revert, the retried setup before
+  every episode, health waits, quarantine, forks (`provider`: what reverts it);
 - `runner`: setup steps, actions and evaluation with OSWorld's semantics;
 - `getters`, `metrics`, `xlsx`, `cache`: the checker's parts.
 """
 
 from arpo.env.client import ClientConfig, EnvClient, ExecResult
+from arpo.env.environment import Environment, EnvironmentConfig, SetupFailure
 from arpo.env.runner import EvalResult, RunnerConfig, TaskRunner, unsupported
 from arpo.env.task import (
     Evaluator,
@@ -27,12 +30,15 @@ from arpo.env.task import (
 __all__ = [
     "ClientConfig",
     "EnvClient",
+    "Environment",
+    "EnvironmentConfig",
     "EvalResult",
     "Evaluator",
     "ExecResult",
     "GetterSpec",
     "PoolTask",
     "RunnerConfig",
+    "SetupFailure",
     "Step",
     "Task",
     "TaskRunner",

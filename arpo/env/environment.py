@@ -150,6 +150,8 @@ class Environment:
         refuses the token, or it is unhealthy and nobody rechecks it."""
         self.busy_s = 0.0
         """Seconds this environment spent in requests (reset, screenshots, actions, checks)."""
+        self._saved: dict[str, list[str]] = {}
+        """The episode's actions at each saved state (`snapshot` handle -> actions)."""
 
     def retire_refused(self, refused: EnvAuthError) -> None:
         """Give this environment up for good: it refuses the client's token."""
@@ -321,17 +323,21 @@ class Environment:
         return bool(getattr(self.provider, "can_fork", False))
 
     async def snapshot(self) -> str:
-        """Save this environment's current state; a handle for `clones` and `release`.
-        ForkUnsupported when it cannot be saved, EnvError for any other failure."""
-        return await self.provider.snapshot()
+        """Save this environment's current state, with the episode's actions so far; a
+        handle for `clones` and `release`. ForkUnsupported when it cannot be saved, EnvError
+        for any other failure."""
+        handle = await self.provider.snapshot()
+        self._saved[handle] = list(self.runner.history)
+        return handle
 
     async def clones(self, handle: str, n: int, task: Task) -> list[Environment]:
         """`n` new environments in the state saved as `handle`, each continuing this
-        environment's episode of `task` with its actions so far (no revert, no setup): the
-        same index, runner settings, OSWorld workers, file source, quarantine and config,
-        each reverted by its own provider (`for_clone` of this one's). This environment
-        idles while they run; the caller closes them. EnvError when the fork fails."""
+        environment's episode of `task` from there, with the actions it had run when it was
+        saved (no revert, no setup): the same index, runner settings, OSWorld workers, file
+        source, quarantine and config, each reverted by its own provider (`for_clone` of
+        this one's). The caller closes them. EnvError when the fork fails."""
         made = await self.provider.fork(handle, n)
+        history = self._saved.get(handle, self.runner.history)
         out = []
         for c in made:
             e = Environment(
@@ -345,10 +351,11 @@ class Environment:
                 files=self.runner.files,
                 config=self.config,
             )
-            e.runner.adopt(task, self.runner.history)
+            e.runner.adopt(task, history)
             out.append(e)
         return out
 
     async def release(self, handle: str) -> None:
         """End the clones of `handle` and free the saved state (EnvError when it fails)."""
+        self._saved.pop(handle, None)
         await self.provider.release(handle)

@@ -275,7 +275,12 @@ class FleetLink:
 
 
 class FleetVMProvider:
-    """A VM of the project's fleet, reverted by snapshot through the fleet's control API."""
+    """A VM of the project's fleet, reverted by snapshot through the fleet's control API.
+
+    It forks through the fleet too: `snapshot` saves the VM's state (the VM goes on), `fork`
+    starts clones of it (fleet members of their own, on their own ports; a clone's provider
+    is `for_clone`'s, and a clone can be snapshotted and forked again, but not reverted),
+    `release` kills them and frees the saved state."""
 
     kind = "vm"
     needs_probe = True
@@ -393,3 +398,63 @@ class FleetVMProvider:
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+    can_fork = True
+
+    async def snapshot(self) -> str:
+        status, data = await self._call("POST", f"/vms/{self.name}/snapshot", {})
+        if status != 200:
+            raise EnvError(
+                f"VM {self.name}: snapshot failed ({status}): {brief(data.get('error', ''), 500)}"
+            )
+        sid = data.get("snapshot")
+        if data.get("status") != "ok" or not isinstance(sid, str) or not 0 < len(sid) <= 128:
+            raise EnvProtocolError(
+                f"VM {self.name}: the fleet answered the snapshot with {brief(data)}, not "
+                "status 'ok' and a snapshot id"
+            )
+        return sid
+
+    async def fork(self, handle: str, n: int) -> list[Clone]:
+        status, data = await self._call("POST", f"{self._snapshot_path(handle)}/fork", {"n": n})
+        if status != 200:
+            raise EnvError(
+                f"VM {self.name}: fork of {n} from snapshot {handle!r} failed ({status}): "
+                f"{brief(data.get('error', ''), 500)}"
+            )
+        clones = data.get("clones")
+        if data.get("status") != "ok" or not isinstance(clones, list) or len(clones) != n:
+            raise EnvProtocolError(
+                f"VM {self.name}: the fleet answered a fork of {n} from {handle!r} with "
+                f"{brief(data)}"
+            )
+        out = []
+        for c in clones:
+            d: dict[str, Any] = c if isinstance(c, dict) else {}
+            ports = {k: d.get(k) for k in ("chromium_port", "vlc_port")}
+            if not (isinstance(d.get("url"), str) and isinstance(d.get("name"), str)
+                    and all(isinstance(p, int) for p in ports.values())):  # fmt: skip
+                raise EnvProtocolError(
+                    f"VM {self.name}: a clone of the fork of {handle!r} is not {{name, url, "
+                    f"chromium_port, vlc_port}}: {brief(c)}"
+                )
+            out.append(Clone(d["url"], d["name"], token=self.client.config.token, ports=ports))
+        return out
+
+    async def release(self, handle: str) -> None:
+        status, data = await self._call("DELETE", self._snapshot_path(handle))
+        if status != 200:
+            raise EnvError(
+                f"VM {self.name}: release of snapshot {handle!r} failed ({status}): "
+                f"{brief(data.get('error', ''), 500)}"
+            )
+
+    @staticmethod
+    def _snapshot_path(handle: str) -> str:
+        from urllib.parse import quote
+
+        return f"/snapshots/{quote(handle, safe='')}"
+
+    def for_clone(self, client: EnvClient, clone: Clone) -> FleetVMProvider:
+        """The provider of a clone of this VM: the same fleet, the clone's name and ports."""
+        return FleetVMProvider(client, self.link, clone.name, self.timeout_s, ports=clone.ports)

@@ -66,7 +66,7 @@ from arpo import store_item
 from arpo.config import check_range, fail, option, validate
 from arpo.errors import BufferTimeout, BufferValueError, UnknownTask
 from arpo.learner.groups import ReplayConfig, advantages, needs_replay
-from arpo.learner.tree import Leaf, has_trees, turn_advantages
+from arpo.learner.tree import Leaf, TrainedNodes, has_trees, turn_advantages
 from arpo.record import Branch, Status, Trajectory
 
 log = logging.getLogger("arpo.learner.assemble")
@@ -227,6 +227,8 @@ class GroupAssembler:
         """Groups taken but not yet handed out (a call that timed out keeps them)."""
         self._pending_counts: collections.Counter[str] = collections.Counter()
         self._pending_dropped: list[tuple[str, str]] = []
+        self._trained_nodes = TrainedNodes()
+        """Shared turns of trees already trained (a tree split over two groups)."""
         self.totals: collections.Counter[str] = collections.Counter()
         """Counters over the whole run (same names as Batch.counts)."""
 
@@ -365,10 +367,11 @@ class GroupAssembler:
         adv = advantages([s.reward for s in kept], norm_std=cfg.norm_std)
         leaves = [Leaf(s.reward, s.turns, None if s.is_replay else s.branch) for s in kept]
         per_turn = None
-        if has_trees(leaves):
-            counts["data/tree_groups"] += 1
+        if any(lf.branch is not None and lf.branch.path for lf in leaves):
+            counts["data/tree_groups"] += int(has_trees(leaves))
             per_turn = turn_advantages(leaves, adv, step_weight=cfg.step_weight,
                                        norm_std=cfg.norm_std)  # fmt: skip
+            self._trained_nodes.drop_trained(leaves, per_turn)
             counts["data/shared_turns"] += sum(int(np.isnan(t).sum()) for t in per_turn)
         if cfg.advantage_side == "positive":
             adv = np.maximum(adv, 0.0)

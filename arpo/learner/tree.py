@@ -42,11 +42,16 @@ Consequences and deviations:
   leaves; here it counts once, with its leaves' mean advantage.
 - Leaves the learner dropped (stale, invalid, replaced by a replay) are not in any node:
   credit is computed from the leaves it trains.
+- A group is its task's oldest trajectories in the store, so a tree's leaves, which
+  arrive together, normally form one group; when they are split over two groups (several
+  groups of the task in flight), each group's credit is computed from its own leaves, and
+  a shared turn already trained with the first group is left out of the second
+  (`TrainedNodes`): still trained once.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -135,3 +140,39 @@ def turn_advantages(
             adv[lo:hi] = node_adv[key]
         out.append(adv)
     return out
+
+
+class TrainedNodes:
+    """The tree nodes whose shared turns have been trained (bounded: the oldest are
+    forgotten), so that a tree split over two groups trains each shared turn once."""
+
+    MAX_NODES = 1 << 16
+
+    def __init__(self) -> None:
+        self._done: OrderedDict[tuple[str, tuple[int, ...]], None] = OrderedDict()
+
+    def drop_trained(self, leaves: Sequence[Leaf], per_turn: list[np.ndarray]) -> int:
+        """Set to NaN the turns of `per_turn` (from `turn_advantages`) that belong to shared
+        nodes trained before, then remember the shared nodes trained now; the turns left
+        out."""
+        dropped = 0
+        now: list[tuple[str, tuple[int, ...]]] = []
+        for lf, adv in zip(leaves, per_turn, strict=True):
+            b = lf.branch
+            if b is None or not b.path:
+                continue
+            bounds = [0, *b.steps, lf.turns]
+            for d in range(len(b.path)):  # the shared nodes on its path (not its own)
+                key = (b.tree, b.path[:d])
+                lo, hi = min(bounds[d], lf.turns), min(bounds[d + 1], lf.turns)
+                if key in self._done:
+                    dropped += int((~np.isnan(adv[lo:hi])).sum())
+                    adv[lo:hi] = np.nan
+                elif not np.isnan(adv[lo:hi]).all():
+                    now.append(key)
+        for key in now:
+            self._done[key] = None
+            self._done.move_to_end(key)
+        while len(self._done) > self.MAX_NODES:
+            self._done.popitem(last=False)
+        return dropped

@@ -36,8 +36,9 @@ from typing import Any
 import numpy as np
 
 from arpo import store_item, wire
-from arpo.actor.episode import MAX_STEPS, Environment, EpisodeConfig, run_episode, step_budget
+from arpo.actor.episode import MAX_STEPS, EpisodeConfig, run_episode, step_budget
 from arpo.actor.scripted import oracle_to_actions
+from arpo.env.environment import Environment, EnvironmentConfig
 from arpo.env.runner import RunnerConfig
 from arpo.errors import ArpoError, EngineError
 from arpo.policy import actions as A
@@ -127,9 +128,11 @@ async def run_on_sim(
     *,
     n_envs: int = 2,
     actor_id: str = "offline",
+    environment: EnvironmentConfig | None = None,
 ) -> list[Trajectory | None]:
     """Run one episode per task (in order of `tasks`) on `n_envs` simulated desktops served
-    in this process; returns the trajectories (None where the policy failed)."""
+    in this process, set up as `environment` says (default: `EnvironmentConfig()`); returns
+    the trajectories (None where the policy failed)."""
     from arpo_envs.sim.server import SimConfig, running
 
     w, h = _screen(tasks)
@@ -140,7 +143,7 @@ async def run_on_sim(
         queue.put_nowait(i)
     runner = RunnerConfig(sleep_scale=0.0, wait_seconds=0.0)
     async with running([SimConfig(port=0, width=w, height=h) for _ in range(n)]) as urls:
-        envs = [Environment(i, url, runner) for i, url in enumerate(urls)]
+        envs = [Environment(i, url, runner, config=environment) for i, url in enumerate(urls)]
 
         async def worker(env: Environment) -> None:
             while True:
@@ -213,8 +216,17 @@ def record_demos(
             continue
         usable.append(t)
     policy = OraclePolicy(processor)
-    cfg = EpisodeConfig(max_steps=max_steps, temperature=0.0, reset_retries=2)
-    trajs = asyncio.run(run_on_sim(usable, policy, cfg, n_envs=n_envs, actor_id="oracle-demos"))
+    cfg = EpisodeConfig(max_steps=max_steps, temperature=0.0)
+    trajs = asyncio.run(
+        run_on_sim(
+            usable,
+            policy,
+            cfg,
+            n_envs=n_envs,
+            actor_id="oracle-demos",
+            environment=EnvironmentConfig(reset_retries=2),
+        )
+    )
     kept: list[Trajectory] = []
     longest = 0
     for task, traj in zip(usable, trajs, strict=True):
@@ -289,16 +301,21 @@ def evaluate_greedy(
     from arpo.policy.engine import EngineConfig
     from arpo.policy.engine_hf import HFEngine
 
-    cfg = EpisodeConfig(
-        max_steps=max_steps, temperature=0.0, max_new_tokens=max_new_tokens, reset_retries=2
-    )
+    cfg = EpisodeConfig(max_steps=max_steps, temperature=0.0, max_new_tokens=max_new_tokens)
 
     async def go() -> list[Trajectory | None]:
         engine = HFEngine(
             EngineConfig(model=str(model), device=device, max_batch_size=max(1, n_envs))
         )
         async with engine:
-            return await run_on_sim(tasks, engine, cfg, n_envs=n_envs, actor_id="offline-eval")
+            return await run_on_sim(
+                tasks,
+                engine,
+                cfg,
+                n_envs=n_envs,
+                actor_id="offline-eval",
+                environment=EnvironmentConfig(reset_retries=2),
+            )
 
     trajs = asyncio.run(go())
     ok = [t for t in trajs if t is not None and t.status == Status.OK]

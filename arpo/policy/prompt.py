@@ -20,6 +20,19 @@ otherwise "<|im_end|>\\n" is prepended to the next turn's ids). These are the
 `Turn.prompt_ids` / `Turn.response_ids` of the record, so a trajectory's
 `sequence()` is `model_input()` + the last response, token for token.
 
+Observation types (`observation`, OSWorld's `observation_type`): with `screenshot` a turn's
+user message is the image alone, as above. With a table it starts with the text
+`prompt_text.observation_text` gives (OSWorld's sentence around the accessibility table, or
+the som mark table), tokenised here once, and holds the image after it when the type has
+one (`screenshot_a11y_tree`, `som`) or no image (`a11y_tree`):
+
+    <|im_start|>user\\n{text}<|vision_start|><|image_pad|>*n<|vision_end|><|im_end|>\\n
+    <|im_start|>user\\n{text}<|im_end|>\\n                                      a11y_tree
+
+`add_observation(image, table)` starts such a turn (`add_screenshot(image)` is the
+screenshot-only form). The ids are what the model reads and what the record keeps, so the
+learner trains on the table's tokens exactly as sampled.
+
 Image placeholders: n = (h / 28) * (w / 28) for the screenshot resized by Qwen2.5-VL's
 `smart_resize` (factor 28 = patch 14 x merge 2, within the processor's min / max
 pixels). The engine gets the original screenshot and its image processor resizes
@@ -34,9 +47,10 @@ template path would decode and re-encode, and the trained tokens would no
 longer be the sampled ones.
 
 History window (`history_images`, default 15 = the reference's all-screenshots-kept
-over its 15-step episodes): when more screenshots than that have been shown, the
-oldest image messages leave the context, as in OSWorld's UI-TARS agent (its
-`history_n`): the assistant messages of those turns stay, their screenshots go.
+over its 15-step episodes): when more observations than that have been shown, the
+oldest observation messages (screenshot and / or table) leave the context, as in
+OSWorld's UI-TARS agent (its `history_n`): the assistant messages of those turns stay,
+their observations go.
 The context is then no longer a prefix of the previous one, so `model_input()`
 re-assembles it from the kept pieces (still no tokenisation: header ids + for each
 turn, its image message if within the window, the assistant header, the sampled
@@ -59,6 +73,8 @@ import numpy as np
 from arpo.errors import EngineError
 from arpo.policy import actions as _actions
 from arpo.policy.actions import IMAGE_FACTOR
+from arpo.policy.prompt_text import observation_text
+from arpo.record import OBSERVATION_TYPES
 
 
 def smart_resize(
@@ -113,7 +129,10 @@ def _system_and_task(instruction: str, prompt_kwargs: dict[str, Any]) -> tuple[s
 @dataclass
 class _TurnPieces:
     image: Any
+    """The screenshot shown (None: a turn without one, `a11y_tree`)."""
     image_msg: list[int]
+    """The ids of the turn's whole observation message (text and / or image)."""
+    text: str = ""
     response: list[int] = field(default_factory=list)
     closed: bool = False
 
@@ -159,13 +178,22 @@ class EpisodePrompt:
         system: str | None = None,
         task_text: str | None = None,
         prompt_kwargs: dict[str, Any] | None = None,
+        observation: str = "screenshot",
     ) -> None:
         if history_images < 1:
             raise ValueError(f"history_images must be >= 1, got {history_images}")
+        if observation not in OBSERVATION_TYPES:
+            raise ValueError(
+                f"observation must be one of {', '.join(OBSERVATION_TYPES)}, got {observation!r}"
+            )
         self.tokenizer = tokenizer
         self.min_pixels, self.max_pixels = int(min_pixels), int(max_pixels)
         self.history_images = history_images
-        sys_text, task = _system_and_task(instruction, prompt_kwargs or {})
+        self.observation = observation
+        """What each turn shows (`arpo.record.OBSERVATION_TYPES`)."""
+        sys_text, task = _system_and_task(
+            instruction, {"observation": observation, **(prompt_kwargs or {})}
+        )
         self.system = sys_text if system is None else system
         self.task_text = task if task_text is None else task_text
 
@@ -230,19 +258,34 @@ class EpisodePrompt:
 
     def add_screenshot(self, image: Any) -> np.ndarray:
         """Start a turn showing `image` (PNG bytes or PIL); returns the ids it appends."""
+        return self.add_observation(image)
+
+    def add_observation(self, image: Any = None, table: str | None = None) -> np.ndarray:
+        """Start a turn showing `image` (PNG bytes or PIL; for som the marked screenshot)
+        and / or `table` (the trimmed accessibility table, or the som mark table), as this
+        prompt's observation type shows them; returns the ids it appends. EngineError when
+        the pieces do not match the type (a11y_tree: a table and no image; screenshot: an
+        image and no table; the others both)."""
         if self._turns and not self._turns[-1].response:
-            raise EngineError("add_response() must follow add_screenshot() before the next turn")
-        n = self.image_tokens(image)
-        msg = [
-            *self._user,
-            self.vision_start,
-            *([self.image_pad] * n),
-            self.vision_end,
-            self.im_end,
-            *self._nl,
-        ]
+            raise EngineError("add_response() must follow add_observation() before the next turn")
+        wants_image = self.observation != "a11y_tree"
+        wants_table = self.observation != "screenshot"
+        if (image is not None) != wants_image or (table is not None) != wants_table:
+            shows = {"screenshot": "a screenshot alone", "a11y_tree": "a table alone"}
+            raise EngineError(
+                f"a {self.observation} turn shows "
+                f"{shows.get(self.observation, 'a screenshot and a table')}; got "
+                f"{'a' if image is not None else 'no'} screenshot and "
+                f"{'a' if table is not None else 'no'} table"
+            )
+        text = observation_text(self.observation, table) if table is not None else ""
+        msg = [*self._user, *(self._encode(text) if text else [])]
+        if image is not None:
+            n = self.image_tokens(image)
+            msg += [self.vision_start, *([self.image_pad] * n), self.vision_end]
+        msg += [self.im_end, *self._nl]
         prefix = list(self.header) if not self._turns else self._closing(len(self._turns) - 1)
-        self._turns.append(_TurnPieces(image, msg))
+        self._turns.append(_TurnPieces(image, msg, text=text))
         ids = np.asarray(prefix + msg + self._assistant, dtype=np.int32)
         self.turn_prompt_ids.append(ids)
         return ids
@@ -250,7 +293,7 @@ class EpisodePrompt:
     def add_response(self, response_ids: Sequence[int] | np.ndarray) -> None:
         """Record the sampled ids of the current turn, exactly as sampled."""
         if not self._turns or self._turns[-1].response:
-            raise EngineError("add_response() needs a turn started by add_screenshot()")
+            raise EngineError("add_response() needs a turn started by add_observation()")
         ids = [int(t) for t in np.asarray(response_ids).reshape(-1)]
         if not ids:
             raise EngineError("a response needs at least one token")
@@ -269,7 +312,8 @@ class EpisodePrompt:
                 ids += self._closing(j - 1)
             if j >= first_kept:
                 ids += self._turns[j].image_msg
-                images.append(self._turns[j].image)
+                if self._turns[j].image is not None:
+                    images.append(self._turns[j].image)
             ids += self._assistant
             if j < t:
                 ids += self._turns[j].response
@@ -278,7 +322,7 @@ class EpisodePrompt:
     def model_input(self) -> tuple[np.ndarray, list[Any]]:
         """The model input of the current turn: (token ids, screenshots in order)."""
         if not self._turns:
-            raise EngineError("add_screenshot() first: the model always sees a screenshot")
+            raise EngineError("add_observation() first: the model always sees an observation")
         return self.context_for_turn(len(self._turns) - 1)
 
     def messages(self, texts: Sequence[str] | None = None) -> list[dict[str, Any]]:
@@ -292,7 +336,12 @@ class EpisodePrompt:
         first_kept = max(0, t_last + 1 - self.history_images)
         for j, turn in enumerate(self._turns):
             if j >= first_kept:
-                msgs.append({"role": "user", "content": [{"type": "image"}]})
+                content: list[dict[str, Any]] = []
+                if turn.text:
+                    content.append({"type": "text", "text": turn.text})
+                if turn.image is not None:
+                    content.append({"type": "image"})
+                msgs.append({"role": "user", "content": content})
             if turn.response:
                 if texts is not None:
                     text = texts[j]

@@ -15,6 +15,13 @@ turns are the sampled tokens themselves when they come from a rollout; `assistan
 writes them for demonstrations and `with_box_tokens` restores the box tokens in a response
 that was decoded with special tokens skipped (what OSWorld's agent does to its history).
 
+Other observation types (OSWorld's `observation_type`, `arpo.record.OBSERVATION_TYPES`):
+the task prompt says what the agent is given (`computer_use_prompt(observation=...)`; for
+`som` the action space adds `click(mark=N)`, and with a table it notes that coordinates are
+screen pixels, the table's unit), and each turn's user message starts with OSWorld's own
+sentence around the table (`observation_text`), before the screenshot when there is one.
+With `screenshot` every string here is the reference's, unchanged.
+
 Deviations from the reference text: the system message is Qwen's "You are a helpful
 assistant." (ARPO's has a typo, "Your are"); `call_user()` is listed only on request
 (`call_user=True`, as OSWorld's UI-TARS agent offers it; ARPO's prompt omits it but its parser
@@ -27,12 +34,20 @@ import re
 from collections.abc import Sequence
 
 from arpo.policy.actions import Action, CoordStyle, Frame, format_response
+from arpo.record import OBSERVATION_TYPES
 
 SYSTEM_MESSAGE = "You are a helpful assistant."
 """The system turn of the chat; the task prompt goes in the first user turn."""
 
+_GIVEN = {
+    "screenshot": "with screenshots",
+    "a11y_tree": "with the accessibility tree of the screen",
+    "screenshot_a11y_tree": "with screenshots and the accessibility tree of the screen",
+    "som": "with screenshots tagged with numbered marks and the table of the marks",
+}
+"""What the agent is given, per observation type (the reference's: with screenshots)."""
 _HEADER = (
-    "You are a GUI agent. You are given a task and your action history, with screenshots. "
+    "You are a GUI agent. You are given a task and your action history, {given}. "
     "You need to perform the next action to complete the task.\n"
     "\n"
     "## Output Format\n"
@@ -41,6 +56,40 @@ _HEADER = (
     "Action: ...\n"
     "```\n"
 )
+_MARK_LINE = (
+    "click(mark=N) # Click the element tagged N on the screenshot (N is its index in the "
+    "table); left_double, right_single and hover take mark=N too."
+)
+_SCREEN_NOTE = "- Coordinates are screen pixels, the unit of the positions in the table.\n"
+_ASK = "What's the next step that you will do to help with the task?"
+_OBSERVATION_TEXT = {
+    "a11y_tree": "Given the info from accessibility tree as below:\n{table}\n" + _ASK,
+    "screenshot_a11y_tree": (
+        "Given the screenshot and info from accessibility tree as below:\n{table}\n" + _ASK
+    ),
+    "som": "Given the tagged screenshot and info from accessibility tree as below:\n{table}\n"
+    + _ASK,
+}
+"""OSWorld's PromptAgent's user message of each turn, around the (trimmed) table."""
+
+
+def _check_observation(observation: str) -> None:
+    if observation not in OBSERVATION_TYPES:
+        raise ValueError(
+            f"observation must be one of {', '.join(OBSERVATION_TYPES)}, got {observation!r}"
+        )
+
+
+def observation_text(observation: str, table: str) -> str:
+    """The text of a turn's user message: OSWorld's sentence around the accessibility table
+    (`a11y_tree`, `screenshot_a11y_tree`) or the mark table (`som`); "" for `screenshot`,
+    whose message is the image alone (UI-TARS's)."""
+    _check_observation(observation)
+    if observation == "screenshot":
+        return ""
+    return _OBSERVATION_TEXT[observation].format(table=table)
+
+
 _TYPE_NOTE = (
     " # Use escape characters \\', \\\", and \\n in content part to ensure we can parse the "
     "content in normal python string format. If you want to submit your input, use \\n at "
@@ -57,8 +106,11 @@ _CALL_USER_NOTE = (
 )
 
 
-def action_space(*, call_user: bool = False, coords: CoordStyle = "box") -> str:
-    """The `## Action Space` lines: every action UI-TARS may emit, with its argument syntax."""
+def action_space(
+    *, call_user: bool = False, coords: CoordStyle = "box", marks: bool = False
+) -> str:
+    """The `## Action Space` lines: every action UI-TARS may emit, with its argument syntax
+    (`marks`: also `click(mark=N)`, for the som observation)."""
     if coords == "point":
         at, start, end = "point", "start_point", "end_point"
         p1, p2 = "<point>x1 y1</point>", "<point>x2 y2</point>"
@@ -71,6 +123,7 @@ def action_space(*, call_user: bool = False, coords: CoordStyle = "box") -> str:
         raise ValueError(f"coords must be 'box', 'plain' or 'point', got {coords!r}")
     lines = [
         f"click({at}='{p1}')",
+        *([_MARK_LINE] if marks else []),
         f"left_double({at}='{p1}')",
         f"right_single({at}='{p1}')",
         f"drag({start}='{p1}', {end}='{p2}')",
@@ -91,23 +144,28 @@ def computer_use_prompt(
     language: str = "English",
     call_user: bool = False,
     coords: CoordStyle = "box",
+    observation: str = "screenshot",
 ) -> str:
     """The first user turn: role, output format, action space, notes and the task instruction.
 
-    `language` is the language the model should think in (the reference uses English).
+    `language` is the language the model should think in (the reference uses English);
+    `observation` what each turn shows (`arpo.record.OBSERVATION_TYPES`; "screenshot" gives
+    the reference's text).
     """
+    _check_observation(observation)
     if not isinstance(instruction, str) or not instruction.strip():
         raise ValueError("the instruction must be a non-empty string (the task's `instruction`)")
     if not isinstance(language, str) or not language.strip() or "\n" in language:
         raise ValueError(f"language must be a one-line name such as 'English', got {language!r}")
     return (
-        _HEADER
+        _HEADER.format(given=_GIVEN[observation])
         + "\n## Action Space\n\n"
-        + action_space(call_user=call_user, coords=coords)
+        + action_space(call_user=call_user, coords=coords, marks=observation == "som")
         + "\n\n## Note\n"
         + f"- Use {language} in `Thought` and `Action` part.\n"
         + "- Write a small plan and finally summarize your next action (with its target "
         "element) in one sentence in `Thought` part.\n"
+        + (_SCREEN_NOTE if observation != "screenshot" else "")
         + "\n## User Instruction\n"
         + instruction
         + "\n"

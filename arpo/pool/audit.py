@@ -13,7 +13,7 @@ Each task runs on one environment of its pool (`arpo.env.task.task_pool`: "sim",
 "desktop" or the task's own "pool"); the environments of a pool work in parallel, one
 task at a time each, every task bounded by `task_timeout_s`. For each task:
 
-1. revert + setup (`TaskRunner.setup`: the provider's revert, then the task's `config`
+1. revert + setup (`Environment.reset`: the provider's revert, then the task's `config`
    steps; the files its `upload_file` steps send are fetched by content through the
    `FileSource`, as an actor gets them from the learner);
 2. with `checks`: the checker on the untouched initial state (`evaluate` right after the
@@ -76,7 +76,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 from arpo.actor.config import fleet_problem, token_problem
-from arpo.actor.episode import Environment
 from arpo.config import (
     check_range,
     check_seconds,
@@ -87,6 +86,7 @@ from arpo.config import (
     url_problem,
 )
 from arpo.env.client import EnvClient
+from arpo.env.environment import Environment
 from arpo.env.osworld.client import EvaluatorConfig, OSWorldEvaluator, find_python
 from arpo.env.provider import FleetLink, FleetVMProvider, StaticProvider
 from arpo.env.runner import RunnerConfig
@@ -225,7 +225,7 @@ async def _audit_one(
     env: Environment, task: Task, pool: str, checks: bool, timeout_s: float
 ) -> TaskAudit:
     """Audit `task` on `env`; raises _ResetFailed when the environment's revert failed."""
-    runner, provider = env.runner, env.runner.provider
+    runner, provider = env.runner, env.provider
     t0 = time.perf_counter()
     setup_s = 0.0
     setup_ok = False
@@ -240,7 +240,7 @@ async def _audit_one(
 
     async def setup(what: str) -> bool:
         try:
-            await runner.setup(task)
+            await env.reset(task)
         except ResetError as e:
             raise _ResetFailed(_err(e)) from e
         except Exception as e:  # the task's setup: a broken task or a step that failed
