@@ -457,6 +457,25 @@ def _offline(args, seed: int, s: dict[str, Any], budget: int, algos: list[str]) 
 # ---------------------------------------------------------------------------- report
 
 
+def _offline_cost(out: Path, results: dict[str, Any]) -> None:
+    """Environment steps and successes of each offline method's collection (its
+    trajectories' turns), added to its results where missing."""
+    from arpo.offline.data import read_trajectories
+
+    for algo in OFFLINE:
+        for seed, r in results["methods"].get(algo, {}).items():
+            if "env_steps" in r:
+                continue
+            folder = out / "runs" / f"offline-s{seed}" / "collect" / "trajectories"
+            if not folder.is_dir():
+                continue
+            steps = sum(t.steps for t in read_trajectories(folder))
+            r["env_steps"] = steps
+            r["train_successes"] = r.get("successes", math.nan)
+            r["successes_per_1k_steps"] = 1000 * r["train_successes"] / steps if steps else math.nan
+            r["successes_per_learner_min"] = math.nan
+
+
 def _pct(x: float) -> str:
     return "-" if x is None or math.isnan(x) else f"{100 * x:.1f}"
 
@@ -765,6 +784,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.report_only:
         results = json.loads(res_path.read_text())
         results["seeds"] = seeds
+        _offline_cost(out, results)
         print(report(out, results))
         plot(out, results)
         _save_as(out, args.save_as, results)

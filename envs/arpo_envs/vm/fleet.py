@@ -26,22 +26,39 @@ overlay of the image and serves OSWorld's protocol on `127.0.0.1:<port>`:
   VMs) is quarantined: reverts for it answer 409 and it no longer counts against VMs. A
   VM whose last `vm_max_failures` reverts or setups failed, on at least two different
   tasks, is quarantined and replaced.
+- **Forks** (group rollouts from one mid-task state): `POST /vms/<name>/snapshot` saves a
+  running VM's state (RAM, devices, disk) and answers `{"status": "ok", "snapshot": id}`;
+  the VM is paused for about 0.6 s (under TCG) and then goes on, reverts as always, and
+  never shares its RAM or disk with the saved state. `POST /snapshots/<id>/fork` with
+  `{"n": n}` starts n clones in exactly that state and answers `{"status": "ok",
+  "clones": [{"name", "url", "port", "chromium_port", "vlc_port"}, ...]}` once each
+  clone's server answers; `DELETE /snapshots/<id>` kills its clones and deletes them and
+  the saved state (`{"status": "ok"}`). Clones are fleet members: their own forwarded
+  ports, health checks (a clone whose QEMU dies, or whose guest stops answering, is
+  `failed` and says so in `GET /vms/<clone>/health`; it is never replaced: it cannot be
+  made again), snapshots of their own (trees of several levels), killed by the fleet's
+  stop and `down`. A clone cannot be reverted (409: it has no snapshot `clean` of its
+  own). Bounds: `max_clones` alive and `max_snapshots` held at once (over either: 429
+  with the numbers), and a snapshot not released within `snapshot_ttl_s` is released by
+  the fleet (event `snapshot_expired`). A fork that fails answers 503 with the reason and
+  leaves no clone of it behind; an unknown snapshot is 404 naming it. How a snapshot and
+  a clone are made (QEMU's VM templating through a holder process), and what was
+  measured against the alternatives: `qemu.py`'s docstring.
 - **Control API** on `control_host` (127.0.0.1 by default), every request with the
   fleet's bearer token (random; in the state file, mode 0600): `GET /fleet`,
-  `POST /vms/<name>/revert`, `POST /vms/<name>/report`, `GET /vms/<name>/health`. Every
-  answer is a JSON object of at most a few KB (the actor's provider reads at most 1 MiB):
-  a revert answers 200 `{"status": "ok", ...}`, 409 `{"error", "quarantined": true}` for
-  a quarantined task, 503 `{"error", "state"}` when it failed; a malformed body (not
-  JSON, nested too deeply, not an object) is 400 `{"error"}`, a wrong token 401.
+  `POST /vms/<name>/revert`, `POST /vms/<name>/report`, `GET /vms/<name>/health`,
+  `POST /vms/<name>/snapshot`, `POST /snapshots/<id>/fork`, `DELETE /snapshots/<id>`.
+  Every answer is a JSON object of at most a few KB (the actor's provider reads at most
+  1 MiB): a revert answers 200 `{"status": "ok", ...}`, 409 `{"error", "quarantined":
+  true}` for a quarantined task, 503 `{"error", "state"}` when it failed; a malformed
+  body (not JSON, nested too deeply, not an object) is 400 `{"error"}`, a wrong token 401.
 - **Records.** Every decision (start, revert failure, replacement, quarantine) is a line
   of `<dir>/events.jsonl` and a log line with its reason; counters are in `GET /fleet`.
-- **Stop.** SIGTERM / Ctrl-C / `down`: every QEMU killed, the fleet's folder (overlays,
-  sockets, logs) removed. QEMU also exits when the fleet dies (`exit-with-parent`), and
-  `down` kills by pid whatever the state file names and any QEMU whose command line
-  holds the fleet's folder, so nothing is left after a SIGKILL either.
-
-Provider interface for the next step (forking a running VM): `Fleet.fork` is not built;
-QMP `migrate` to a file and `-incoming` start copies of a running VM in about 6 s.
+- **Stop.** SIGTERM / Ctrl-C / `down`: every QEMU killed (clones too), the fleet's folder
+  (overlays, sockets, logs, saved states) and its saved RAM files removed. QEMU also
+  exits when the fleet dies (`exit-with-parent`), and `down` kills by pid whatever the
+  state file names and any QEMU whose command line holds the fleet's folder, and removes
+  the RAM folder the state file names, so nothing is left after a SIGKILL either.
 """
 
 from __future__ import annotations
@@ -49,6 +66,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -66,7 +84,17 @@ from pathlib import Path
 from typing import Any
 
 from arpo_envs.desktop.procs import alive, kill_all, wait_gone
-from arpo_envs.vm.qemu import GUEST_PORTS, Machine, MachineConfig, QemuVM, VMError, qmp_path
+from arpo_envs.vm.qemu import (
+    GUEST_PORTS,
+    Machine,
+    MachineConfig,
+    QemuVM,
+    SavedState,
+    VMError,
+    compact_ram,
+    qmp_path,
+    save_state,
+)
 
 log = logging.getLogger("arpo_envs.vm.fleet")
 
@@ -76,6 +104,14 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 def default_dir() -> Path:
     return Path(os.environ.get("ARPO_VM_FLEET_DIR") or f"/tmp/arpo-vm-fleet-{os.getuid()}")
+
+
+def ram_dir_of(folder: Path, parent: str = "") -> Path:
+    """Where a fleet in `folder` keeps its snapshots' RAM files: a folder of its own (named
+    by a hash of its folder) in `parent`, default /dev/shm (tmpfs: clones map them from
+    memory)."""
+    digest = hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:12]
+    return Path(parent or "/dev/shm") / f"arpo-vm-{os.getuid()}-{digest}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +148,21 @@ class FleetConfig:
     """A task whose setup failed on this many different VMs is quarantined."""
     max_replacements: int = 20
     """Replacements per VM slot before the slot is given up (a broken image or host)."""
+    max_clones: int = 8
+    """Clones alive at once, of all snapshots (a fork over it answers 429). A clone costs a
+    QEMU process with about 0.1-0.2 GB of memory of its own (the rest of its RAM is the
+    snapshot's, shared) and, under software emulation, a share of the host's cores: 8 is
+    a group of ARPO's size on one 2-core host."""
+    max_snapshots: int = 4
+    """Snapshots held at once (a snapshot over it answers 429). Each holds the guest's RAM
+    (its non-zero pages: about 0.45 GB for the test image) in `snapshot_ram_dir`."""
+    snapshot_ttl_s: float = 1800.0
+    """A snapshot not released within this is released by the fleet (clones killed; event
+    `snapshot_expired`): an actor that died mid-tree leaves nothing behind for long."""
+    snapshot_ram_dir: str = ""
+    """Where the snapshots' RAM files go: the fleet makes a folder of its own in it
+    (`arpo-vm-<uid>-<hash of dir>`, removed with the fleet); '' = /dev/shm (tmpfs: the
+    clones' shared pages stay in memory; a disk folder works too, through the page cache)."""
 
     def __post_init__(self) -> None:
         if self.n < 1:
@@ -128,6 +179,10 @@ class FleetConfig:
             raise ValueError("health_interval_s must be >= 0 (0: no timer)")
         if self.vm_max_failures < 1 or self.task_quarantine_vms < 1:
             raise ValueError("vm_max_failures and task_quarantine_vms must be >= 1")
+        if self.max_clones < 0 or self.max_snapshots < 0:
+            raise ValueError("max_clones and max_snapshots must be >= 0 (0: no forks)")
+        if not self.snapshot_ttl_s > 0:
+            raise ValueError(f"snapshot_ttl_s must be > 0 seconds, got {self.snapshot_ttl_s}")
 
     @property
     def folder(self) -> Path:
@@ -136,6 +191,11 @@ class FleetConfig:
     @property
     def state_file(self) -> Path:
         return self.folder / "fleet.json"
+
+    @property
+    def ram_dir(self) -> Path:
+        """The fleet's own folder of RAM files (in `snapshot_ram_dir`)."""
+        return ram_dir_of(self.folder, self.snapshot_ram_dir)
 
 
 @dataclass
@@ -146,19 +206,48 @@ class Member:
     port: int
     vm: QemuVM
     state: str = "starting"
-    """starting | ready | reverting | replacing | failed"""
+    """starting | ready | reverting | snapshotting | replacing | failed | released"""
     streak: list[str] = field(default_factory=list)
     """What failed since the last success: task ids, or '<revert>' / '<health>'."""
     replacements: int = 0
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     """Held by a revert, a health check and a replacement: one at a time per VM."""
     last_error: str = ""
+    snapshot: str = ""
+    """A clone: the id of the snapshot it was started from ('' for the fleet's own VMs)."""
 
     def require_ready(self) -> None:
         """VMError naming the state (and why) unless the VM is ready."""
         if self.state != "ready":
             why = f" ({self.last_error})" if self.last_error else ""
             raise VMError(f"{self.name} is {self.state}{why}")
+
+
+@dataclass
+class Snapshot:
+    """A saved state of a VM and the clones started from it."""
+
+    id: str
+    parent: str
+    """Name of the VM it was saved from."""
+    saved: SavedState
+    created: float
+    """time.monotonic() when it was saved."""
+    info: dict[str, float]
+    """Seconds of each part of the save (`save_state`)."""
+    clones: list[str] = field(default_factory=list)
+    forked: int = 0
+    """Clones started from it so far (the next clone's index)."""
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    """Held by a fork and by the release: a release waits for a fork under way."""
+
+
+class Refused(Exception):
+    """A request the fleet turns down as asked (a bound, a state); `status` is its HTTP code."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
 
 
 class Fleet:
@@ -177,6 +266,12 @@ class Fleet:
         self.quarantined_tasks: dict[str, str] = {}
         self.golden: Path | None = None
         self.golden_info: dict[str, Any] = {}
+        self.snapshots: dict[str, Snapshot] = {}
+        self.clones: dict[str, Member] = {}
+        self._starting_clones = 0
+        """Clones of forks under way (counted against `max_clones` before they run)."""
+        self._starting_snapshots = 0
+        """Snapshots under way (counted against `max_snapshots` before they exist)."""
         self._boot: dict[str, Any] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._stopping = False
@@ -209,6 +304,18 @@ class Fleet:
                 }
                 for m in self.members.values()
             ],
+            "clones": [
+                {
+                    "name": m.name,
+                    "snapshot": m.snapshot,
+                    "url": m.vm.url,
+                    "port": m.port,
+                    "qemu_pid": m.vm.pid,
+                    **{f"{k}_port": p for k, p in m.vm.extra_ports.items()},
+                }
+                for m in self.clones.values()
+            ],
+            "ram_dir": str(self.config.ram_dir),
         }
         tmp = self.config.state_file.with_suffix(".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -242,13 +349,19 @@ class Fleet:
         return self._boot
 
     def _vm(
-        self, name: str, port: int, folder: Path, extra: dict[str, int] | None = None
+        self,
+        name: str,
+        port: int,
+        folder: Path,
+        extra: dict[str, int] | None = None,
+        backing: Path | None = None,
     ) -> QemuVM:
         b = self._boot_source()
         if extra is None:
             extra = {k: free_port() for k in GUEST_PORTS if k != "server"}
         return QemuVM(name, folder, self.machine, port, base=b["base"], kernel=b["kernel"],
-                      initrd=b["initrd"], append=b["append"], extra_ports=extra)  # fmt: skip
+                      initrd=b["initrd"], append=b["append"], extra_ports=extra,
+                      backing=backing)  # fmt: skip
 
     async def ensure_golden(self) -> Path:
         """The golden overlay (with the snapshot `clean`), made by one cold boot if needed."""
@@ -318,19 +431,41 @@ class Fleet:
         async def watch() -> None:
             assert vm.proc is not None
             code = await vm.proc.wait()
-            if not self._stopping and m.vm is vm and m.state != "replacing":
+            if not self._stopping and m.vm is vm and m.state not in ("replacing", "released"):
                 self.spawn(self.replace(m, f"QEMU exited with code {code}"))
 
         self.spawn(watch())
 
-    def spawn(self, coro: Any) -> None:
+    def spawn(self, coro: Any) -> asyncio.Task[Any]:
         t = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
+        return t
+
+    async def shielded(self, coro: Any) -> Any:
+        """Run `coro` to its end even if the request that asked for it goes away (a snapshot
+        stopped midway would leave its VM paused, a fork its clones half-started)."""
+        return await asyncio.shield(self.spawn(coro))
 
     async def replace(self, m: Member, reason: str) -> None:
         """Kill the member's QEMU and start a new one from the golden snapshot."""
-        if self._stopping or m.state in ("replacing", "failed"):
+        if self._stopping or m.state in ("replacing", "failed", "released"):
+            return
+        if m.snapshot:  # a clone cannot be made again: it is failed until its release
+            m.state = "failed"
+            proc = m.vm.proc
+            if proc is not None and "QEMU exited" not in reason:
+                # a check can see the guest's connection reset before QEMU is gone: say
+                # which it was (a guest that hangs is killed after this grace)
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(0.5):
+                        await proc.wait()
+                if proc.returncode is not None:
+                    reason = f"QEMU exited with code {proc.returncode} ({reason})"
+            m.last_error = reason
+            self.event("clone_failed", m.name, snapshot=m.snapshot, reason=reason)
+            await m.vm.kill()
+            self.write_state(ready=True)
             return
         m.state = "replacing"
         m.last_error = reason
@@ -357,6 +492,12 @@ class Fleet:
         """loadvm + a screenshot; raises VMError (and replaces the VM) on failure."""
         if task_id in self.quarantined_tasks:
             raise TaskQuarantined(task_id, self.quarantined_tasks[task_id])
+        if m.snapshot:
+            raise Refused(
+                409,
+                f"{m.name} is a clone of snapshot {m.snapshot}: it has no snapshot of its own "
+                "to revert to (release the snapshot and revert its parent)",
+            )
         m.require_ready()
         async with m.lock:
             m.require_ready()  # again: a health check it waited for may have failed
@@ -413,7 +554,7 @@ class Fleet:
             return
         while not self._stopping:
             await asyncio.sleep(every)
-            for m in list(self.members.values()):
+            for m in [*self.members.values(), *self.clones.values()]:
                 if m.state != "ready" or m.lock.locked():
                     continue  # a revert or a replacement is under way
                 await self.check(m)
@@ -430,7 +571,8 @@ class Fleet:
             ok, why = await screenshot_ok(m.vm.url, self.config.health_timeout_s)
             if not ok and m.state == "ready":
                 self.counters["health_failed"] += 1
-                self.spawn(self.replace(m, self.health_reason(m, why)))
+                why = self.health_reason(m, why)
+                self.spawn(self.replace(m, why))
         return ok, why
 
     def health_reason(self, m: Member, why: str) -> str:
@@ -462,6 +604,32 @@ class Fleet:
             "counters": dict(self.counters),
             "revert_median_s": round(rs[len(rs) // 2], 3) if rs else None,
             "quarantined_tasks": dict(self.quarantined_tasks),
+            "clones": [
+                {
+                    "name": m.name,
+                    "snapshot": m.snapshot,
+                    "url": m.vm.url,
+                    "state": m.state,
+                    "qemu_pid": m.vm.pid,
+                    "last_error": m.last_error,
+                }
+                for m in self.clones.values()
+            ],
+            "snapshots": [
+                {
+                    "id": snap.id,
+                    "parent": snap.parent,
+                    "clones": list(snap.clones),
+                    "age_s": round(time.monotonic() - snap.created, 1),
+                    "ram_mib": round(snap.saved.ram_bytes() / 2**20),
+                }
+                for snap in self.snapshots.values()
+            ],
+            "limits": {
+                "max_clones": self.config.max_clones,
+                "max_snapshots": self.config.max_snapshots,
+                "snapshot_ttl_s": self.config.snapshot_ttl_s,
+            },
         }
 
     # ---- life ---------------------------------------------------------------------------
@@ -470,6 +638,7 @@ class Fleet:
         self.dir.mkdir(parents=True, exist_ok=True)
         os.chmod(self.dir, 0o700)
         log.info("fleet: %d VMs, %s", self.config.n, self.machine.reason)
+        shutil.rmtree(self.config.ram_dir, ignore_errors=True)  # a killed fleet's, unless `down`
         await self.ensure_golden()
         ports = (
             [self.config.base_port + i for i in range(self.config.n)]
@@ -488,9 +657,213 @@ class Fleet:
         for t in list(self._tasks):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        await asyncio.gather(*(m.vm.kill() for m in self.members.values()), return_exceptions=True)
-        for m in self.members.values():
+        every = [*self.members.values(), *self.clones.values()]
+        await asyncio.gather(*(m.vm.kill() for m in every), return_exceptions=True)
+        for m in every:
             m.vm.remove_files()
+        shutil.rmtree(self.config.ram_dir, ignore_errors=True)
+
+    # ---- forks --------------------------------------------------------------------------
+
+    def find(self, name: str) -> Member | None:
+        """A VM of the fleet or a clone, by name."""
+        return self.members.get(name) or self.clones.get(name)
+
+    def live_clones(self) -> int:
+        return self._starting_clones + sum(c.state != "failed" for c in self.clones.values())
+
+    async def snapshot(self, m: Member) -> dict[str, Any]:
+        """Save `m`'s state for forks (`qemu.save_state`); it goes on serving. Refused (409
+        not ready, 429 over `max_snapshots`); VMError when the save failed (the VM goes on;
+        replaced if its QEMU did not survive)."""
+        held = len(self.snapshots) + self._starting_snapshots
+        if held >= self.config.max_snapshots:
+            raise Refused(
+                429,
+                f"the fleet holds {held} snapshots, its max_snapshots is "
+                f"{self.config.max_snapshots}: release one (DELETE /snapshots/<id>) first",
+            )
+        _ready_or_refused(m)
+        self._starting_snapshots += 1
+        try:
+            return await self._snapshot(m)
+        finally:
+            self._starting_snapshots -= 1
+
+    async def _snapshot(self, m: Member) -> dict[str, Any]:
+        async with m.lock:
+            _ready_or_refused(m)  # again: a revert or a check it waited for may have failed
+            sid = f"snap-{secrets.token_hex(4)}"
+            m.state = "snapshotting"
+            try:
+                saved, info = await save_state(
+                    m.vm,
+                    self.dir / "snapshots" / sid,
+                    self.config.ram_dir / f"{sid}.ram",
+                    self.config.provision_timeout_s,
+                )
+            except VMError as e:
+                self.counters["snapshot_failed"] += 1
+                self.event("snapshot_failed", m.name, reason=str(e))
+                m.state = "ready"
+                if not m.vm.alive():
+                    self.spawn(self.replace(m, f"QEMU exited during a snapshot: {e}"))
+                raise
+            m.state = "ready"
+        snap = Snapshot(sid, m.name, saved, time.monotonic(), info)
+        self.snapshots[sid] = snap
+        self.spawn(self._expire(sid))
+        if m.snapshot in self.snapshots:  # the clone's RAM was read whole: see compact_ram
+            self.spawn(self._compact(self.snapshots[m.snapshot]))
+        out = {k: round(v, 3) for k, v in info.items()}
+        self.event("snapshot", m.name, snapshot=sid, **out)
+        self.write_state(ready=True)
+        return {"snapshot": sid, **out}
+
+    async def fork(self, sid: str, n: int) -> dict[str, Any]:
+        """`n` clones of snapshot `sid`, each serving once this returns. Refused (404 unknown
+        snapshot, 429 over `max_clones`); VMError if a clone failed (none of this fork's
+        clones is left)."""
+        snap = self.snapshots.get(sid)
+        if snap is None:
+            known = ", ".join(self.snapshots) or "none"
+            raise Refused(404, f"no snapshot {sid!r} (released, expired or never made); "
+                          f"snapshots: {known}")  # fmt: skip
+        if self.live_clones() + n > self.config.max_clones:
+            raise Refused(
+                429,
+                f"a fork of {n} would make {self.live_clones() + n} clones alive, over the "
+                f"fleet's max_clones of {self.config.max_clones}: release a snapshot "
+                "(DELETE /snapshots/<id>) first, or start the fleet with a larger max_clones",
+            )
+        self._starting_clones += n
+        try:
+            async with snap.lock:
+                if sid not in self.snapshots:
+                    raise Refused(404, f"snapshot {sid!r} was released during the fork")
+                return await self._fork(snap, n)
+        finally:
+            self._starting_clones -= n
+
+    async def _fork(self, snap: Snapshot, n: int) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        ports = self._free_ports(n * len(GUEST_PORTS))
+        made = []
+        for i in range(n):
+            name = f"{snap.id}-{snap.forked + i}"
+            mine = ports[i * len(GUEST_PORTS) : (i + 1) * len(GUEST_PORTS)]
+            extra = {k: mine[j + 1] for j, k in enumerate(k for k in GUEST_PORTS if k != "server")}
+            vm = self._vm(name, mine[0], snap.saved.folder / name, extra, backing=snap.saved.disk)
+            made.append(Member(name, mine[0], vm, snapshot=snap.id))
+        snap.forked += n
+
+        async def start(c: Member) -> float:
+            await c.vm.start_clone(snap.saved, self.config.provision_timeout_s)
+            await wait_serving(c.vm, self.config.provision_timeout_s)
+            return time.perf_counter() - t0
+
+        async def discard() -> None:
+            await asyncio.gather(*(c.vm.kill() for c in made), return_exceptions=True)
+            for c in made:
+                c.vm.remove_files()
+
+        try:
+            results = await asyncio.gather(*(start(c) for c in made), return_exceptions=True)
+        except BaseException:  # cancelled (the fleet stops): no half-started clone is left
+            await discard()
+            raise
+        failed = [
+            (c, r) for c, r in zip(made, results, strict=True) if isinstance(r, BaseException)
+        ]
+        if failed:
+            await discard()
+            c, why = failed[0]
+            reason = f"{len(failed)} of {n} clones did not start; {c.name}: {why}"
+            self.counters["fork_failed"] += 1
+            self.event("fork_failed", snap.parent, snapshot=snap.id, reason=reason)
+            if not isinstance(why, Exception):  # cancelled, or the interpreter is stopping
+                raise why
+            raise VMError(f"fork of {snap.id} failed: {reason}")
+        for c in made:
+            c.state = "ready"
+            self.clones[c.name] = c
+            snap.clones.append(c.name)
+            self._watch_qemu(c)
+        seconds = time.perf_counter() - t0
+        self.counters["clones_started"] += n
+        self.event("fork", snap.parent, snapshot=snap.id, n=n, seconds=round(seconds, 3),
+                   each_s=[round(float(r), 3) for r in results])  # fmt: skip
+        self.write_state(ready=True)
+        return {
+            "seconds": round(seconds, 3),
+            "clones": [
+                {"name": c.name, "url": c.vm.url, "port": c.port,
+                 **{f"{k}_port": p for k, p in c.vm.extra_ports.items()}}
+                for c in made
+            ],
+        }  # fmt: skip
+
+    async def release(self, sid: str, reason: str = "released") -> dict[str, Any]:
+        """Kill the clones of `sid` and delete them and the saved state. Refused 404 if unknown."""
+        snap = self.snapshots.get(sid)
+        if snap is None:
+            raise Refused(404, f"no snapshot {sid!r} (released, expired or never made)")
+        async with snap.lock:  # a fork under way finishes first
+            if self.snapshots.pop(sid, None) is None:
+                raise Refused(404, f"snapshot {sid!r} was released meanwhile")
+            gone = [self.clones.pop(name) for name in snap.clones if name in self.clones]
+            for c in gone:
+                c.state = "released"
+            await asyncio.gather(*(c.vm.kill() for c in gone), return_exceptions=True)
+            for c in gone:
+                c.vm.remove_files()
+            shutil.rmtree(snap.saved.folder, ignore_errors=True)
+            snap.saved.ram.unlink(missing_ok=True)
+        age = time.monotonic() - snap.created
+        self.event("snapshot_released", snap.parent, snapshot=sid, clones=len(gone),
+                   age_s=round(age, 1), reason=reason)  # fmt: skip
+        self.write_state(ready=True)
+        return {"clones_stopped": len(gone), "age_s": round(age, 1)}
+
+    async def _compact(self, snap: Snapshot) -> None:
+        try:
+            freed = await compact_ram(snap.saved.ram)
+        except (VMError, OSError) as e:  # released meanwhile, or no fallocate: memory only
+            log.info("fleet: RAM file of %s not compacted: %s", snap.id, e)
+            return
+        self.event("snapshot_compacted", snap.parent, snapshot=snap.id, freed_mib=freed >> 20)
+
+    async def _expire(self, sid: str) -> None:
+        await asyncio.sleep(self.config.snapshot_ttl_s)
+        snap = self.snapshots.get(sid)
+        if snap is not None:
+            ttl = self.config.snapshot_ttl_s
+            log.warning("fleet: snapshot %s was not released within %.0f s: releasing it", sid, ttl)
+            self.event("snapshot_expired", snap.parent, snapshot=sid, clones=len(snap.clones),
+                       ttl_s=ttl)  # fmt: skip
+            with contextlib.suppress(Refused):
+                await self.release(sid, f"expired: not released within {ttl:.0f} s")
+
+    def _free_ports(self, k: int) -> list[int]:
+        """`k` distinct free loopback ports that no VM or clone of the fleet forwards."""
+        used = {
+            p
+            for m in [*self.members.values(), *self.clones.values()]
+            for p in (m.port, *m.vm.extra_ports.values())
+        }
+        out: list[int] = []
+        while len(out) < k:
+            p = free_port()
+            if p not in used and p not in out:
+                out.append(p)
+        return out
+
+
+def _ready_or_refused(m: Member) -> None:
+    try:
+        m.require_ready()
+    except VMError as e:
+        raise Refused(409, f"cannot snapshot now: {e}") from None
 
 
 class TaskQuarantined(Exception):
@@ -520,6 +893,39 @@ async def screenshot_ok(url: str, timeout_s: float) -> tuple[bool, str]:
         return False, f"no answer within {timeout_s} s"
 
 
+async def wait_serving(vm: QemuVM, timeout_s: float) -> float:
+    """Seconds until the guest's server answers `GET /platform` (a clone: its screen is the
+    saved one already, so the cheapest request says it serves); VMError if QEMU exits or
+    `timeout_s` passes."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        if not vm.alive():
+            raise VMError(f"{vm.name}: QEMU exited: {vm.log_tail()}")
+        if await answers(vm.url, "/platform", 5.0):
+            return time.monotonic() - t0
+        await asyncio.sleep(0.05)
+    raise VMError(f"{vm.name}: its server did not answer within {timeout_s:.0f} s")
+
+
+async def answers(url: str, path: str, timeout_s: float) -> bool:
+    """Whether `GET <url><path>` answers 200 within `timeout_s` (a new connection: QEMU's
+    forwarded port accepts before the guest does, and closes when the guest refuses)."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    writer = None
+    try:
+        async with asyncio.timeout(timeout_s):
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(f"GET {path} HTTP/1.0\r\nHost: {host}\r\n\r\n".encode())
+            await writer.drain()
+            line = await reader.readline()
+            return line.split(b" ")[1:2] == [b"200"]
+    except (OSError, TimeoutError, IndexError):
+        return False
+    finally:
+        if writer is not None:
+            writer.close()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -542,9 +948,11 @@ def make_app(fleet: Fleet) -> Any:
         return await handler(request)
 
     def member(request: web.Request) -> Member:
-        m = fleet.members.get(request.match_info["name"])
+        m = fleet.find(request.match_info["name"])
         if m is None:
             msg = f"no VM {request.match_info['name']!r}; VMs: {', '.join(fleet.members)}"
+            if fleet.clones:
+                msg += f"; clones: {', '.join(fleet.clones)}"
             raise web.HTTPNotFound(text=json.dumps({"error": msg}), content_type="application/json")
         return m
 
@@ -589,8 +997,42 @@ def make_app(fleet: Fleet) -> Any:
             out = await fleet.revert(m, task_id)
         except TaskQuarantined as e:
             return web.json_response({"error": str(e), "quarantined": True}, status=409)
+        except Refused as e:
+            return web.json_response({"error": str(e), "state": m.state}, status=e.status)
         except VMError as e:
             return web.json_response({"error": str(e), "state": m.state}, status=503)
+        return web.json_response({"status": "ok", **out})
+
+    async def snapshot(request: web.Request) -> web.Response:
+        m = member(request)
+        await body(request)  # none is needed; a malformed one is still a 400
+        try:
+            out = await fleet.shielded(fleet.snapshot(m))
+        except Refused as e:
+            return web.json_response({"error": str(e), "state": m.state}, status=e.status)
+        except VMError as e:
+            return web.json_response({"error": str(e), "state": m.state}, status=503)
+        return web.json_response({"status": "ok", **out})
+
+    async def fork(request: web.Request) -> web.Response:
+        sid = request.match_info["id"]
+        n = (await body(request)).get("n")
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 1024:
+            return web.json_response({"error": f"n must be an integer in 1..1024, got {n!r}"},
+                                     status=400)  # fmt: skip
+        try:
+            out = await fleet.shielded(fleet.fork(sid, n))
+        except Refused as e:
+            return web.json_response({"error": str(e)}, status=e.status)
+        except VMError as e:
+            return web.json_response({"error": str(e)}, status=503)
+        return web.json_response({"status": "ok", "snapshot": sid, **out})
+
+    async def release(request: web.Request) -> web.Response:
+        try:
+            out = await fleet.shielded(fleet.release(request.match_info["id"]))
+        except Refused as e:
+            return web.json_response({"error": str(e)}, status=e.status)
         return web.json_response({"status": "ok", **out})
 
     async def report(request: web.Request) -> web.Response:
@@ -614,6 +1056,9 @@ def make_app(fleet: Fleet) -> Any:
     app.router.add_post("/vms/{name}/revert", revert)
     app.router.add_post("/vms/{name}/report", report)
     app.router.add_get("/vms/{name}/health", health)
+    app.router.add_post("/vms/{name}/snapshot", snapshot)
+    app.router.add_post("/snapshots/{id}/fork", fork)
+    app.router.add_delete("/snapshots/{id}", release)
     return app
 
 
@@ -733,13 +1178,20 @@ def down(folder: Path, grace_s: float = 15.0) -> list[str]:
         else:
             done.append(f"fleet pid {pid} stopped")
     marker = str(folder.resolve()) if folder.exists() else str(folder)
-    listed = {int(v.get("qemu_pid") or 0) for v in st.get("vms", [])}
+    listed = {int(v.get("qemu_pid") or 0) for v in [*st.get("vms", []), *st.get("clones", [])]}
     qemus = [q for q in set(_qemu_pids(marker)) | listed if alive(q) and marker in _cmdline(q)]
     kill_all(qemus)
     wait_gone(qemus, 10.0)
     done += [f"QEMU pid {q} killed" for q in qemus]
     for vm in st.get("vms", []):  # sockets kept outside the folder (long paths)
         qmp_path(folder / str(vm.get("name", ""))).unlink(missing_ok=True)
+    for c in st.get("clones", []):
+        clone_dir = folder / "snapshots" / str(c.get("snapshot", "")) / str(c.get("name", ""))
+        qmp_path(clone_dir).unlink(missing_ok=True)
+    ram_dir = Path(st.get("ram_dir") or ram_dir_of(folder))
+    if ram_dir.exists():  # the snapshots' RAM (tmpfs: memory until removed)
+        shutil.rmtree(ram_dir, ignore_errors=True)
+        done.append(f"removed {ram_dir}")
     if folder.exists():
         shutil.rmtree(folder, ignore_errors=True)
         done.append(f"removed {folder}")

@@ -176,15 +176,23 @@ def _dist_files(names: set[str]) -> list[tuple[Path, str]]:
     return out
 
 
+HOST_ONLY = ("vm/fleet.py", "vm/qemu.py", "vm/image.py")
+"""Modules of arpo_envs that run on the host only (they start VMs): left out of the guest,
+so changing them neither rebuilds the image nor invalidates its golden snapshot."""
+
+
 def _project_files() -> list[tuple[Path, str]]:
-    """Files copied into the guest's dist-packages: arpo_envs and its dependencies."""
+    """Files copied into the guest's dist-packages: arpo_envs (but HOST_ONLY) and its
+    dependencies."""
     import arpo_envs
 
     pkg = Path(arpo_envs.__file__).parent
     files = [
         (p, str(Path("arpo_envs") / p.relative_to(pkg)))
         for p in sorted(pkg.rglob("*"))
-        if p.is_file() and "__pycache__" not in p.parts
+        if p.is_file()
+        and "__pycache__" not in p.parts
+        and p.relative_to(pkg).as_posix() not in HOST_ONLY
     ]
     return files + _dist_files(_requirements("arpo-envs", ("desktop",)))
 
