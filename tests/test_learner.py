@@ -207,6 +207,9 @@ def test_learner_trains_with_a_real_actor_that_applies_published_weights(
     assert list_checkpoints(Path(cfg.run_dir) / "checkpoints")
 
 
+# Slow (28 s): the learner with a real actor applying published weights runs in
+# test_learner_trains_with_a_real_actor_that_applies_published_weights.
+@pytest.mark.slow
 def test_no_episode_starts_with_weights_older_than_its_grant(tmp_path, tiny_dir, sim_tasks_file):
     """Staleness control end to end: a real actor process whose weight transfer is slowed
     down (1 s per version) and a synchronous learner (max_staleness 0). Every grant carries

@@ -161,6 +161,8 @@ def test_runner_sets_up_and_scores_through_the_worker_as_its_own_code_does(loop,
     assert loop.run(main("own")) == expected
 
 
+# Slow (21 s): the worker itself runs in the other tests of this file.
+@pytest.mark.slow
 def test_runner_worker_failures_are_eval_errors_with_the_reason(loop, tmp_path):
     cache = tmp_path / "cache"
     (cache / "calc").mkdir(parents=True)

@@ -188,6 +188,8 @@ def test_health_checks_beside_reverts_never_replace_a_healthy_vm(fleet: FleetCon
     assert after["vms"][1]["state"] == "ready", after
 
 
+# Slow (25 s): the replacement path also runs in test_oracles_pass_on_a_vm_and_a_killed_qemu_is_replaced.
+@pytest.mark.slow
 def test_a_guest_that_stops_answering_is_replaced_by_the_health_timer(
     fleet: FleetConfig,
 ) -> None:
