@@ -537,7 +537,7 @@ def render(r: dict[str, Any]) -> str:
         f"commit {r['commit']}; {m['cpu']}, {m['cores']} cores; load at start "
         f"{m['load_at_start'][0]:.2f}; {r['repeats']} repeats.",
         f"Command: `.venv/bin/python benchmarks/bench_fork.py --kinds {','.join(r['kinds'])}` "
-        "(run alone).",
+        "(meant to run alone: the load at start says whether it did).",
         "",
     ]
     for kind in r["kinds"]:
