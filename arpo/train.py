@@ -146,10 +146,9 @@ class TrainConfig:
     sft_target_nll: float = option(
         0.06,
         "Warm start: stop `arpo sft` after the first epoch whose demonstrations' mean NLL is "
-        "at most this (0: run all sft_epochs). A fixed epoch count gives warm starts of very "
-        "different strength (with 8 tasks, 22 epochs gave 14 % on one seed and 84 % on "
-        "another); the NLL tracks the strength. 0.06 leaves the warm start solving about 40 % "
-        "of 8 click_button tasks at temperature 0.6 (benchmarks/results/demo-runs-*.md).",
+        "at most this (0: run all sft_epochs). The NLL, unlike an epoch count, tracks the "
+        "warm start's strength; the default leaves it solving some but not all of its tasks "
+        "(docs/results/demo.md has the measurements).",
     )
     tasks: str = option("", "Task pool ('' = simulated tasks generated into run_dir/tasks).")
     sim_families: list[str] = option(
@@ -191,9 +190,8 @@ class TrainConfig:
         True,
         "Decay the learning rate linearly to 0 over learner.iterations (when they bound the "
         "run and learner.trainer.lr_decay_steps is 0): lr_decay_steps = iterations x "
-        "optimizer steps per iteration. The reference keeps it constant; the decay kept the "
-        "last iterations from undoing what was learned (benchmarks/results/"
-        "demo-probe-decay-2026-11-24.md).",
+        "optimizer steps per iteration. The reference keeps it constant (docs/results/demo.md "
+        "has why the default decays).",
     )
     restart: bool = option(True, "Start a dead actor again, and a dead learner with --resume.")
     max_restarts: int = option(5, "Restarts per process at most.")
@@ -220,8 +218,7 @@ class TrainConfig:
         "replay buffers with its successes (learner.assemble.replay.prefill); skipped when "
         "the run has no simulated desktops or learner.assemble.replay.prefill names "
         "successes already collected. 0: the buffers start empty (the reference; the "
-        "paper's pipeline has this step). With it, tasks without a successful training "
-        "episode fell from 12 to 3 of 40 (benchmarks/results/demo-runs-prefill-2026-11-24.md).",
+        "paper's pipeline has this step; docs/results/demo.md has what it changes).",
     )
     prefill_demos: bool = option(
         False,
@@ -236,10 +233,8 @@ class TrainConfig:
         "Without prefill_demos, still start the replay buffers with the demonstrations of "
         "the multi-step tasks: those whose oracle needs at least this many turns (its "
         "steps and DONE: every multi-step family of the simulated desktop needs 3-14, a "
-        "single click 2). On the six multi-step families, chosen on seeds 12-16 (+27.2 "
-        "points against +15.2 with fill_form's demonstrations alone) and confirmed on the "
-        "fresh seeds 22-26 (+25.5, every seed above its warm start); docs/guides/"
-        "long-tasks.md has the runs. 0: only with prefill_demos.",
+        "single click 2). 0: only with prefill_demos. docs/results/long-tasks.md has the "
+        "runs that chose the default.",
     )
     eval_warm_start: bool = option(
         True,
