@@ -30,7 +30,7 @@ def test_the_demo_configuration_sets_up_every_task_and_trains(tmp_path: Path) ->
     work = tmp_path / "elsewhere"  # not the repository: nothing may depend on its cwd
     work.mkdir()
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
-    before = _desktop_procs()
+    before = _desktop_procs(work)
     proc = subprocess.run(
         [sys.executable, "-m", "arpo.cli", "train", "run_dir=run", "local_desktops=2",
          f"model={model}", "learner.iterations=3", "eval_runs_per_task=0",
@@ -56,12 +56,13 @@ def test_the_demo_configuration_sets_up_every_task_and_trains(tmp_path: Path) ->
     assert "actor-1" in {p.name for p in (run / "spool").iterdir()}
     assert any((run / "task-files").rglob("*")), "no task file fetched by the actors"
     # the run stopped everything it started: no process of it is left
-    left = _desktop_procs() - before
+    left = _desktop_procs(work) - before
     assert not left, left
 
 
-def _desktop_procs() -> set[tuple[int, str]]:
-    """(pid, command) of every desktop server, Xvfb and process naming a run folder."""
+def _desktop_procs(work: Path) -> set[tuple[int, str]]:
+    """(pid, command) of every desktop server and Xvfb, and of the actors and learners of
+    runs under `work` (not those of other runs on the machine)."""
     out = set()
     for d in Path("/proc").iterdir():
         try:
@@ -71,8 +72,10 @@ def _desktop_procs() -> set[tuple[int, str]]:
         if d.name.isdigit() and (
             "arpo_envs.desktop.server" in cmd
             or cmd.startswith("Xvfb")
-            or "arpo.actor.cli" in cmd
-            or "arpo.learner.cli" in cmd
+            or (
+                ("arpo.actor.cli" in cmd or "arpo.learner.cli" in cmd)
+                and str(work.resolve()) in cmd
+            )
         ):
             out.add((int(d.name), cmd[:200]))
     return out
