@@ -5,6 +5,8 @@
 - `environment`: one environment's life: its provider's revert, the retried setup before
   every episode, health waits, quarantine, forks (`provider`: what reverts it);
 - `runner`: setup steps, actions and evaluation with OSWorld's semantics;
+- `a11y`: OSWorld's linearisation of the accessibility tree and its set-of-marks;
+- `taskfiles`, `fetch`: task files by content, and fetching OSWorld's task files;
 - `getters`, `metrics`, `xlsx`, `cache`: the checker's parts.
 """
 
