@@ -295,25 +295,19 @@ class Environment:
         return SetupFailure(Status.ENV_ERROR, err)
 
     async def run(self, task: Task, actions: Sequence[str]) -> EvalResult:
-        """`TaskRunner.run` from a clean environment: one try of `reset`, play `actions`
-        (stopping at DONE / FAIL), evaluate; env failures (the revert's too) become an
-        `env_error` result. TaskError (a bad task) is raised."""
+        """`TaskRunner.run` from a clean environment: check the task, revert, then the
+        runner's setup, `actions` and evaluation; a failed revert is an `env_error` result,
+        as the runner's own environment failures are. TaskError (a bad task) is raised."""
         t0 = time.perf_counter()
+        self.runner.check(task)
         try:
-            await self.reset(task)
-            for a in actions:
-                await self.runner.act(a)
-                if a in ("DONE", "FAIL"):
-                    break
+            await self.revert(task)
         except EnvError as e:
             return EvalResult(
-                task.id,
-                0.0,
-                "env_error",
-                error=f"{type(e).__name__}: {e}",
+                task.id, 0.0, "env_error", error=f"{type(e).__name__}: {e}",
                 seconds=time.perf_counter() - t0,
-            )
-        return await self.runner.evaluate()
+            )  # fmt: skip
+        return await self.runner.run(task, actions)
 
     # ---- forks --------------------------------------------------------------------------------
 
