@@ -759,6 +759,7 @@ class Learner:
         return not (
             self._stop.is_set()
             or (cfg.iterations and after >= cfg.iterations)
+            or self._spent()
             or cfg.checkpoint.due(after)
         )
 
