@@ -59,4 +59,8 @@ def test_tree_grants_train_and_the_run_stops_at_its_environment_step_budget(
     book = learner.grants.book.counts
     assert book["tree_grants"] > 0
     steps = [h["charts/env_steps"] for h in learner.history]
-    assert steps == sorted(steps) and steps[-1] >= budget
+    assert steps == sorted(steps) and steps[-1] <= learner.env_steps.total
+    # The budget may be reached while the learner waits (then no iteration records it) or
+    # during a step; past it, only batches already taken train: the prefetched one and an
+    # incomplete one flushed at the stop.
+    assert sum(s >= budget for s in steps) <= 3, steps
