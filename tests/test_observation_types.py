@@ -312,3 +312,27 @@ def _tiny_png() -> bytes:
     out = io.BytesIO()
     Image.new("RGB", (8, 8), (1, 2, 3)).save(out, format="PNG")
     return out.getvalue()
+
+
+@pytest.mark.parametrize("kind", ["a11y_tree", "som"])
+def test_oracle_demonstrations_show_the_type_and_som_ones_click_by_mark(processor, kind):
+    """`record_demos` (the warm start's data) records through the episode path with the
+    observation type: a11y_tree demonstrations hold no screenshot and click at screen
+    pixels read from the table's frame; som ones name the mark of every button they click.
+    Every one is scored 1 by the desktop's checker."""
+    from arpo.offline.demos import record_demos
+
+    tasks = generate_tasks("click_sequence", 3, seed=11)
+    demos, report = record_demos(tasks, processor, n_envs=2, observation_type=kind)
+    assert report["kept"] == 3 and len(demos) == 3, report
+    for d in demos:
+        assert d.observation == kind and d.checker_score == 1.0
+        said = [processor.tokenizer.decode(t.response_ids) for t in d.turns]
+        clicks = [r for r in said if "click(" in r]
+        assert len(clicks) >= 2, said
+        if kind == "som":
+            assert all("click(mark=" in r for r in clicks), clicks
+            assert all(t.screenshot for t in d.turns)
+        else:
+            assert all("click(start_box=" in r for r in clicks), clicks
+            assert not any(t.screenshot for t in d.turns)

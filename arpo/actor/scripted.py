@@ -217,6 +217,24 @@ class ScriptedPolicy:
                     p.future.set_result(None)
 
 
+def by_mark(action: A.Action, marks: Sequence[Any] | None) -> A.Action:
+    """`action` as set-of-marks shows it: a pointer action at a point some mark's box holds
+    becomes the same action on the smallest such mark (`click(mark=N)`, at the mark's
+    centre); anything else (no marks, no mark holds the point, not a pointer action) is
+    returned as it is."""
+    if not marks or not isinstance(action, A.Click | A.LeftDouble | A.RightSingle | A.Hover):
+        return action
+    p = action.point
+    holding = [
+        m for m in marks
+        if m.box[0] <= p.x < m.box[0] + m.box[2] and m.box[1] <= p.y < m.box[1] + m.box[3]
+    ]  # fmt: skip
+    if not holding:
+        return action
+    m = min(holding, key=lambda m: m.box[2] * m.box[3])
+    return type(action)(A.Point(*m.center), m.index)
+
+
 class _ScriptedEpisode:
     def __init__(self, policy: ScriptedPolicy, oracle: list[str], rng: random.Random):
         self.policy = policy
@@ -232,21 +250,6 @@ class _ScriptedEpisode:
         """The turn's observation (`arpo.actor.episode.Observation`): its frame and marks."""
         self.seen = observation
 
-    def _by_mark(self, action: A.Action) -> A.Action:
-        """A pointer action at a point some mark's box holds, as a click on the smallest."""
-        marks = getattr(self.seen, "marks", None)
-        if not marks or not isinstance(action, A.Click | A.LeftDouble | A.RightSingle | A.Hover):
-            return action
-        p = action.point
-        holding = [
-            m for m in marks
-            if m.box[0] <= p.x < m.box[0] + m.box[2] and m.box[1] <= p.y < m.box[1] + m.box[3]
-        ]  # fmt: skip
-        if not holding:
-            return action
-        m = min(holding, key=lambda m: m.box[2] * m.box[3])
-        return type(action)(A.Point(*m.center), m.index)
-
     def branch(self, child: int) -> _ScriptedEpisode:
         """A copy for fork child `child`: same plan and step, its own random stream."""
         twin = copy.copy(self)
@@ -261,7 +264,7 @@ class _ScriptedEpisode:
         if k >= len(self.oracle) or (self.quit_at is not None and k >= self.quit_at):
             return A.format_response("The task is complete.", [A.Finished()], frame)
         acts = oracle_to_actions(self.oracle[k], self.policy.scroll_clicks)
-        acts = [self._by_mark(a) for a in acts]
+        acts = [by_mark(a, getattr(self.seen, "marks", None)) for a in acts]
         return A.format_response(f"Step {k + 1} of the plan.", acts, frame)
 
     async def generate(

@@ -37,7 +37,7 @@ import numpy as np
 
 from arpo import store_item, wire
 from arpo.actor.episode import MAX_STEPS, EpisodeConfig, run_episode, step_budget
-from arpo.actor.scripted import oracle_to_actions
+from arpo.actor.scripted import by_mark, oracle_to_actions
 from arpo.env.environment import Environment, EnvironmentConfig
 from arpo.env.runner import RunnerConfig
 from arpo.errors import ArpoError, EngineError
@@ -81,11 +81,14 @@ class OraclePolicy:
             raise EngineError(f"task {task.id} has no oracle")
         return _OracleEpisode(self, [str(s) for s in oracle])
 
-    def response_text(self, oracle: list[str], step: int, frame: A.Frame) -> str:
-        """The UI-TARS text of turn `step` (the oracle's step, or finished() after it)."""
+    def response_text(
+        self, oracle: list[str], step: int, frame: A.Frame, marks: Sequence[Any] | None = None
+    ) -> str:
+        """The UI-TARS text of turn `step` (the oracle's step, or finished() after it); with
+        set-of-marks `marks`, a click inside a mark names the mark (`click(mark=N)`)."""
         if step >= len(oracle):
             return A.format_response(DONE_THOUGHT, [A.Finished()], frame)
-        acts = oracle_to_actions(oracle[step], self.scroll_clicks)
+        acts = [by_mark(a, marks) for a in oracle_to_actions(oracle[step], self.scroll_clicks)]
         return A.format_response(self.thought, acts, frame)
 
 
@@ -94,16 +97,26 @@ class _OracleEpisode:
         self.policy = policy
         self.oracle = oracle
         self.step = 0
+        self.seen: Any = None
+        """The turn's observation (`arpo.actor.episode.Observation`, shown by `observe`)."""
+
+    def observe(self, observation: Any) -> None:
+        """The turn's observation: its coordinate frame and (som) its marks."""
+        self.seen = observation
 
     async def generate(
         self, token_ids: Any, images: Sequence[Any] = (), params: SamplingParams | None = None
     ) -> Completion:
         p = self.policy
-        if not images:
-            raise EngineError("the oracle needs the screenshot to place its clicks")
-        w, h = image_size(images[-1])
-        frame = A.Frame.for_screen(w, h, min_pixels=p.min_pixels, max_pixels=p.max_pixels)
-        text = p.response_text(self.oracle, self.step, frame)
+        if self.seen is not None:
+            frame = self.seen.frame
+        elif images:
+            w, h = image_size(images[-1])
+            frame = A.Frame.for_screen(w, h, min_pixels=p.min_pixels, max_pixels=p.max_pixels)
+        else:
+            raise EngineError("the oracle needs the screenshot or the observation to click")
+        marks = getattr(self.seen, "marks", None)
+        text = p.response_text(self.oracle, self.step, frame, marks)
         self.step += 1
         body = list(p.tokenizer.encode(text, add_special_tokens=False))
         ids = np.asarray([*body, p.im_end], dtype=np.int32)
@@ -177,8 +190,11 @@ def record_demos(
     n_envs: int = 2,
     max_steps: int = 15,
     max_new_tokens: int = 0,
+    observation_type: str = "screenshot",
 ) -> tuple[list[Trajectory], dict[str, Any]]:
-    """Record one oracle demonstration per task (see the module docstring).
+    """Record one oracle demonstration per task (see the module docstring), each turn's
+    prompt showing `observation_type` (`EpisodeConfig.observation_type`; with `som` the
+    oracle's clicks name the mark that holds them).
 
     `model` is a model folder (its processor is loaded) or a loaded `AutoProcessor`.
     `max_steps` is the episode's step budget (0: fitted to each task, `step_budget`);
@@ -216,7 +232,7 @@ def record_demos(
             continue
         usable.append(t)
     policy = OraclePolicy(processor)
-    cfg = EpisodeConfig(max_steps=max_steps, temperature=0.0)
+    cfg = EpisodeConfig(max_steps=max_steps, temperature=0.0, observation_type=observation_type)
     trajs = asyncio.run(
         run_on_sim(
             usable,
@@ -293,15 +309,20 @@ def evaluate_greedy(
     max_steps: int = 15,
     max_new_tokens: int = 64,
     device: str = "cpu",
+    observation_type: str = "screenshot",
 ) -> dict[str, float]:
-    """Greedy episodes of the model on every task (the real engine, parser and checker).
+    """Greedy episodes of the model on every task (the real engine, parser and checker),
+    showing it `observation_type`.
 
     Returns success_rate (checker score 1 among ok episodes), score_mean, parsed_rate (of
     all turns), steps_mean, episodes, not_ok."""
     from arpo.policy.engine import EngineConfig
     from arpo.policy.engine_hf import HFEngine
 
-    cfg = EpisodeConfig(max_steps=max_steps, temperature=0.0, max_new_tokens=max_new_tokens)
+    cfg = EpisodeConfig(
+        max_steps=max_steps, temperature=0.0, max_new_tokens=max_new_tokens,
+        observation_type=observation_type,
+    )  # fmt: skip
 
     async def go() -> list[Trajectory | None]:
         engine = HFEngine(

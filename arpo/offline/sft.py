@@ -69,6 +69,12 @@ class SFTConfig:
         "demonstration with a longer response is dropped, since the policy could never sample "
         "it whole (0: no bound).",
     )
+    observation_type: Literal["screenshot", "a11y_tree", "screenshot_a11y_tree", "som"] = option(
+        "screenshot",
+        "What each demonstration's prompts show, and the evaluation's (the actors' "
+        "episode.observation_type: a warm start learns to read what it is shown; with 'som' "
+        "the oracle's clicks name their mark).",
+    )
     dtype: Literal["float32", "bfloat16"] = option("float32", "Parameter dtype.")
     device: str = option("cpu", "Torch device.")
     lr: float = option(1e-3, "AdamW learning rate (high: the tiny model starts from random).")
@@ -154,6 +160,7 @@ def run(cfg: SFTConfig) -> dict[str, Any]:
             n_envs=cfg.n_envs,
             max_steps=cfg.max_steps,
             max_new_tokens=cfg.max_new_tokens,
+            observation_type=cfg.observation_type,
         )
         write_trajectories(Path(cfg.out) / "demos", demos)
     if cfg.max_sequences:
@@ -176,7 +183,8 @@ def run(cfg: SFTConfig) -> dict[str, Any]:
 
         tasks = tasks or task_pool(cfg)
         res = evaluate_greedy(
-            cfg.out, tasks[: cfg.eval_tasks], n_envs=cfg.n_envs, max_steps=cfg.max_steps
-        )
+            cfg.out, tasks[: cfg.eval_tasks], n_envs=cfg.n_envs, max_steps=cfg.max_steps,
+            observation_type=cfg.observation_type,
+        )  # fmt: skip
         summary.update({f"eval_{k}": v for k, v in res.items()})
     return summary
