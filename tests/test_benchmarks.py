@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -29,3 +30,23 @@ def test_benchmark_quick_mode_runs(script: str, args: list[str], expect: str) ->
     )
     assert p.returncode == 0, p.stderr[-2000:]
     assert expect in p.stdout
+
+
+def test_long_context_bench_measures_an_observation_type_on_real_screens(tmp_path: Path) -> None:
+    """Two episodes of 1 and 3 som turns on click_button screens (3 turns walk into the
+    family's next task); the results go to --out, not benchmarks/results."""
+    p = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_long_context.py"), "--turns", "1,3",
+         "--repeats", "1", "--episodes", "2", "--response", "5", "--observation-types", "som",
+         "--tasks", "click_button", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "| click_button | som | 3 |" in p.stdout
+    (res,) = [json.loads(f.read_text()) for f in tmp_path.glob("long-context-obs-*.json")]
+    one, three = res["rows"]
+    assert (one["turns"], three["turns"]) == (1, 3)
+    for r in (one, three):
+        assert r["image_tokens_per_turn"] > 0 and 0 < r["table_share"] < 1
+    assert three["prompt_tokens_reused"] > 0  # turns 2 and 3 reuse the turns before
+    assert three["prompt_tokens_last_turn"] > one["prompt_tokens_last_turn"]
