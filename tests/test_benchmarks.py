@@ -32,6 +32,7 @@ def test_benchmark_quick_mode_runs(script: str, args: list[str], expect: str) ->
     assert expect in p.stdout
 
 
+@pytest.mark.slow  # 40 s of model runs: make test-all
 def test_long_context_bench_measures_an_observation_type_on_real_screens(tmp_path: Path) -> None:
     """Two episodes of 1 and 3 som turns on click_button screens (3 turns walk into the
     family's next task); the results go to --out, not benchmarks/results."""
