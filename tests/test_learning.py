@@ -27,10 +27,15 @@ solved, and gained +31.2, +15.6 and once +1.6 against its margin of 10.
 
 A second run (`test_a_short_training_run_on_a_multi_step_family_raises_the_success_rate`)
 does the same with `arpo train`'s own defaults on the multi-step family `menu_pick` (open
-a menu, pick the item, DONE), against the same kind of margin (`MULTI_MARGIN`). That run
-is the one `make test` runs; the single-click run is `slow` (`make test-all`): it covers
-the same pipeline on one-step tasks, and its 3 minutes kept the test command over its
-budget.
+a menu, pick the item, DONE), against the same kind of margin (`MULTI_MARGIN`). The
+single-click run is the one `make test` runs (about 3 minutes); the multi-step run is
+`slow` (`make test-all`: 7-9 minutes, more than a quarter of the test command's budget).
+Both run the same pipeline and the same checks (the margin, the behaviour log-probs);
+what only the multi-step run adds (episodes of several turns with one reward at the end,
+multi-step demonstrations in the pre-fill) `make test` still covers with
+`test_demo_config` (the local suite's multi-step tasks through `arpo train`),
+`test_prefill_demos` (multi-step demonstrations in the pre-fill) and `test_tree_learner`
+(multi-turn episodes trained with step-level credit).
 
 Both runs also check that the learner weights every token by the actor's own
 behaviour log-probability: at the first iteration (nothing stale yet) the actor's and
@@ -190,7 +195,6 @@ def _off_policy_later(rows: list) -> None:
     assert spread > 0.05, "fresh trajectories sampled by older weights carry weight 1"
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_a_short_training_run_raises_the_success_rate(tmp_path: Path) -> None:
     # The warm start and limits this test's margin was set with (arpo train's defaults
@@ -227,6 +231,7 @@ demonstrations of multi-step tasks start the replay buffers (`prefill_demos_from
 errors above the margin, so the run keeps 60."""
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_a_short_training_run_on_a_multi_step_family_raises_the_success_rate(
     tmp_path: Path,
