@@ -45,13 +45,14 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+from arpo_envs.procs import free_port
 
 from arpo.actor.config import MAX_ENVS, ActorConfig, fleet_problem
 from arpo.actor.episode import MAX_STEPS_LIMIT
@@ -397,12 +398,6 @@ def _memory_total() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @dataclass
 class _Proc:
     name: str
@@ -513,7 +508,9 @@ class TrainRun:
         self.procs: list[_Proc] = []
         self.learner: _Proc | None = None
         self.desktop_state: Path | None = None
-        self.vm_dir: Path | None = None
+        """State file of the run's local desktops, known before their `up` (for `down`)."""
+        self.vm_state: Path | None = None
+        """State file of the run's VM fleet, known before its `up` (for `down`)."""
         self.restarts: dict[str, int] = {}
         self.summary: dict[str, Any] = {}
         self.warm_eval: dict[str, Any] | None = None
@@ -535,7 +532,16 @@ class TrainRun:
         if not cfg.warm_start:
             return str(tiny)
         sft_dir = self.run_dir / "sft"
-        if not (sft_dir / "config.json").exists():
+        shown = cfg.actor.episode.observation_type
+        if (sft_dir / "config.json").exists():
+            made = _warm_start_observation(sft_dir)
+            if made != shown:
+                raise ArpoError(
+                    f"{sft_dir} is a warm start on {made!r} prompts, and this run shows the "
+                    f"policy {shown!r} (actor.episode.observation_type): give another "
+                    "run_dir, or remove that folder to warm-start again"
+                )
+        else:
             from arpo.offline.sft import SFTConfig
             from arpo.offline.sft import run as run_sft
 
@@ -554,6 +560,7 @@ class TrainRun:
                     target_nll=cfg.sft_target_nll,
                     max_steps=cfg.actor.episode.max_steps,
                     max_new_tokens=cfg.actor.episode.max_new_tokens,
+                    observation_type=shown,
                 )
             )
         return str(sft_dir)
@@ -636,23 +643,21 @@ class TrainRun:
         """The run's own fleet (vms > 0): started here, stopped by _shutdown."""
         from arpo_envs.vm.fleet import FleetConfig, up
 
-        self.vm_dir = self.run_dir / "vms"
-        cfg = FleetConfig(n=self.config.vms, dir=str(self.vm_dir))
+        cfg = FleetConfig(n=self.config.vms, dir=str(self.run_dir / "vms"))
+        self.vm_state = cfg.state_file
         log.info("starting %d VMs (the test image; the first start makes its snapshot)", cfg.n)
-        up(cfg, detach=True, announce=lambda s: log.info("fleet: %s", s))
+        up(cfg, announce=lambda s: log.info("fleet: %s", s))
         return str(cfg.state_file)
 
     def _desktops(self) -> tuple[list[str], list[str]]:
         """The run's local desktops: their URLs and each one's own bearer token."""
         from arpo_envs.desktop.fleet import FleetConfig, up
 
-        self.desktop_state = self.run_dir / "desktops.json"
-        members = up(
-            FleetConfig(n=self.config.local_desktops, base_port=0, state_file=self.desktop_state,
-                        tokens=True),
-            announce=lambda *a: log.info("desktop: %s", " ".join(map(str, a))),
-        )  # fmt: skip
-        return [m.url for m in members], [m.token for m in members]
+        cfg = FleetConfig(n=self.config.local_desktops, base_port=0,
+                          state_file=self.run_dir / "desktops.json", tokens=True)  # fmt: skip
+        self.desktop_state = cfg.state_file
+        fleet = up(cfg, announce=lambda s: log.info("desktop: %s", s))
+        return [e.url for e in fleet.envs], [e.token for e in fleet.envs]
 
     # ---- the run -----------------------------------------------------------------------
 
@@ -677,8 +682,8 @@ class TrainRun:
             cfg.learner.assemble.replay.prefill
         ):
             self.prefill = self._prefill_demos(model, self.prefill, tasks)
-        data = f"tcp://127.0.0.1:{_free_port()}"
-        control = f"tcp://127.0.0.1:{_free_port()}"
+        data = f"tcp://127.0.0.1:{free_port()}"
+        control = f"tcp://127.0.0.1:{free_port()}"
         stop = {"flag": False}
 
         def on_signal(signum: int, frame: Any) -> None:
@@ -752,12 +757,12 @@ class TrainRun:
             if self.desktop_state is not None:
                 from arpo_envs.desktop.fleet import down
 
-                down(self.desktop_state, grace_s=0.0, announce=lambda *a: None)
+                down(self.desktop_state, grace_s=0.0, announce=lambda s: None)
         with contextlib.suppress(Exception):
-            if self.vm_dir is not None:
+            if self.vm_state is not None:
                 from arpo_envs.vm.fleet import down as vm_down
 
-                vm_down(self.vm_dir)
+                vm_down(self.vm_state, announce=lambda s: None)
 
     def _preflight(
         self, tasks: str, desktops: tuple[list[str], list[str]] | None, fleet: str
@@ -951,8 +956,8 @@ class TrainRun:
             "progress_s": 0,
             "transport": replace(
                 cfg.learner.transport,
-                data=f"tcp://127.0.0.1:{_free_port()}",
-                control=f"tcp://127.0.0.1:{_free_port()}",
+                data=f"tcp://127.0.0.1:{free_port()}",
+                control=f"tcp://127.0.0.1:{free_port()}",
             ),
         }
 
@@ -1101,11 +1106,10 @@ class TrainRun:
             from arpo_envs.desktop.fleet import down
 
             down(self.desktop_state)
-        if self.vm_dir is not None:
+        if self.vm_state is not None:
             from arpo_envs.vm.fleet import down as vm_down
 
-            for line in vm_down(self.vm_dir):
-                log.info("VMs: %s", line)
+            vm_down(self.vm_state, announce=lambda s: log.info("VMs: %s", s))
 
     # ---- results -----------------------------------------------------------------------
 
@@ -1156,6 +1160,16 @@ class TrainRun:
         (self.run_dir / "summary.json").write_text(json.dumps(out, indent=2))
         self.summary = out
         return out
+
+
+def _warm_start_observation(sft_dir: Path) -> str:
+    """The observation type the warm start in `sft_dir` was trained on (`arpo sft`'s saved
+    config; 'screenshot' for one saved before the field existed)."""
+    try:
+        info = json.loads((sft_dir / "offline.json").read_text())
+    except (OSError, ValueError):
+        return "screenshot"
+    return str((info.get("sft") or {}).get("observation_type", "screenshot"))
 
 
 def _gain(warm: dict[str, Any], trained: dict[str, Any]) -> dict[str, float]:

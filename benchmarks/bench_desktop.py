@@ -40,7 +40,7 @@ from pathlib import Path
 import aiohttp
 from _machine import cpu_model
 from arpo_envs.desktop.fleet import FleetConfig, down, up
-from arpo_envs.desktop.procs import marked_pids
+from arpo_envs.procs import marked_pids
 from PIL import Image
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -179,15 +179,15 @@ async def reset_times(url: str, rounds: int) -> dict:
 def real_run(n: int, seconds: float, state: Path) -> tuple[dict, dict]:
     cfg = FleetConfig(n=n, base_port=0, state_file=state, width=W, height=H)
     t0 = time.perf_counter()
-    members = up(cfg, announce=lambda s: None)
+    fleet = up(cfg, announce=lambda s: None)
     startup = time.perf_counter() - t0
     try:
-        urls = [m.url for m in members]
+        urls = [e.url for e in fleet.envs]
         open_s = asyncio.run(open_calc(urls))
         res = asyncio.run(measure(urls, seconds))
         res["startup_s"] = startup
         res["calc_open_p50_s"] = open_s
-        m0 = members[0]
+        m0 = fleet.state.servers[0]
         mem = memory_of([m0.pid, *marked_pids(m0.root)])
     finally:
         down(state, announce=lambda s: None)
@@ -312,9 +312,9 @@ def main() -> int:
         results["memory"]["sim"] = smem
         print(f"sim  n={n}: {json.dumps(sim)}", flush=True)
     cfg = FleetConfig(n=1, base_port=0, state_file=state, width=W, height=H)
-    m = up(cfg, announce=lambda s: None)[0]
+    env = up(cfg, announce=lambda s: None).envs[0]
     try:
-        results["reset"] = asyncio.run(reset_times(m.url, 5 if args.quick else 15))
+        results["reset"] = asyncio.run(reset_times(env.url, 5 if args.quick else 15))
     finally:
         down(state, announce=lambda s: None)
     print(f"reset: {json.dumps(results['reset'])}")

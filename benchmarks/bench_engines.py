@@ -30,7 +30,6 @@ import io
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -41,6 +40,7 @@ from pathlib import Path
 
 import numpy as np
 from _machine import cpu_model
+from arpo_envs.procs import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -103,9 +103,7 @@ def commit() -> str:
 def start_server(model_dir: Path, log: Path) -> tuple[subprocess.Popen, str]:
     from arpo.policy.engine_openai import server_command
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1")
     with open(log, "w") as out:
         proc = subprocess.Popen(

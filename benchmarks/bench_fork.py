@@ -263,10 +263,13 @@ VM_MAX_REPEATS = 5
 VM_TITLE = "BenchTerm"
 
 
-def _fleet_status(fleet_dir: Path) -> dict[str, Any]:
+def _fleet_report(fleet_dir: Path) -> Any:
+    """The running fleet's `FleetReport` (its VMs, clones and snapshots)."""
     from arpo_envs.vm.fleet import status
 
-    return status(fleet_dir / "fleet.json")
+    report = status(fleet_dir / "fleet.json").report
+    assert report is not None, f"the fleet of {fleet_dir} does not run"
+    return report
 
 
 def _smaps(pid: int) -> dict[str, float]:
@@ -381,7 +384,7 @@ async def _memory_vm(provider: Any, env: EnvClient, parent_pid: int, fleet_dir: 
     await _vm_replay(provider, env, 5)
     mem: dict[str, Any] = {"clones": n, "parent": _smaps(parent_pid)}
     handle, clones, *_ = await _vm_fork(provider, n)
-    pids = {c["name"]: c["qemu_pid"] for c in _fleet_status(fleet_dir)["clones"]}
+    pids = {c.name: c.qemu_pid for c in _fleet_report(fleet_dir).clones}
     mem["forked"] = [_smaps(pids[c.name]) for c in clones]
     async with contextlib.AsyncExitStack() as stack:
         kids = [
@@ -391,19 +394,19 @@ async def _memory_vm(provider: Any, env: EnvClient, parent_pid: int, fleet_dir: 
             await kid.execute_pyautogui("pyautogui.write('echo acted >> /home/user/prefix.txt\\n')")
             await kid.screenshot()
     mem["acted"] = [_smaps(pids[c.name]) for c in clones]
-    (snap,) = [s for s in _fleet_status(fleet_dir)["snapshots"] if s["id"] == handle]
-    mem["snapshot_ram_file_mib"] = snap["ram_mib"]
+    (snap,) = [s for s in _fleet_report(fleet_dir).snapshots if s.id == handle]
+    mem["snapshot_ram_file_mib"] = snap.ram_mib
     await provider.release(handle)
     return mem
 
 
-async def _measure_vm(st: dict[str, Any], fleet_dir: Path, repeats: int) -> dict[str, Any]:
+async def _measure_vm(fleet: Any, fleet_dir: Path, repeats: int) -> dict[str, Any]:
     from arpo.env.provider import FleetLink, FleetVMProvider
 
-    vm = st["vms"][0]
-    out: dict[str, Any] = {"accel": st["accel"], "accel_reason": st["accel_reason"]}
-    async with EnvClient(ClientConfig(base_url=vm["url"])) as env:
-        provider = FleetVMProvider(env, FleetLink.from_state(fleet_dir / "fleet.json"), vm["name"])
+    vm = fleet.state.vms[0]
+    out: dict[str, Any] = {"accel": fleet.state.accel, "accel_reason": fleet.state.accel_reason}
+    async with EnvClient(ClientConfig(base_url=vm.url)) as env:
+        provider = FleetVMProvider(env, FleetLink.from_state(fleet.state_file), vm.name)
         try:
             await _check_vm(provider, env)
             rows = []
@@ -430,7 +433,7 @@ async def _measure_vm(st: dict[str, Any], fleet_dir: Path, repeats: int) -> dict
                                            "release_s": releases}  # fmt: skip
                 rows.append(row)
             out["rows"] = rows
-            out["memory"] = await _memory_vm(provider, env, int(vm["qemu_pid"]), fleet_dir)
+            out["memory"] = await _memory_vm(provider, env, vm.qemu_pid, fleet_dir)
         finally:
             await provider.stop()
     events = [json.loads(x) for x in (fleet_dir / "events.jsonl").read_text().splitlines()]
@@ -454,12 +457,11 @@ def bench_vm(repeats: int = 10) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="bench-fork-vm-"))
     fleet_dir = tmp / "fleet"
     try:
-        st = up(FleetConfig(n=1, dir=str(fleet_dir), health_interval_s=0), detach=True,
-                announce=lambda s: None)  # fmt: skip
-        assert st is not None
-        out = asyncio.run(_measure_vm(st, fleet_dir, repeats))
+        fleet = up(FleetConfig(n=1, dir=str(fleet_dir), health_interval_s=0),
+                   announce=lambda s: None)  # fmt: skip
+        out = asyncio.run(_measure_vm(fleet, fleet_dir, repeats))
     finally:
-        down(fleet_dir)
+        down(fleet_dir / "fleet.json", announce=lambda s: None)
         subprocess.run(["rm", "-rf", str(tmp)])
     out["repeats"] = repeats
     out["load_at_end"] = os.getloadavg()

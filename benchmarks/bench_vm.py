@@ -41,7 +41,9 @@ from pathlib import Path
 
 import aiohttp
 from _machine import cpu_model
-from arpo_envs.vm.fleet import FleetConfig, down, free_port, screenshot_ok, status, up
+from arpo_envs.fleet_records import Reverted, RevertRequest, decode, encode
+from arpo_envs.procs import free_port
+from arpo_envs.vm.fleet import FleetConfig, VMFleet, down, screenshot_ok, status, up
 from arpo_envs.vm.image import build
 from arpo_envs.vm.qemu import Machine, MachineConfig, QemuVM
 
@@ -85,25 +87,26 @@ async def cold_boots(rounds: int, tmp: Path) -> list[float]:
     return out
 
 
-async def reverts(st: dict, rounds: int) -> tuple[list[float], list[float]]:
+async def reverts(fleet: VMFleet, rounds: int) -> tuple[list[float], list[float]]:
     """(revert seconds as the actor sees them, loadvm seconds), each after dirtying the VM."""
-    vm = st["vms"][0]
-    hdr = {"Authorization": f"Bearer {st['token']}"}
+    st = fleet.state
+    vm = st.vms[0]
+    hdr = {"Authorization": f"Bearer {st.token}"}
     total, load = [], []
     for i in range(rounds):
         # a new session each round: after a revert the guest's TCP state is the snapshot's
         async with aiohttp.ClientSession() as s:
             cmd = f"echo {i} > /home/user/dirty.txt; xterm -title Dirty &"
-            await execute(s, vm["url"], cmd, True)
+            await execute(s, vm.url, cmd, True)
             t0 = time.perf_counter()
-            url = f"{st['control']}/vms/{vm['name']}/revert"
-            async with s.post(url, json={}, headers=hdr) as r:
+            url = f"{st.control}/vms/{vm.name}/revert"
+            async with s.post(url, json=encode(RevertRequest()), headers=hdr) as r:
                 r.raise_for_status()
-                body = await r.json()
+                body = decode(await r.json(), Reverted)
             total.append(time.perf_counter() - t0)
-            load.append(float(body["loadvm_s"]))
+            load.append(body.loadvm_s)
     async with aiohttp.ClientSession() as s:
-        left = await execute(s, vm["url"], "ls /home/user; wmctrl -l", True)
+        left = await execute(s, vm.url, "ls /home/user; wmctrl -l", True)
     assert "dirty.txt" not in left["output"] and "Dirty" not in left["output"], left
     return total, load
 
@@ -173,28 +176,26 @@ def run(args: argparse.Namespace) -> dict:
         results["cold_boot_s"] = asyncio.run(cold_boots(args.cold, tmp))
         fleet_dir = tmp / "fleet"
         t0 = time.perf_counter()
-        st = up(FleetConfig(n=args.n, dir=str(fleet_dir), health_interval_s=0), detach=True,
-                announce=lambda s: None)  # fmt: skip
-        assert st is not None
+        fleet = up(FleetConfig(n=args.n, dir=str(fleet_dir), health_interval_s=0),
+                   announce=lambda s: None)  # fmt: skip
         results["fleet_up_s"] = time.perf_counter() - t0
-        info = status(fleet_dir / "fleet.json")
-        results["accel"], results["accel_reason"] = info["accel"], info["accel_reason"]
+        results["accel"], results["accel_reason"] = fleet.state.accel, fleet.state.accel_reason
         results["provision_s"] = [
             e["seconds"]
             for e in map(json.loads, (fleet_dir / "events.jsonl").read_text().splitlines())
             if e["event"] == "vm_started"
         ]
-        total, load = asyncio.run(reverts(st, args.reverts))
+        total, load = asyncio.run(reverts(fleet, args.reverts))
         results["revert_s"], results["loadvm_s"] = total, load
-        urls = [v["url"] for v in st["vms"]]
+        urls = [e.url for e in fleet.envs]
         results["steps_alone"] = asyncio.run(steps(urls[:1], args.seconds))
         results["steps_fleet"] = asyncio.run(steps(urls, args.seconds))
-        results["memory"] = [
-            memory(int(v["qemu_pid"])) for v in status(fleet_dir / "fleet.json")["vms"]
-        ]
-        down(fleet_dir)
+        report = status(fleet.state_file).report
+        assert report is not None
+        results["memory"] = [memory(v.qemu_pid) for v in report.vms]
+        fleet.down(announce=lambda s: None)
     finally:
-        down(tmp / "fleet")
+        down(tmp / "fleet" / "fleet.json", announce=lambda s: None)
         subprocess.run(["rm", "-rf", str(tmp)])
     cold, rev = med(results["cold_boot_s"]), med(results["revert_s"])
     step = results["steps_alone"][0]["step_s"]

@@ -39,7 +39,6 @@ import json
 import math
 import re
 import shlex
-import socket
 import statistics
 import subprocess
 import sys
@@ -47,6 +46,7 @@ import time
 from pathlib import Path
 
 from _stats import t_interval
+from arpo_envs.procs import free_port
 from long_tasks import _task_files
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -58,12 +58,6 @@ def demo_args() -> list[str]:
     if not m:
         raise SystemExit("Makefile: no DEMO_ARGS line")
     return [a for a in shlex.split(m.group(1)) if not a.startswith("run_dir=")]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def eval_at(run_dir: Path, base: list[str], temperature: float) -> dict[str, dict]:
@@ -83,8 +77,8 @@ def eval_at(run_dir: Path, base: list[str], temperature: float) -> dict[str, dic
                    f"tasks={str(run_dir / 'tasks' / 'sim')!r}", f"runs_per_task={runs}",
                    f"temperature={temperature}", f"out={str(dest)!r}", "progress_s=0",
                    "grant_timeout_s=120", f"local_actor_args={json.dumps(actor)}",
-                   f"transport.data='tcp://127.0.0.1:{_free_port()}'",
-                   f"transport.control='tcp://127.0.0.1:{_free_port()}'"]  # fmt: skip
+                   f"transport.data='tcp://127.0.0.1:{free_port()}'",
+                   f"transport.control='tcp://127.0.0.1:{free_port()}'"]  # fmt: skip
             print("+", shlex.join(cmd), flush=True)
             with (run_dir / f"eval_T{temperature:g}_{name}.log").open("wb") as log:
                 rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=log).returncode

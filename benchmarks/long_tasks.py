@@ -241,7 +241,7 @@ def cmd_steps(args: argparse.Namespace) -> None:
 
 
 def cmd_probe(args: argparse.Namespace) -> None:
-    from arpo_envs.vm.fleet import free_port
+    from arpo_envs.procs import free_port
 
     from arpo.offline.data import read_trajectories
     from arpo.pool.collect import CollectConfig, run_collect

@@ -6,18 +6,22 @@
   the documentation declared with the field), nested sections as they nest;
 - reference/metrics.md: every standard metric of `arpo.learner.metrics` with its meaning;
 - reference/wire.md: the wire format as `arpo.wire` states it, its message kinds and limits;
+- reference/fleet.md: the fleets' records (`arpo_envs.fleet_records`): every record, every
+  field with its type and documentation, the version;
 - reference/cli.md: the commands (`arpo`, `arpo-actor`, `arpo-learner`, `arpo-envs`);
 - results/files/*: every file of benchmarks/results (Markdown tables and plots, as measured),
   listed on results/index.md.
 
-So the reference cannot drift from the code: a field or metric added without documentation
-shows up empty, and `tests/test_docs.py` fails on it.
+So the reference cannot drift from the code: a field, metric or record field added without
+documentation shows up empty, and `tests/test_docs.py` fails on it.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import importlib
+import inspect
 import subprocess
 import sys
 import typing
@@ -120,6 +124,52 @@ def wire_page() -> str:
     return "\n".join(lines) + "\n"
 
 
+def record_fields(cls: type) -> list[tuple[str, str, str]]:
+    """(name, type, doc) of every field of a fleet record, the doc being the string literal
+    under the field's declaration."""
+    from arpo_envs import fleet_records
+
+    docs: dict[str, str] = {}
+    (node,) = ast.parse(inspect.getsource(cls)).body
+    assert isinstance(node, ast.ClassDef)
+    for stmt, after in zip(node.body, [*node.body[1:], None], strict=True):
+        if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
+                and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)):  # fmt: skip
+            docs[stmt.target.id] = inspect.cleandoc(after.value.value)
+    return [(name, fleet_records.type_name(hint), docs.get(name, ""))
+            for name, hint in fleet_records.hints(cls).items()]  # fmt: skip
+
+
+def fleet_page() -> str:
+    from arpo_envs import fleet_records as fr
+
+    lines = ["# Fleet records reference", "",
+             "Generated from `arpo_envs.fleet_records`, the typed records of both fleets' "
+             "state files and of the VM fleet's control API, and their one encoder and "
+             f"decoder (records version {fr.VERSION}).", "",
+             "```text", (fr.__doc__ or "").strip(), "```", ""]  # fmt: skip
+
+    def table(cls: type) -> None:
+        name = getattr(cls, "RECORD", None)
+        title = f"`{cls.__name__}`" + (f' (`"record": "{name}"`)' if name else "")
+        lines.extend([f"### {title}", "", _cell(inspect.cleandoc(cls.__doc__ or "")), "",
+                      "| field | type | meaning |", "|---|---|---|"])  # fmt: skip
+        for field_name, tname, doc in record_fields(cls):  # a | in a code span splits no cell
+            lines.append(f"| `{field_name}` | `{tname}` | {_cell(doc)} |")
+        lines.append("")
+
+    lines += ["## Messages", "",
+              "A message's JSON object names it (`\"record\"`) and carries `version`.", ""]  # fmt: skip
+    for cls in fr.MESSAGES:
+        table(cls)
+    lines += ["## Parts", "",
+              "Objects inside a message, read as the type of the field that holds them.", ""]  # fmt: skip
+    for cls in fr.PARTS:
+        table(cls)
+    return "\n".join(lines)
+
+
 def _help(args: list[str]) -> str:
     p = subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=ROOT,
                        timeout=120)  # fmt: skip
@@ -167,6 +217,7 @@ def on_files(files: Files, config: Any) -> Files:
         "reference/config.md": config_page(),
         "reference/metrics.md": metrics_page(),
         "reference/wire.md": wire_page(),
+        "reference/fleet.md": fleet_page(),
         "reference/cli.md": cli_page(),
         "results/index.md": results_index(),
     }

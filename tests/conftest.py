@@ -115,10 +115,9 @@ def vm_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
     cfg = FleetConfig(
         n=2, dir=str(folder), machine=MachineConfig(), health_interval_s=3.0, health_timeout_s=20.0
     )
-    state = up(cfg, detach=True, announce=lambda s: None)
-    assert state is not None
+    up(cfg, announce=lambda s: None)
     yield cfg
-    down(folder)
+    down(cfg.state_file, announce=lambda s: None)
 
 
 def loopback() -> object:

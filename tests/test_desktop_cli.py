@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from arpo_envs.desktop.fleet import orphans
-from arpo_envs.desktop.procs import MARKER
+from arpo_envs.procs import MARKER
 from test_desktop_common import ESCAPE, Desk, pids_running, require_desktop
 from test_desktop_common import wait_until as until
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from arpo_envs.desktop.executor import MAX_ANSWER_BYTES
-from arpo_envs.desktop.procs import marked_pids
+from arpo_envs.procs import marked_pids
 from test_desktop_common import Desk, require_desktop, running_desk, start_desk, stop_desk_proc
 from test_desktop_common import wait_until as until
 

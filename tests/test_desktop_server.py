@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from arpo_envs.desktop.procs import marked_pids
+from arpo_envs.procs import marked_pids
 from PIL import Image
 from test_desktop_common import (
     ESCAPE,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import html as html_lib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -62,6 +63,23 @@ def test_every_metric_and_message_kind_is_on_the_reference(site: Path) -> None:
         assert k in wire_page, k
     cli = _text(site, "reference/cli")
     assert "arpo train" in cli and "arpo-envs" in cli
+
+
+def test_every_fleet_record_and_field_is_on_the_generated_reference(site: Path) -> None:
+    from arpo_envs import fleet_records
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import docs_hooks
+    finally:
+        sys.path.pop(0)
+    page = " ".join(re.sub(r"<[^>]+>", " ", _text(site, "reference/fleet")).split())
+    assert f"records version {fleet_records.VERSION}" in page
+    for cls in (*fleet_records.MESSAGES, *fleet_records.PARTS):
+        assert cls.__name__ in page, cls
+        for name, tname, doc in docs_hooks.record_fields(cls):
+            assert doc.strip(), f"{cls.__name__}.{name} has no documentation"
+            assert f"{name} {tname}" in page, (cls, name)  # its row
 
 
 def test_the_readme_is_a_front_door(site: Path) -> None:

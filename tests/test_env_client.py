@@ -6,7 +6,8 @@ import asyncio
 import time
 
 import pytest
-from osworld_fixtures.peer import PNG_1X1, Peer, free_port
+from arpo_envs.procs import free_port
+from osworld_fixtures.peer import PNG_1X1, Peer
 
 from arpo.env.client import PYAUTOGUI_PREFIX, ClientConfig, EnvClient
 from arpo.errors import EnvError, EnvHTTPError, EnvTimeout, EnvTransportError

@@ -15,7 +15,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from arpo_envs.procs import free_port
 from arpo_envs.tasks import OSWORLD_ORACLES, SUITE_DIR, osworld_oracles
 from arpo_envs.tasks.generate import write_suite
 from osworld_fixtures.peer import Peer
@@ -173,12 +173,6 @@ def test_upload_file_relative_path_is_read_from_the_task_folder(tmp_path, monkey
 # ---- on the real local desktop ---------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def desktop_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """URL of one real local desktop: $ARPO_DESKTOP_URL, or one started with `arpo-envs up`."""
@@ -194,7 +188,7 @@ def desktop_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     ]
     if missing:
         pytest.skip(f"the local desktop needs {missing} (see the Makefile's desktop packages)")
-    port = _free_port()
+    port = free_port()
     tmp = tmp_path_factory.mktemp("desktop")
     log = tmp / "up.log"
     with log.open("w") as out:  # a file, not a pipe: `up` may print while nobody reads

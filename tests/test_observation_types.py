@@ -336,3 +336,30 @@ def test_oracle_demonstrations_show_the_type_and_som_ones_click_by_mark(processo
         else:
             assert all("click(start_box=" in r for r in clicks), clicks
             assert not any(t.screenshot for t in d.turns)
+
+
+def test_arpo_train_refuses_a_warm_start_made_for_another_observation_type(tmp_path):
+    """A run folder's warm start learned to read one observation type; a run that shows
+    the policy another one stops with the field to change, instead of training a policy
+    on prompts it never saw."""
+    import json as _json
+
+    from arpo.config import load_config
+    from arpo.errors import ArpoError
+    from arpo.train import TrainConfig, TrainRun
+
+    sft = tmp_path / "run" / "sft"
+    sft.mkdir(parents=True)
+    (sft / "config.json").write_text("{}")
+    (sft / "offline.json").write_text(_json.dumps({"sft": {"observation_type": "screenshot"}}))
+    (tmp_path / "run" / "tiny").mkdir()
+    (tmp_path / "run" / "tiny" / "config.json").write_text("{}")
+    cfg = load_config(
+        TrainConfig,
+        None,
+        [f"run_dir={str(tmp_path / 'run')!r}", "actor.episode.observation_type='som'"],
+    )
+    with pytest.raises(ArpoError, match="observation_type"):
+        TrainRun(cfg).policy()
+    same = load_config(TrainConfig, None, [f"run_dir={str(tmp_path / 'run')!r}"])
+    assert TrainRun(same).policy() == str(sft)

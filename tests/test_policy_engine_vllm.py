@@ -11,13 +11,13 @@ from __future__ import annotations
 import asyncio
 import io
 import os
-import socket
 import subprocess
 import time
 import urllib.request
 
 import numpy as np
 import pytest
+from arpo_envs.procs import free_port
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -101,15 +101,9 @@ def vllm_engine(tiny_dir, loop):
     loop.run_until_complete(engine.close())
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tiny_dir, tmp_path_factory):
-    port = _free_port()
+    port = free_port()
     log = tmp_path_factory.mktemp("server") / "vllm-server.log"
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1")
     with open(log, "w") as out:

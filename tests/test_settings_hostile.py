@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 
 import pytest
+from arpo_envs.fleet_records import VMFleetState, dumps
 from arpo_envs.sim.tasks import generate_tasks
 
 from arpo import cli
@@ -240,7 +241,10 @@ def test_the_defaults_and_the_edges_of_every_range_are_accepted(
     load_config(TrainConfig)
     load_config(ActorConfig, None, ACTOR)
     fleet = tmp_path / "fleet.json"
-    fleet.write_text(json.dumps({"control": "http://127.0.0.1:1", "token": "t", "vms": []}))
+    state = VMFleetState(pid=1, ready=True, dir=str(tmp_path), control="http://127.0.0.1:1",
+                         token="t", accel="tcg", accel_reason="", vms=(), clones=(),
+                         ram_dir="")  # fmt: skip
+    fleet.write_text(dumps(state))
     edges = [
         "actor.episode.step_timeout_s=604800", "actor.environment.reset_backoff_s=30",
         "actor.environment.reset_backoff_s=0", "actor.episode.scroll_clicks=100",

@@ -48,7 +48,8 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 import zmq
-from test_train_faults import fault_run_config, free_port, start_sim_server, wait_for
+from arpo_envs.procs import free_port
+from test_train_faults import fault_run_config, start_sim_server, wait_for
 
 from arpo import store_item, wire
 from arpo.actor.spool import LEDGER

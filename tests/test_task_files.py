@@ -10,13 +10,13 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from arpo_envs.procs import free_port
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -26,12 +26,6 @@ from arpo.env.taskfiles import BlobCache, FileSource, TaskFiles
 from arpo.errors import TaskError
 from arpo.learner.metrics import read_metrics
 from arpo.policy.tiny import build_tiny_model
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _can_hide_folders() -> bool:
@@ -102,7 +96,7 @@ def test_an_actor_that_cannot_see_the_task_folder_trains_on_upload_tasks(tmp_pat
     files = _tasks_with_files(tasks, 3)
     tampered_id = sorted(files)[0]
     model = build_tiny_model(tmp_path / "tiny", seed=0)
-    data, control = f"tcp://127.0.0.1:{_port()}", f"tcp://127.0.0.1:{_port()}"
+    data, control = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
     learner_log = tmp_path / "learner.log"
     learner_cmd = [
         sys.executable, "-m", "arpo.learner.cli", f"trainer.model={model}", f"tasks={tasks}",

@@ -15,6 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from arpo_envs.procs import free_port
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -25,12 +26,6 @@ from arpo.learner.checkpoint import CheckpointConfig
 from arpo.learner.metrics import read_metrics
 from arpo.policy.tiny import build_tiny_model
 from arpo.train import TrainConfig, TrainRun
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start_sim_server(port: int, log: Path) -> subprocess.Popen:

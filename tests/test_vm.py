@@ -45,6 +45,8 @@ from arpo.pool.collect import CollectConfig, run_collect
 if shutil.which("qemu-system-x86_64") is None or shutil.which("debootstrap") is None:
     pytest.fail("the VM tests need `make sysdeps` (qemu-system-x86, debootstrap)", pytrace=False)
 
+from arpo_envs.fleet_records import FleetReport
+from arpo_envs.procs import wait_gone
 from arpo_envs.vm.fleet import FleetConfig, down, read_state, status, up
 
 REPO = Path(__file__).resolve().parent.parent
@@ -58,8 +60,11 @@ def fleet(vm_fleet: FleetConfig) -> FleetConfig:
     return vm_fleet
 
 
-def _fleet_status(cfg: FleetConfig) -> dict[str, Any]:
-    return status(cfg.state_file)
+def _fleet_status(cfg: FleetConfig) -> FleetReport:
+    """The running fleet's own report (`GET /fleet`)."""
+    st = status(cfg.state_file)
+    assert st.running and st.report is not None, st
+    return st.report
 
 
 def _task(tid: str, config: list[dict[str, Any]]) -> Task:
@@ -79,14 +84,14 @@ async def _shell(client: EnvClient, cmd: str) -> str:
 
 def test_the_next_episode_starts_from_the_snapshot(fleet: FleetConfig) -> None:
     st = read_state(fleet.state_file)
-    assert st is not None and st["accel"] in ("kvm", "tcg")
-    vm = st["vms"][0]
+    assert st is not None and st.accel in ("kvm", "tcg")
+    vm = st.vms[0]
     link = FleetLink.from_state(fleet.state_file)
 
     async def main() -> tuple[str, str, str, str]:
         env = Environment(
-            0, vm["url"], RunnerConfig(evaluator="own", osworld_probe_timeout_s=0),
-            provider=lambda c: FleetVMProvider(c, link, vm["name"]),
+            0, vm.url, RunnerConfig(evaluator="own", osworld_probe_timeout_s=0),
+            provider=lambda c: FleetVMProvider(c, link, vm.name),
         )  # fmt: skip
         client = env.client
         try:
@@ -121,7 +126,7 @@ def test_the_next_episode_starts_from_the_snapshot(fleet: FleetConfig) -> None:
     files1, windows1, files2, windows2 = asyncio.run(main())
     assert "leak.txt" in files1 and "LeftOpen" in windows1
     assert "leak.txt" not in files2 and "LeftOpen" not in windows2
-    counters = _fleet_status(fleet)["counters"]
+    counters = _fleet_status(fleet).counters
     assert counters["reverts"] >= 2
 
 
@@ -129,7 +134,7 @@ def test_osworld_python_controller_drives_a_vm(fleet: FleetConfig) -> None:
     assert OSWORLD_PY.exists(), "make osworld-evaluator installs OSWorld's code"
     st = read_state(fleet.state_file)
     assert st is not None
-    port = st["vms"][1]["port"]
+    port = st.vms[1].port
     script = f"""
 import json
 from desktop_env.controllers.python import PythonController
@@ -159,13 +164,13 @@ def test_health_checks_beside_reverts_never_replace_a_healthy_vm(fleet: FleetCon
     fleet used to replace the healthy VM for it, in the middle of the next episode."""
     st = read_state(fleet.state_file)
     assert st is not None
-    vm = st["vms"][1]
+    vm = st.vms[1]
     link = FleetLink.from_state(fleet.state_file)
     before = _fleet_status(fleet)
 
     async def main() -> list[Any]:
-        client = EnvClient(ClientConfig(base_url=vm["url"]))
-        provider = FleetVMProvider(client, link, vm["name"])
+        client = EnvClient(ClientConfig(base_url=vm.url))
+        provider = FleetVMProvider(client, link, vm.name)
 
         async def revert_after(s: float) -> None:
             await asyncio.sleep(s)
@@ -184,8 +189,8 @@ def test_health_checks_beside_reverts_never_replace_a_healthy_vm(fleet: FleetCon
     health = asyncio.run(main())
     assert all(h.ok for h in health), health
     after = _fleet_status(fleet)
-    assert after["vms"][1]["replacements"] == before["vms"][1]["replacements"], after
-    assert after["vms"][1]["state"] == "ready", after
+    assert after.vms[1].replacements == before.vms[1].replacements, after
+    assert after.vms[1].state == "ready", after
 
 
 # Slow (25 s): the replacement path also runs in test_oracles_pass_on_a_vm_and_a_killed_qemu_is_replaced.
@@ -193,23 +198,23 @@ def test_health_checks_beside_reverts_never_replace_a_healthy_vm(fleet: FleetCon
 def test_a_guest_that_stops_answering_is_replaced_by_the_health_timer(
     fleet: FleetConfig,
 ) -> None:
-    before = _fleet_status(fleet)["vms"][1]
-    os.kill(before["qemu_pid"], signal.SIGSTOP)  # the guest freezes; QEMU stays alive
+    before = _fleet_status(fleet).vms[1]
+    os.kill(before.qemu_pid, signal.SIGSTOP)  # the guest freezes; QEMU stays alive
     try:
         end = time.monotonic() + 180
         now = before
         while time.monotonic() < end:
-            now = _fleet_status(fleet)["vms"][1]
-            if now["qemu_pid"] != before["qemu_pid"] and now["state"] == "ready":
+            now = _fleet_status(fleet).vms[1]
+            if now.qemu_pid != before.qemu_pid and now.state == "ready":
                 break
             time.sleep(1.0)
     finally:
         with contextlib.suppress(ProcessLookupError):
-            os.kill(before["qemu_pid"], signal.SIGCONT)
-    assert now["qemu_pid"] != before["qemu_pid"] and now["state"] == "ready", now
-    assert now["replacements"] == before["replacements"] + 1
-    assert "health check" in now["last_error"]
-    with urllib.request.urlopen(now["url"] + "/screenshot", timeout=30) as r:
+            os.kill(before.qemu_pid, signal.SIGCONT)
+    assert now.qemu_pid != before.qemu_pid and now.state == "ready", now
+    assert now.replacements == before.replacements + 1
+    assert "health check" in now.last_error
+    with urllib.request.urlopen(now.url + "/screenshot", timeout=30) as r:
         assert r.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
@@ -277,10 +282,10 @@ def test_oracles_pass_on_a_vm_and_a_killed_qemu_is_replaced(
     tasks = _os_tasks(tmp_path, 2)
     runs = 2
     before = _fleet_status(fleet)
-    vm0_pid = before["vms"][0]["qemu_pid"]
+    vm0_pid = before.vms[0].qemu_pid
     killed: dict[str, Any] = {}
 
-    url = before["vms"][0]["url"]
+    url = before.vms[0].url
 
     def setup_done() -> bool:
         req = urllib.request.Request(
@@ -322,7 +327,7 @@ def test_oracles_pass_on_a_vm_and_a_killed_qemu_is_replaced(
         assert c["successes"] == runs, (tid, c)  # the oracles pass, scored by OSWorld's code
     assert sum(c["env_errors"] for c in per_task.values()) >= 1  # the killed episode
     after = _fleet_status(fleet)
-    assert after["vms"][0]["qemu_pid"] != vm0_pid and after["vms"][0]["state"] == "ready"
+    assert after.vms[0].qemu_pid != vm0_pid and after.vms[0].state == "ready"
     events = [
         json.loads(line) for line in (Path(fleet.dir) / "events.jsonl").read_text().splitlines()
     ]
@@ -346,10 +351,10 @@ def test_a_task_whose_setup_always_fails_is_quarantined(fleet: FleetConfig, tmp_
     before = _fleet_status(fleet)
     result = _collect_on_vms(fleet, tmp_path, tasks, 2, 4, "environment.reset_retries=1")
     after = _fleet_status(fleet)
-    assert "always-fails" in after["quarantined_tasks"], after
-    assert "2 VM" in after["quarantined_tasks"]["always-fails"]
+    assert "always-fails" in after.quarantined_tasks, after
+    assert "2 VM" in after.quarantined_tasks["always-fails"]
     # the VMs were not blamed for the task
-    assert [v["replacements"] for v in after["vms"]] == [v["replacements"] for v in before["vms"]]
+    assert [v.replacements for v in after.vms] == [v.replacements for v in before.vms]
     good = [t for t in result["tasks"] if t != "always-fails"]
     assert good and all(result["tasks"][t]["successes"] == 2 for t in good)
     assert result["tasks"]["always-fails"]["successes"] == 0
@@ -358,13 +363,14 @@ def test_a_task_whose_setup_always_fails_is_quarantined(fleet: FleetConfig, tmp_
 def test_down_after_sigkill_of_the_fleet_leaves_nothing(tmp_path: Path) -> None:
     folder = tmp_path / "killed"
     cfg = FleetConfig(n=1, dir=str(folder), health_interval_s=0)
-    st = up(cfg, detach=True, announce=lambda s: None)
-    assert st is not None
-    qemu = st["vms"][0]["qemu_pid"]
-    with urllib.request.urlopen(st["vms"][0]["url"] + "/screenshot", timeout=30) as r:
+    fleet = up(cfg, announce=lambda s: None)
+    qemu = fleet.envs[0].pid
+    with urllib.request.urlopen(fleet.envs[0].url + "/screenshot", timeout=30) as r:
         assert r.read(8) == b"\x89PNG\r\n\x1a\n"
-    os.kill(st["pid"], signal.SIGKILL)
-    done = down(folder)
+    os.kill(fleet.state.pid, signal.SIGKILL)
+    assert wait_gone([fleet.state.pid], 10.0) == []
+    assert fleet.status().stale
+    done = down(cfg.state_file, announce=lambda s: None)  # as from another shell
     assert not folder.exists(), done
     assert not Path(f"/proc/{qemu}").exists() or b"Z" in Path(f"/proc/{qemu}/stat").read_bytes()
     leftovers = subprocess.run(["pgrep", "-f", str(folder)], capture_output=True, text=True)
@@ -375,12 +381,12 @@ async def _play_on_vm(fleet: FleetConfig, tasks: list[Task]) -> list[tuple[str, 
     """Each task's oracle on vm-0, reverted before each, scored by OSWorld's evaluator."""
     st = read_state(fleet.state_file)
     assert st is not None
-    vm = st["vms"][0]
+    vm = st.vms[0]
     link = FleetLink.from_state(fleet.state_file)
     out = []
     env = Environment(
-        0, vm["url"], RunnerConfig(evaluator="osworld"),
-        provider=lambda c: FleetVMProvider(c, link, vm["name"]),
+        0, vm.url, RunnerConfig(evaluator="osworld"),
+        provider=lambda c: FleetVMProvider(c, link, vm.name),
     )  # fmt: skip
     try:
         for t in tasks:

@@ -36,6 +36,15 @@ from aiohttp import web
 if shutil.which("qemu-system-x86_64") is None or shutil.which("debootstrap") is None:
     pytest.fail("the VM tests need `make sysdeps` (qemu-system-x86, debootstrap)", pytrace=False)
 
+from arpo_envs.fleet_records import (
+    Failure,
+    FleetReport,
+    Forked,
+    Released,
+    SnapshotTaken,
+    VMEntry,
+    encode,
+)
 from arpo_envs.vm.fleet import FleetConfig, read_state, status
 
 from arpo.env.client import ClientConfig, EnvClient
@@ -64,10 +73,17 @@ async def _window(client: EnvClient, title: str) -> str:
     raise AssertionError(f"no window {title} after 60 s: {windows}")
 
 
-def _vm(fleet: FleetConfig, i: int) -> tuple[dict[str, Any], FleetLink]:
+def _vm(fleet: FleetConfig, i: int) -> tuple[VMEntry, FleetLink]:
     st = read_state(fleet.state_file)
     assert st is not None
-    return st["vms"][i], FleetLink.from_state(fleet.state_file)
+    return st.vms[i], FleetLink.from_state(fleet.state_file)
+
+
+def _report(fleet: FleetConfig) -> FleetReport:
+    """The running fleet's own report (`GET /fleet`)."""
+    report = status(fleet.state_file).report
+    assert report is not None
+    return report
 
 
 async def _ready(provider: FleetVMProvider) -> None:
@@ -100,8 +116,8 @@ def test_clones_have_the_parents_file_and_window_and_diverge(vm_fleet: FleetConf
     timings: dict[str, float] = {}
 
     async def main() -> None:
-        parent = EnvClient(ClientConfig(base_url=vm["url"]))
-        provider = FleetVMProvider(parent, link, vm["name"])
+        parent = EnvClient(ClientConfig(base_url=vm.url))
+        provider = FleetVMProvider(parent, link, vm.name)
         kids: list[EnvClient] = []
         handle = ""
         try:
@@ -116,7 +132,7 @@ def test_clones_have_the_parents_file_and_window_and_diverge(vm_fleet: FleetConf
             t0 = time.perf_counter()
             clones = await provider.fork(handle, 2)
             timings["fork_of_2_s"] = time.perf_counter() - t0
-            assert len({c.url for c in clones} | {vm["url"]}) == 3
+            assert len({c.url for c in clones} | {vm.url}) == 3
             for c in clones:
                 assert c.token is None  # the fleet's VMs have no token: loopback only
                 assert c.ports is not None and set(c.ports) == {"chromium_port", "vlc_port"}
@@ -146,11 +162,13 @@ def test_clones_have_the_parents_file_and_window_and_diverge(vm_fleet: FleetConf
             t0 = time.perf_counter()
             await provider.release(handle)
             timings["release_s"] = time.perf_counter() - t0
-            st = status(vm_fleet.state_file)
-            assert st["clones"] == [] and st["snapshots"] == [], st
+            report = _report(vm_fleet)
+            assert report.clones == () and report.snapshots == (), report
             assert _qemu_pids(vm_fleet, handle) == []
             assert not (Path(vm_fleet.dir) / "snapshots" / handle).exists()
-            ram_dir = Path(read_state(vm_fleet.state_file)["ram_dir"])  # type: ignore[index]
+            state = read_state(vm_fleet.state_file)
+            assert state is not None and state.clones == ()
+            ram_dir = Path(state.ram_dir)
             assert list(ram_dir.glob("*")) == []
             with pytest.raises(EnvError, match=handle):
                 await provider.release(handle)
@@ -165,7 +183,7 @@ def test_clones_have_the_parents_file_and_window_and_diverge(vm_fleet: FleetConf
         finally:
             for kid in kids:
                 await kid.close()
-            if handle and any(x["id"] == handle for x in status(vm_fleet.state_file)["snapshots"]):
+            if handle and any(x.id == handle for x in _report(vm_fleet).snapshots):
                 await provider.release(handle)  # a failed test leaves no clone to the next
             await provider.stop()
             await parent.close()
@@ -207,8 +225,8 @@ async def _dead_clone_is_reported(
 ) -> None:
     clone_provider = provider.for_clone(kid, clone)
     try:
-        (me,) = [c for c in status(cfg.state_file)["clones"] if c["name"] == clone.name]
-        os.kill(me["qemu_pid"], signal.SIGKILL)
+        (me,) = [c for c in _report(cfg).clones if c.name == clone.name]
+        os.kill(me.qemu_pid, signal.SIGKILL)
         for _ in range(100):  # the exit is seen at once; a health check can see it first
             health = await clone_provider.health()
             if health.final:
@@ -223,8 +241,8 @@ def test_fork_failures_are_env_errors_and_leave_no_clone(vm_fleet: FleetConfig) 
     vm, link = _vm(vm_fleet, 1)
 
     async def main() -> None:
-        client = EnvClient(ClientConfig(base_url=vm["url"]))
-        provider = FleetVMProvider(client, link, vm["name"])
+        client = EnvClient(ClientConfig(base_url=vm.url))
+        provider = FleetVMProvider(client, link, vm.name)
         try:
             await _ready(provider)
             with pytest.raises(EnvError, match="snap-nope"):
@@ -238,10 +256,10 @@ def test_fork_failures_are_env_errors_and_leave_no_clone(vm_fleet: FleetConfig) 
             state.write_bytes(state.read_bytes()[:4096])  # a saved state cut short
             with pytest.raises(EnvError, match=r"fork of .* failed"):
                 await provider.fork(handle, 2)
-            st = status(vm_fleet.state_file)
-            assert st["clones"] == [], st["clones"]
+            report = _report(vm_fleet)
+            assert report.clones == (), report.clones
             assert _qemu_pids(vm_fleet, handle) == []
-            assert [s["clones"] for s in st["snapshots"]] == [[]]
+            assert [s.clones for s in report.snapshots] == [()]
             await provider.release(handle)
             assert (await client.screenshot())[:8] == PNG  # the parent is untouched
         finally:
@@ -269,30 +287,38 @@ def test_the_provider_turns_every_unusable_fleet_answer_into_an_env_error() -> N
         url = f"http://127.0.0.1:{runner.addresses[0][1]}"
         client = EnvClient(ClientConfig(base_url="http://127.0.0.1:9", max_retries=0))
         provider = FleetVMProvider(client, FleetLink(url, "t"), "vm-0", timeout_s=5.0)
-        clone = {"name": "snap-1-0", "url": "http://127.0.0.1:7", "port": 7,
-                 "chromium_port": 8, "vlc_port": 9}  # fmt: skip
+        clone = VMEntry("snap-1-0", "http://127.0.0.1:7", 7, 0, chromium_port=8, vlc_port=9,
+                        snapshot="snap-1")  # fmt: skip
+        taken = encode(SnapshotTaken("snap-1", {"paused_s": 0.5}))
+        forked = encode(Forked("snap-1", 1.0, (clone,)))
         try:
             assert provider.can_fork
-            answers["POST /vms/vm-0/snapshot"] = (200, {"status": "ok", "snapshot": "snap-1"})
+            answers["POST /vms/vm-0/snapshot"] = (200, taken)
             assert await provider.snapshot() == "snap-1"
-            answers["POST /snapshots/snap-1/fork"] = (200, {"status": "ok", "clones": [clone]})
+            answers["POST /snapshots/snap-1/fork"] = (200, forked)
             (c,) = await provider.fork("snap-1", 1)
-            assert (c.name, c.url, c.ports) == ("snap-1-0", clone["url"], {
+            assert (c.name, c.url, c.ports) == ("snap-1-0", clone.url, {
                 "chromium_port": 8, "vlc_port": 9})  # fmt: skip
             assert provider.for_clone(client, c).name == "snap-1-0"
-            answers["DELETE /snapshots/snap-1"] = (200, {"status": "ok"})
+            answers["DELETE /snapshots/snap-1"] = (200, encode(Released("snap-1", 1, 2.0)))
             await provider.release("snap-1")
 
+            wrong_port = {**forked, "clones": [{**encode(clone), "vlc_port": "9"}]}
             bad = [
-                ("POST /vms/vm-0/snapshot", 409, {"error": "vm-0 is reverting"}, "reverting"),
-                ("POST /vms/vm-0/snapshot", 200, {"status": "ok"}, "snapshot id"),
-                ("POST /vms/vm-0/snapshot", 200, {"status": "ok", "snapshot": 3}, "snapshot id"),
-                ("POST /snapshots/snap-1/fork", 429, {"error": "over max_clones"}, "max_clones"),
-                ("POST /snapshots/snap-1/fork", 200, {"status": "ok", "clones": []}, "fork of 1"),
-                ("POST /snapshots/snap-1/fork", 200, {"status": "ok", "clones": ["x"]}, "not"),
-                ("POST /snapshots/snap-1/fork", 200,
-                 {"status": "ok", "clones": [{**clone, "vlc_port": "9"}]}, "vlc_port"),
-                ("DELETE /snapshots/snap-1", 404, {"error": "no snapshot 'snap-1'"}, "snap-1"),
+                ("POST /vms/vm-0/snapshot", 409, encode(Failure("vm-0 is reverting")), "reverting"),
+                ("POST /vms/vm-0/snapshot", 200, {"status": "ok"}, "snapshot_taken"),
+                ("POST /vms/vm-0/snapshot", 200, {k: v for k, v in taken.items()
+                                                  if k != "snapshot"}, "snapshot: missing"),
+                ("POST /vms/vm-0/snapshot", 200, {**taken, "snapshot": 3}, "snapshot: expected str"),
+                ("POST /vms/vm-0/snapshot", 200, {**taken, "version": 0}, "version: 0"),
+                ("POST /vms/vm-0/snapshot", 200, {**taken, "snapshot": ""}, "not a snapshot id"),
+                ("POST /snapshots/snap-1/fork", 429, encode(Failure("over max_clones")), "max_clones"),
+                ("POST /snapshots/snap-1/fork", 200, {**forked, "clones": []}, "fork of 1"),
+                ("POST /snapshots/snap-1/fork", 200, {**forked, "clones": ["x"]}, r"clones\[0\]"),
+                ("POST /snapshots/snap-1/fork", 200, wrong_port, "vlc_port: expected int"),
+                ("POST /snapshots/snap-1/fork", 200, taken, "expected forked"),
+                ("DELETE /snapshots/snap-1", 404, encode(Failure("no snapshot 'snap-1'")), "snap-1"),
+                ("DELETE /snapshots/snap-1", 200, encode(Failure("why 200")), "status 200"),
             ]  # fmt: skip
             for route, status, body, says in bad:
                 answers[route] = (status, body)

@@ -208,9 +208,8 @@ class Actor:
             vms = vms[: c.vm_count]
         log.info("actor %s: %d VMs of the fleet %s", self.actor_id, len(vms), c.vm_fleet)
         return [
-            (v["url"], c.vm_pool, cfg,
-             lambda cl, v=v: FleetVMProvider(cl, link, v["name"], ports={
-                 k: int(v[k]) for k in ("chromium_port", "vlc_port") if k in v}))
+            (v.url, c.vm_pool, cfg,
+             lambda cl, v=v: FleetVMProvider(cl, link, v.name, ports=v.osworld_ports))
             for v in vms
         ]  # fmt: skip
 

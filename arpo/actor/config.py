@@ -324,7 +324,10 @@ def token_problem(token: str) -> str | None:
 
 def fleet_problem(path: str) -> str | None:
     """Why `path` is not a VM fleet's state file (`arpo-envs vm up`: <dir>/fleet.json), or
-    None: a regular JSON file with the fleet's control URL, token and list of VMs."""
+    None: a regular JSON file holding a `VMFleetState` record of `arpo_envs.fleet_records`
+    (the fleet's control URL, token and VMs)."""
+    from arpo_envs.fleet_records import FleetRecordError, VMFleetState, decode
+
     fix = "`arpo-envs vm up` writes <dir>/fleet.json (default /tmp/arpo-vm-fleet-<uid>/fleet.json)"
     p = Path(path)
     if not p.is_file():
@@ -332,15 +335,13 @@ def fleet_problem(path: str) -> str | None:
     if p.stat().st_size > 1 << 20:
         return f"{path!r} is larger than 1 MiB: not a fleet state file; {fix}"
     try:
-        st = json.loads(p.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as e:
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
         return f"{path!r} is not a fleet state file (not JSON: {e}); {fix}"
-    if not (
-        isinstance(st, dict)
-        and isinstance(st.get("control"), str)
-        and url_problem(st["control"]) is None
-        and isinstance(st.get("token"), str)
-        and isinstance(st.get("vms"), list)
-    ):
-        return f"{path!r} is not a fleet state file (no control URL, token and vms); {fix}"
+    try:
+        st = decode(data, VMFleetState)
+    except FleetRecordError as e:
+        return f"{path!r} is not a fleet state file ({e}); {fix}"
+    if (why := url_problem(st.control)) is not None:
+        return f"{path!r} is not a fleet state file (control: {why}); {fix}"
     return None

@@ -16,10 +16,10 @@ task (`prepare`, which answers "ready" or a typed `SetupFailure`). The runner ru
 and knows no provider: whether to probe the server before OSWorld's setup and the VM's
 OSWorld ports come from the provider (`needs_probe`, `osworld_ports`).
 
-Quarantine has one client-side type: the fleet's verdict arrives as
-`arpo.env.provider.TaskQuarantined` (a `TaskError`) from the revert, and every task this
-actor will not set up again is in `Environment.quarantined` (a dict the actor shares
-between its environments), with the reason.
+Quarantine has one type: the fleet's verdict arrives as `TaskQuarantined` (the class of
+`arpo_envs.fleet_records`, re-exported by `arpo.env.provider`) from the revert, and every
+task this actor will not set up again is in `Environment.quarantined` (a dict the actor
+shares between its environments), with the reason.
 
 Forks (`arpo.actor.tree`): `snapshot()` saves the environment's state, `clones(handle, n,
 task)` gives `n` environments in that state continuing the same episode, `release(handle)`
@@ -196,12 +196,12 @@ class Environment:
     async def revert(self, task: Task) -> None:
         """The provider's revert before `task`; any failure of it is raised as ResetError
         (the environment's fault, never the task's), the error it wraps as its cause (a
-        refused token: `arpo.env.client.auth_failure` finds it). Only TaskError (the fleet
-        quarantined the task) passes through: whatever else a provider raises, an
-        environment's answer cannot make its task look broken."""
+        refused token: `arpo.env.client.auth_failure` finds it). Only TaskQuarantined (the
+        fleet quarantined the task) and TaskError pass through: whatever else a provider
+        raises, an environment's answer cannot make its task look broken."""
         try:
             await self.provider.revert_to_snapshot(task.id)
-        except (ResetError, TaskError):
+        except (ResetError, TaskError, TaskQuarantined):
             raise
         except Exception as e:
             raise ResetError(f"{type(e).__name__}: {e}") from e

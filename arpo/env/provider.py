@@ -16,9 +16,18 @@ methods where they match. A revert that fails raises `EnvError` with the reason:
 episode is `env_error`, never a failure of the agent. Whatever an environment or the
 fleet's control API answers, a provider call raises nothing but `EnvError` (`health`
 returns a `Health`; `TaskQuarantined` is the fleet's explicit verdict on a task): answers
-are bounded in size (`CONTROL_MAX_BYTES`) and time, and one that is not the JSON expected
-is the environment's failure. A refused token (`EnvAuthError`) is final. `report` tells the fleet how the
-task's setup went, so it can tell a broken task (quarantined) from a broken VM (replaced).
+are bounded in size (`CONTROL_MAX_BYTES`) and time, and one that is not the record expected
+is the environment's failure. A refused token (`EnvAuthError`) is final. `report` tells the
+fleet how the task's setup went, so it can tell a broken task (quarantined) from a broken VM
+(replaced).
+
+The fleet's control API speaks the typed, versioned records of `arpo_envs.fleet_records`
+(its bodies and answers, and the state file `fleet.json` that `FleetLink` reads), encoded
+and checked by that module's `encode` / `decode` on both sides: an answer that is not the
+record expected (another version, a field missing or of the wrong type) is an
+`EnvProtocolError` naming the field. A quarantined task is a `Quarantined` answer, raised
+here as `TaskQuarantined`, the one class of it, defined by `arpo_envs.fleet_records` and
+re-exported here.
 
 Fork (group rollouts from one mid-task state, `arpo.actor.tree`): `snapshot()` saves the
 environment's current state and returns a handle; `fork(handle, n)` gives `n` new
@@ -48,6 +57,27 @@ from typing import Any, Protocol
 
 import aiohttp
 from aiohttp.http_exceptions import HttpProcessingError
+from arpo_envs.fleet_records import (
+    Failure,
+    FleetRecordError,
+    Forked,
+    ForkRequest,
+    Quarantined,
+    Released,
+    Reported,
+    ReportRequest,
+    Reverted,
+    RevertRequest,
+    SnapshotRequest,
+    SnapshotTaken,
+    VMEntry,
+    VMFleetState,
+    VMHealth,
+    decode,
+    encode,
+    load,
+)
+from arpo_envs.fleet_records import TaskQuarantined as TaskQuarantined  # the one class of it
 
 from arpo.env.client import (
     EnvAuthError,
@@ -58,7 +88,7 @@ from arpo.env.client import (
     one_line,
     read_limited,
 )
-from arpo.errors import EnvError, EnvTimeout, ForkUnsupported, TaskError
+from arpo.errors import EnvError, EnvTimeout, ForkUnsupported
 
 log = logging.getLogger("arpo.env.provider")
 
@@ -90,10 +120,6 @@ class Clone:
     ports: dict[str, int] | None = None
     """A VM clone's host ports of Chrome's debugging port and VLC ("chromium_port",
     "vlc_port"), for OSWorld's getters."""
-
-
-class TaskQuarantined(TaskError):
-    """The fleet quarantined this task (its setup failed on several VMs); not the agent's fault."""
 
 
 class Provider(Protocol):
@@ -254,24 +280,27 @@ class FleetLink:
 
     control: str
     token: str
-    vms: tuple[dict[str, Any], ...] = ()
-    """The VMs the state file lists: name, url, port, chromium_port, vlc_port."""
+    vms: tuple[VMEntry, ...] = ()
+    """The VMs the state file lists (name, url, ports)."""
 
     @classmethod
     def from_state(cls, path: str | Path) -> FleetLink:
-        """Read `<dir>/fleet.json` of `arpo-envs vm up`; ValueError if it is not one, or if the
-        fleet is still starting its VMs."""
+        """Read `<dir>/fleet.json` of `arpo-envs vm up` (a `VMFleetState` record); ValueError
+        if it is not one, or if the fleet is still starting its VMs."""
         try:
-            st = json.loads(Path(path).read_text())
-            link = cls(str(st["control"]), str(st["token"]), tuple(st["vms"]))
-        except (OSError, ValueError, KeyError, TypeError) as e:
+            st = load(Path(path), VMFleetState)
+        except (OSError, FleetRecordError) as e:
             raise ValueError(
                 f"{path}: not a fleet state file ({e}); start one with `arpo-envs vm up` and "
                 "give its <dir>/fleet.json"
             ) from e
-        if not st.get("ready"):
+        if not st.ready:
             raise ValueError(f"{path}: the fleet is not ready yet (still starting its VMs)")
-        return link
+        return cls(st.control, st.token, st.vms)
+
+    def vm(self, name: str) -> VMEntry | None:
+        """The VM of that name, None if the state file lists none."""
+        return next((v for v in self.vms if v.name == name), None)
 
 
 class FleetVMProvider:
@@ -309,19 +338,22 @@ class FleetVMProvider:
             )
         return self._session
 
-    async def _call(self, method: str, path: str, body: Any = None) -> tuple[int, dict[str, Any]]:
-        """(status, answer) of one control API call. The answer is a JSON object (an error
-        answer that is not one becomes {"error": <its text>}); at most CONTROL_MAX_BYTES
-        within `timeout_s`. EnvAuthError when the fleet refuses the token, EnvError for
+    async def _call(self, method: str, path: str, body: Any, *answers: type) -> tuple[int, Any]:
+        """(HTTP status, answer) of one control API call with the record `body` (None: no
+        body). The answer is one of the records `answers`, or a `Failure`: any error answer
+        (an HTTP status but 200) that is no record becomes a `Failure` with its text. At
+        most CONTROL_MAX_BYTES within `timeout_s`. EnvAuthError when the fleet refuses the
+        token, EnvProtocolError for a 200 answer that is not one of `answers`, EnvError for
         anything else that goes wrong; no other exception."""
         url = f"{self.link.control}{path}"
         try:
             async with (
                 asyncio.timeout(self.timeout_s + 1.0),
                 self._http().request(
-                    method, url, json=body, timeout=aiohttp.ClientTimeout(total=self.timeout_s)
+                    method, url, json=None if body is None else encode(body),
+                    timeout=aiohttp.ClientTimeout(total=self.timeout_s),
                 ) as r,
-            ):
+            ):  # fmt: skip
                 status = r.status
                 raw = await read_limited(r, CONTROL_MAX_BYTES, f"VM fleet {method} {path}")
         except TimeoutError as e:
@@ -341,56 +373,71 @@ class FleetVMProvider:
                     f"VM fleet {method} {path}: the answer is not JSON ({type(e).__name__})"
                 ) from None
             data = {"error": one_line(raw[:300].decode("utf-8", "replace"))}
-        if not isinstance(data, dict):
+        try:
+            answer = decode(data, *answers, Failure)
+        except FleetRecordError as e:
             if status == 200:
                 raise EnvProtocolError(
-                    f"VM fleet {method} {path}: the answer is not a JSON object: {brief(data)}"
-                )
-            data = {"error": brief(data)}
+                    f"VM fleet {method} {path}: the answer is not a record expected: {e}"
+                ) from None
+            said = data.get("error") if isinstance(data, dict) else None
+            answer = Failure(said if isinstance(said, str) else brief(data))
         if status in (401, 403):
             raise EnvAuthError(
                 f"VM fleet at {self.link.control} refuses its token (HTTP {status}): the "
                 "token of the fleet's state file is wrong or stale",
                 status=status,
-                body=brief(data.get("error", ""), 500),
+                body=brief(getattr(answer, "error", ""), 500),
             )
-        return status, data
+        if status == 200 and isinstance(answer, Failure):
+            raise EnvProtocolError(
+                f"VM fleet {method} {path}: status 200 with a failure: {brief(answer.error, 500)}"
+            )
+        if status != 200 and not isinstance(answer, Failure | Quarantined):
+            answer = Failure(f"HTTP {status} with a {answer.RECORD} answer")
+        return status, answer
+
+    @staticmethod
+    def _request(cls: type, **fields: Any) -> Any:
+        """The request record; EnvError when a field is out of its range (a task id longer
+        than the fleet takes, a fork of too many clones)."""
+        try:
+            return cls(**fields)
+        except FleetRecordError as e:
+            raise EnvError(f"VM fleet: {e}") from None
 
     async def start(self) -> None:
         return None
 
     async def revert_to_snapshot(self, task_id: str = "") -> None:
-        status, data = await self._call("POST", f"/vms/{self.name}/revert", {"task_id": task_id})
-        err = brief(data.get("error", ""), 500)
-        if status == 409 and data.get("quarantined") is True:
-            raise TaskQuarantined(f"task {task_id}: {err}")
-        if status != 200:
-            raise EnvError(f"VM {self.name}: revert failed ({status}): {err}")
-        if data.get("status") != "ok":
-            raise EnvProtocolError(
-                f"VM {self.name}: the fleet answered the revert with {brief(data)}, not status 'ok'"
-            )
+        request = self._request(RevertRequest, task_id=task_id)
+        status, answer = await self._call(
+            "POST", f"/vms/{self.name}/revert", request, Reverted, Quarantined
+        )
+        if isinstance(answer, Quarantined):
+            raise answer.error()
+        if isinstance(answer, Failure):
+            raise EnvError(f"VM {self.name}: revert failed ({status}): {brief(answer.error, 500)}")
         # The guest's TCP state is the snapshot's now: connections kept alive before are dead.
         await self.client.close()
 
     async def health(self) -> Health:
         try:
-            status, data = await self._call("GET", f"/vms/{self.name}/health")
+            _, answer = await self._call("GET", f"/vms/{self.name}/health", None, VMHealth)
         except EnvAuthError as e:
             return Health(False, str(e), final=True)
         except EnvError as e:
             return Health(False, str(e), retry_s=5.0)
-        if status == 200 and data.get("ok") is True:
+        if isinstance(answer, VMHealth) and answer.ok:
             return Health(True)
-        reason = brief(data.get("error", ""), 500)
-        state = brief(data.get("state", "?"), 40)
+        state = brief(answer.state or "?", 40)
+        reason = brief(answer.error, 500)
         return Health(False, f"{state}: {reason}", retry_s=2.0, final=state == "failed")
 
     async def report(self, task_id: str, ok: bool, error: str = "") -> None:
         try:
-            await self._call(
-                "POST", f"/vms/{self.name}/report", {"task_id": task_id, "ok": ok, "error": error}
-            )
+            request = self._request(ReportRequest, task_id=task_id, ok=ok, error=error)
+            await self._call("POST", f"/vms/{self.name}/report", request, Reported)
         except EnvError as e:
             log.warning("VM %s: could not report the setup of %s: %s", self.name, task_id, e)
 
@@ -402,51 +449,44 @@ class FleetVMProvider:
     can_fork = True
 
     async def snapshot(self) -> str:
-        status, data = await self._call("POST", f"/vms/{self.name}/snapshot", {})
-        if status != 200:
+        status, answer = await self._call(
+            "POST", f"/vms/{self.name}/snapshot", SnapshotRequest(), SnapshotTaken
+        )
+        if isinstance(answer, Failure):
             raise EnvError(
-                f"VM {self.name}: snapshot failed ({status}): {brief(data.get('error', ''), 500)}"
+                f"VM {self.name}: snapshot failed ({status}): {brief(answer.error, 500)}"
             )
-        sid = data.get("snapshot")
-        if data.get("status") != "ok" or not isinstance(sid, str) or not 0 < len(sid) <= 128:
+        if not 0 < len(answer.snapshot) <= 128:
             raise EnvProtocolError(
-                f"VM {self.name}: the fleet answered the snapshot with {brief(data)}, not "
-                "status 'ok' and a snapshot id"
+                f"VM {self.name}: the fleet answered the snapshot with "
+                f"{brief(answer.snapshot)}: not a snapshot id"
             )
-        return sid
+        return str(answer.snapshot)
 
     async def fork(self, handle: str, n: int) -> list[Clone]:
-        status, data = await self._call("POST", f"{self._snapshot_path(handle)}/fork", {"n": n})
-        if status != 200:
+        request = self._request(ForkRequest, n=n)
+        status, answer = await self._call(
+            "POST", f"{self._snapshot_path(handle)}/fork", request, Forked
+        )
+        if isinstance(answer, Failure):
             raise EnvError(
                 f"VM {self.name}: fork of {n} from snapshot {handle!r} failed ({status}): "
-                f"{brief(data.get('error', ''), 500)}"
+                f"{brief(answer.error, 500)}"
             )
-        clones = data.get("clones")
-        if data.get("status") != "ok" or not isinstance(clones, list) or len(clones) != n:
+        if len(answer.clones) != n:
             raise EnvProtocolError(
                 f"VM {self.name}: the fleet answered a fork of {n} from {handle!r} with "
-                f"{brief(data)}"
+                f"{len(answer.clones)} clones"
             )
-        out = []
-        for c in clones:
-            d: dict[str, Any] = c if isinstance(c, dict) else {}
-            ports = {k: d.get(k) for k in ("chromium_port", "vlc_port")}
-            if not (isinstance(d.get("url"), str) and isinstance(d.get("name"), str)
-                    and all(isinstance(p, int) for p in ports.values())):  # fmt: skip
-                raise EnvProtocolError(
-                    f"VM {self.name}: a clone of the fork of {handle!r} is not {{name, url, "
-                    f"chromium_port, vlc_port}}: {brief(c)}"
-                )
-            out.append(Clone(d["url"], d["name"], token=self.client.config.token, ports=ports))
-        return out
+        return [Clone(c.url, c.name, token=self.client.config.token, ports=c.osworld_ports)
+                for c in answer.clones]  # fmt: skip
 
     async def release(self, handle: str) -> None:
-        status, data = await self._call("DELETE", self._snapshot_path(handle))
-        if status != 200:
+        status, answer = await self._call("DELETE", self._snapshot_path(handle), None, Released)
+        if isinstance(answer, Failure):
             raise EnvError(
                 f"VM {self.name}: release of snapshot {handle!r} failed ({status}): "
-                f"{brief(data.get('error', ''), 500)}"
+                f"{brief(answer.error, 500)}"
             )
 
     @staticmethod

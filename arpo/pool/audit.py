@@ -136,10 +136,9 @@ class EnvSpec:
         is not a ready fleet's state."""
         link = FleetLink.from_state(state_file)
         return [
-            cls(str(v["url"]), provider="vm", vm=str(v["name"]), fleet=str(state_file),
-                runner=runner)
+            cls(v.url, provider="vm", vm=v.name, fleet=str(state_file), runner=runner)
             for v in link.vms
-        ]  # fmt: skip
+        ]
 
     def runner_config(self) -> RunnerConfig:
         if self.runner is not None:
@@ -157,10 +156,10 @@ class EnvSpec:
             provider = StaticProvider
         elif self.provider == "vm":
             link = FleetLink.from_state(self.fleet)
-            v = next((v for v in link.vms if v.get("name") == self.vm), None)
+            v = link.vm(self.vm)
             if v is None:
                 raise ValueError(f"the fleet {self.fleet} has no VM named {self.vm!r}")
-            ports = {k: int(v[k]) for k in ("chromium_port", "vlc_port") if k in v}
+            ports = v.osworld_ports
             provider = lambda cl: FleetVMProvider(cl, link, self.vm, ports=ports)  # noqa: E731
         return Environment(
             index, self.url, self.runner_config(), token=self.token or None, osworld=osworld,
@@ -691,18 +690,15 @@ def _start_desktops(n: int, stack: contextlib.ExitStack, folder: Path) -> list[E
     """`n` real local desktops with their own tokens; stopped when `stack` closes."""
     from arpo_envs.desktop.fleet import FleetConfig, down, up
 
-    state = folder / "desktops.json"
+    cfg = FleetConfig(n=n, base_port=0, state_file=folder / "desktops.json", tokens=True)
     # Registered first: `up` writes the state file before it waits, so `down` stops what
     # was started even when `up` fails or is interrupted half way.
-    stack.callback(lambda: state.exists() and down(state, announce=log.info))
+    stack.callback(lambda: cfg.state_file.exists() and down(cfg.state_file, announce=log.info))
     try:
-        members = up(
-            FleetConfig(n=n, base_port=0, state_file=state, tokens=True),
-            announce=lambda *a: log.info("desktop: %s", " ".join(map(str, a))),
-        )
+        fleet = up(cfg, announce=lambda s: log.info("desktop: %s", s))
     except (RuntimeError, OSError, ValueError) as e:
         raise ArpoError(f"the local desktops did not start: {e}") from e
-    return [EnvSpec(m.url, token=m.token, provider="desktop") for m in members]
+    return [EnvSpec(e.url, token=e.token, provider="desktop") for e in fleet.envs]
 
 
 def _start_vms(n: int, stack: contextlib.ExitStack, runner: RunnerConfig) -> list[EnvSpec]:
@@ -710,17 +706,11 @@ def _start_vms(n: int, stack: contextlib.ExitStack, runner: RunnerConfig) -> lis
     removed) when `stack` closes."""
     from arpo_envs.vm.fleet import FleetConfig, down, up
 
-    folder = Path(tempfile.mkdtemp(prefix="arpo-audit-vms-"))
-    cfg = FleetConfig(n=n, dir=str(folder))
-
-    def stop() -> None:
-        for line in down(folder):
-            log.info("VMs: %s", line)
-
-    stack.callback(stop)
+    cfg = FleetConfig(n=n, dir=tempfile.mkdtemp(prefix="arpo-audit-vms-"))
+    stack.callback(lambda: down(cfg.state_file, announce=lambda s: log.info("VMs: %s", s)))
     log.info("starting %d VMs (the first start of an image makes its snapshot)", n)
     try:
-        up(cfg, detach=True, announce=lambda s: log.info("fleet: %s", s))
+        up(cfg, announce=lambda s: log.info("fleet: %s", s))
     except (RuntimeError, OSError, ValueError, subprocess.SubprocessError) as e:
         raise ArpoError(f"the VM fleet did not start: {e}") from e
     return EnvSpec.fleet_vms(cfg.state_file, runner)

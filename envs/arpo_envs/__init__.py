@@ -8,7 +8,11 @@ actor cannot tell one from an OSWorld VM:
     arpo-envs sim-tasks --out /tmp/sim_tasks   # OSWorld-schema task files + oracles
 
 `server_common` holds what every server shares (auth, JSON errors, request
-helpers); `sim` is the simulated desktop.
+helpers); `sim` is the simulated desktop, `desktop` the local one, `vm` QEMU VMs.
+What both fleets (N local desktops, N VMs) share: `fleet` (their one interface: `up`,
+`status`, `down` and the handle `up` returns), `fleet_records` (the typed, versioned
+records of their state files and of the VM fleet's control API) and `procs` (processes:
+finding, killing, free ports).
 """
 
 __version__ = "0.1.0"

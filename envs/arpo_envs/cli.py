@@ -7,13 +7,17 @@
     arpo-envs sim-bench -n 8                             # step latency and throughput
     arpo-envs up -n 8 --base-port 5200                   # 8 real Xvfb desktops (5200..5207)
     arpo-envs up -n 8 --detach; arpo-envs down           # in the background; stop from any shell
+    arpo-envs status                                     # which desktops run (JSON)
     arpo-envs up -n 8 --tokens --tokens-file t.json      # each desktop its own token (0600 file)
     arpo-envs vm build                                   # the test VM image (Debian packages)
     arpo-envs vm up -n 2 --detach                        # QEMU VMs, reverted before each episode
     arpo-envs vm status; arpo-envs vm down               # counters; stop, leaving nothing behind
 
 `sim` prints one line per desktop (`env <i> <url>`) once all are listening, and
-stops cleanly on Ctrl-C or SIGTERM.
+stops cleanly on Ctrl-C or SIGTERM. The desktops (`up` / `status` / `down`) and the VMs
+(`vm up` / `vm status` / `vm down`) are driven the same way (`arpo_envs.fleet`); `status`
+prints a `FleetStatus` record (`arpo_envs.fleet_records`) as JSON and exits 1 when nothing
+runs.
 """
 
 from __future__ import annotations
@@ -126,10 +130,27 @@ def _up(args: argparse.Namespace) -> int:
     return 0
 
 
+def _status(args: argparse.Namespace) -> int:
+    from arpo_envs.desktop.fleet import status
+    from arpo_envs.fleet_records import dumps
+
+    try:
+        st = status(Path(args.state) if args.state else None)
+    except (OSError, ValueError) as e:  # a state file that is not one
+        print(f"arpo-envs status: {e}", file=sys.stderr)
+        return 2
+    print(dumps(st))
+    return 0 if st.running else 1
+
+
 def _down(args: argparse.Namespace) -> int:
     from arpo_envs.desktop.fleet import down
 
-    down(Path(args.state) if args.state else None, grace_s=args.grace)
+    try:
+        down(Path(args.state) if args.state else None, grace_s=args.grace)
+    except (OSError, ValueError) as e:  # a state file that is not one
+        print(f"arpo-envs down: {e}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -169,31 +190,41 @@ def _vm_config(args: argparse.Namespace) -> object:
 def _vm_up(args: argparse.Namespace) -> int:
     import logging
 
-    from arpo_envs.vm.fleet import up
+    from arpo_envs.vm.fleet import run_foreground, up
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     try:
         cfg = _vm_config(args)
-        up(cfg, detach=args.detach, announce=lambda s: print(s, flush=True))  # type: ignore[arg-type]
+        announce = lambda s: print(s, flush=True)  # noqa: E731
+        if args.detach:
+            up(cfg, announce=announce)  # type: ignore[arg-type]
+        else:
+            run_foreground(cfg, announce=announce)  # type: ignore[arg-type]
     except (ValueError, RuntimeError) as e:
         print(f"arpo-envs vm up: {e}", file=sys.stderr)
         return 1
     return 0
 
 
-def _vm_status(args: argparse.Namespace) -> int:
-    from arpo_envs.vm.fleet import default_dir, status
+def _vm_state_file(args: argparse.Namespace) -> Path:
+    from arpo_envs.vm.fleet import STATE_FILE, default_dir
 
-    st = status((Path(args.dir) if args.dir else default_dir()) / "fleet.json")
-    print(json.dumps(st, indent=2))
-    return 0 if st.get("running") else 1
+    return (Path(args.dir) if args.dir else default_dir()) / STATE_FILE
+
+
+def _vm_status(args: argparse.Namespace) -> int:
+    from arpo_envs.fleet_records import dumps
+    from arpo_envs.vm.fleet import status
+
+    st = status(_vm_state_file(args))
+    print(dumps(st))
+    return 0 if st.running else 1
 
 
 def _vm_down(args: argparse.Namespace) -> int:
-    from arpo_envs.vm.fleet import default_dir, down
+    from arpo_envs.vm.fleet import down
 
-    for line in down(Path(args.dir) if args.dir else default_dir(), grace_s=args.grace):
-        print(line)
+    down(_vm_state_file(args), grace_s=args.grace)
     return 0
 
 
@@ -311,6 +342,10 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--state", default=None, help="state file (default $ARPO_DESKTOP_STATE or /tmp)")
     u.add_argument("--detach", action="store_true", help="return once all desktops answer")
     u.set_defaults(func=_up)
+
+    st = sub.add_parser("status", help="which desktops started by `up` run (from any shell)")
+    st.add_argument("--state", default=None, help="state file of `up`")
+    st.set_defaults(func=_status)
 
     d = sub.add_parser("down", help="stop the desktops started by `up` (from any shell)")
     d.add_argument("--state", default=None, help="state file of `up`")

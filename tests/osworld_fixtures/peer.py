@@ -9,23 +9,17 @@ make an endpoint slow (`delay`), fail with a status (`fail`) or drop the connect
 from __future__ import annotations
 
 import asyncio
-import socket
 from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
+from arpo_envs.procs import free_port
 
 PNG_1X1 = (
     b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\x00\x00\x00\x01\x00\x00\x00\x01\x08\x06\x00\x00\x00\x1f"
     b"\x15\xc4\x89\x00\x00\x00\rIDATx\x9cc\xf8\xff\xff?\x00\x05\xfe\x02\xfe\xa7V\xbd\xfa\x00\x00"
     b"\x00\x00IEND\xaeB`\x82"
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

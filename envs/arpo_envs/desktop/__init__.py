@@ -3,12 +3,14 @@ OSWorld VM protocol, so an actor cannot tell it from an OSWorld VM. Parts, one f
 
 - `display`: Xvfb + openbox of one desktop (start, stop, lock files);
 - `home`: the home directory and the LibreOffice profile template, rebuilt on reset;
-- `procs`: the desktop's process environment and marker; finding and killing its processes;
 - `executor`: /execute: pyautogui code in process, everything else as a subprocess;
 - `screen`: screenshots (mss + PNG level 1) and the pointer;
 - `windows`: window listing, waiting, activation (python-xlib, wmctrl);
 - `server`: the aiohttp server of one desktop (`DesktopServer`, `DesktopConfig`);
-- `fleet`: N desktop server processes: `arpo-envs up` / `arpo-envs down`.
+- `fleet`: N desktop server processes: `arpo-envs up` / `status` / `down`.
+
+The processes of a desktop (its environment and marker; finding and killing them) are
+`arpo_envs.procs`, which the VM fleet uses too.
 
 Needs the `desktop` extra (mss, pyautogui, python-xlib) and the Debian packages that
 `make sysdeps` installs.

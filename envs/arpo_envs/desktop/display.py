@@ -24,7 +24,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from arpo_envs.desktop.procs import disown, own, set_parent_death_signal, wait_gone
+from arpo_envs.procs import disown, own, set_parent_death_signal, wait_gone
 
 
 class DisplayError(RuntimeError):

@@ -36,7 +36,7 @@ import sys
 from dataclasses import dataclass
 
 from arpo_envs.desktop.forkserver import EXITED, HEADER, REPLY, STARTED
-from arpo_envs.desktop.procs import disown, own, process_table, set_parent_death_signal
+from arpo_envs.procs import disown, own, process_table, set_parent_death_signal
 
 INPROCESS_MODULES = frozenset(
     {"pyautogui", "time", "platform", "math", "random", "string", "re", "json"}

@@ -1,8 +1,13 @@
-"""N local desktops, one server process each: `arpo-envs up` and `arpo-envs down`.
+"""N local desktops, one server process each: `arpo-envs up`, `status` and `down`.
 
     arpo-envs up -n 8 --base-port 5200       # prints "env <i> <url> <display>", stays up
     arpo-envs up -n 8 --detach               # returns once all answer; stop with `down`
+    arpo-envs status                         # which servers run (a FleetStatus, as JSON)
     arpo-envs down                           # from any shell
+
+`up`, `status`, `down` and `read_state` have the shapes of every fleet's (`arpo_envs.fleet`):
+`up` returns a `DesktopFleet` handle, the state file is a `DesktopFleetState` record
+(`arpo_envs.fleet_records`).
 
 `up` builds the LibreOffice profile template once, starts the servers (each in its
 own session, with its own display, root directory, home and port), waits for each
@@ -16,14 +21,14 @@ foreground `up` stops them all the same way `down` does:
 2. SIGTERM to every server (each kills its apps, openbox and Xvfb, removes its locks);
 3. after a grace period, SIGKILL of what is left of each server's process group;
 4. a sweep for any process of those trees still running (same pid and start time) or
-   still carrying a desktop's marker (see `procs`), and removal of stale X lock files
-   and LibreOffice lock files of those desktops.
+   still carrying a desktop's marker (see `arpo_envs.procs`), and removal of stale X lock
+   files and LibreOffice lock files of those desktops.
 
 Tokens (`tokens=True`): each server gets its own random token through a pipe it inherits
 (`--token-fd`), reads and closes before it runs anything; the token is in no file, no
 environment and no command line. The state file keeps only each token's sha256
 (`token_sha256`: who holds a token can check which desktop it opens); the tokens
-themselves are returned to the caller of `up` (`Member.token`, in memory), and written
+themselves are returned to the caller of `up` (`FleetEnv.token`, in memory), and written
 to a file only where the caller asks (`FleetConfig.tokens_file`).
 """
 
@@ -41,13 +46,26 @@ import subprocess
 import sys
 import time
 import urllib.request
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from arpo_envs.desktop.display import remove_stale_lock
 from arpo_envs.desktop.home import libreoffice_template, remove_lock_files
-from arpo_envs.desktop.procs import (
+from arpo_envs.fleet import FleetEnv, FleetHandle
+from arpo_envs.fleet_records import (
+    DesktopEntry,
+    DesktopFleetState,
+    EnvStatus,
+    FleetStatus,
+    load,
+    save,
+    write_private,
+)
+from arpo_envs.procs import (
     TREE_FILE,
+    alive,
     kill_all,
     kill_marked,
     marked_pids,
@@ -110,8 +128,14 @@ class FleetConfig:
             )
 
 
+GRACE_S = 10.0
+"""Default seconds `down` waits for the servers to stop before SIGKILL."""
+
+
 @dataclass
-class Member:
+class _Server:
+    """One desktop server while `up` starts it."""
+
     index: int
     pid: int
     url: str = ""
@@ -119,8 +143,27 @@ class Member:
     root: str = ""
     token: str = ""
     """This desktop's bearer token ('' = none); in memory only, never in the state file."""
-    token_sha256: str = ""
-    """sha256 (hex) of the token, as the state file keeps it ('' = no token)."""
+
+    def entry(self) -> DesktopEntry:
+        return DesktopEntry(self.index, self.pid, self.url, self.display, self.root,
+                            token_sha256(self.token))  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class DesktopFleet(FleetHandle):
+    """The desktops `up` started (`arpo_envs.fleet.FleetHandle`)."""
+
+    kind = "desktop"
+    state: DesktopFleetState
+    """What the state file holds (pids, roots, displays; no token)."""
+
+    def status(self) -> FleetStatus:
+        return status(self.state_file)
+
+    def down(
+        self, grace_s: float | None = None, announce: Callable[[str], Any] = print
+    ) -> list[str]:
+        return down(self.state_file, GRACE_S if grace_s is None else grace_s, announce)
 
 
 def _server_cmd(cfg: FleetConfig, i: int, root: str) -> list[str]:
@@ -144,24 +187,23 @@ def _health(url: str, token: str | None, timeout_s: float = 5.0) -> bool:
         return False
 
 
-def _private_write(path: Path, text: str) -> None:
-    """Write `text` to `path` atomically, mode 0600 from its creation."""
-    tmp = path.with_suffix(".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        os.fchmod(f.fileno(), 0o600)
-        f.write(text)
-    os.replace(tmp, path)
-
-
 def write_state(
-    path: Path, members: list[Member], up_pid: int | None, tokens_file: Path | None = None
-) -> None:
+    path: Path, servers: list[_Server], up_pid: int | None, tokens_file: Path | None = None
+) -> DesktopFleetState:
     """The state file (mode 0600): pids, ports, displays, roots and each token's sha256,
     never a token; where the tokens file is, if any (`down` removes it)."""
-    servers = [{k: v for k, v in asdict(m).items() if k != "token"} for m in members]
-    state = {"up_pid": up_pid, "servers": servers, "tokens_file": str(tokens_file or "")}
-    _private_write(path, json.dumps(state))
+    state = DesktopFleetState(up_pid, tuple(s.entry() for s in servers), str(tokens_file or ""))
+    save(path, state)
+    return state
+
+
+def read_state(state_file: Path | None = None) -> DesktopFleetState | None:
+    """The state file's record; None when there is none. OSError when it cannot be read,
+    `FleetRecordError` when it is not a desktop fleet's."""
+    path = state_file or default_state_file()
+    if not path.exists():
+        return None
+    return load(path, DesktopFleetState)
 
 
 def token_sha256(token: str) -> str:
@@ -185,11 +227,10 @@ def _pass_token(token: str) -> int:
     return r
 
 
-def up(cfg: FleetConfig, announce=print) -> list[Member]:
+def up(cfg: FleetConfig, announce: Callable[[str], Any] = print) -> DesktopFleet:
     """Start the servers; returns once every one answers (stops them all on any failure)."""
-    if cfg.state_file.exists() and any(
-        _pid_alive(s["pid"]) for s in json.loads(cfg.state_file.read_text()).get("servers", [])
-    ):
+    old = read_state(cfg.state_file)
+    if old is not None and any(alive(s.pid) for s in old.servers):
         raise RuntimeError(
             f"desktops from {cfg.state_file} are still running; `arpo-envs down` first "
             "(or set ARPO_DESKTOP_STATE for a second set)"
@@ -199,7 +240,7 @@ def up(cfg: FleetConfig, announce=print) -> list[Member]:
     # program on the desktop could read /proc/<server>/environ or cmdline, or the file):
     # an inherited pipe the server reads and closes before it runs anything.
     env = {k: v for k, v in os.environ.items() if k != "ARPO_ENV_TOKEN"}
-    members: list[Member] = []
+    members: list[_Server] = []
     procs: list[subprocess.Popen] = []
     sel = selectors.DefaultSelector()
     t0 = time.perf_counter()
@@ -230,8 +271,7 @@ def up(cfg: FleetConfig, announce=print) -> list[Member]:
                     if pipe is not None:
                         os.close(pipe)
             procs.append(p)
-            members.append(Member(i, p.pid, root=root, token=token,
-                                  token_sha256=token_sha256(token)))  # fmt: skip
+            members.append(_Server(i, p.pid, root=root, token=token))
             assert p.stdout is not None
             sel.register(p.stdout, selectors.EVENT_READ, i)
         write_state(cfg.state_file, members, os.getpid())
@@ -263,10 +303,10 @@ def up(cfg: FleetConfig, announce=print) -> list[Member]:
         for m in members:
             if not _health(m.url, m.token or None):
                 raise RuntimeError(f"desktop {m.index} at {m.url} does not answer GET /platform")
-        write_state(cfg.state_file, members, os.getpid(), cfg.tokens_file)
+        state = write_state(cfg.state_file, members, os.getpid(), cfg.tokens_file)
         if cfg.tokens_file is not None:
             cfg.tokens_file.parent.mkdir(parents=True, exist_ok=True)
-            _private_write(cfg.tokens_file, json.dumps({m.url: m.token for m in members}))
+            write_private(cfg.tokens_file, json.dumps({m.url: m.token for m in members}))
     except BaseException:
         down(cfg.state_file, announce=lambda s: None)
         raise
@@ -278,10 +318,11 @@ def up(cfg: FleetConfig, announce=print) -> list[Member]:
     announce(f"arpo-envs up: {cfg.n} desktops ready in {time.perf_counter() - t0:.2f} s")
     for m in members:
         announce(f"env {m.index} {m.url} display {m.display} pid {m.pid}")
-    return members
+    envs = tuple(FleetEnv(f"desktop-{m.index}", m.url, m.token, m.pid) for m in members)
+    return DesktopFleet(cfg.state_file, envs, state)
 
 
-def _log_tail(m: Member, lines: int = 5) -> str:
+def _log_tail(m: _Server, lines: int = 5) -> str:
     try:
         text = Path(m.root, "server.log").read_text(errors="replace")
     except OSError:
@@ -289,19 +330,33 @@ def _log_tail(m: Member, lines: int = 5) -> str:
     return " | ".join(text.strip().splitlines()[-lines:]) or "(empty log)"
 
 
-def _pid_alive(pid: int) -> bool:
-    return bool(wait_gone([pid], 0))
+def status(state_file: Path | None = None) -> FleetStatus:
+    """Which desktops of the state file run (any shell)."""
+    path = state_file or default_state_file()
+    state = read_state(path)
+    if state is None:
+        return FleetStatus("desktop", str(path), running=False, stale=False, envs=())
+    envs = tuple(
+        EnvStatus(f"desktop-{s.index}", s.url, "running" if alive(s.pid) else "exited", s.pid)
+        for s in state.servers
+    )
+    running = any(e.state == "running" for e in envs)
+    return FleetStatus("desktop", str(path), running=running, stale=not running, envs=envs)
 
 
-def down(state_file: Path | None = None, grace_s: float = 10.0, announce=print) -> int:
-    """Stop every desktop of the state file; returns how many processes had to be swept."""
+def down(
+    state_file: Path | None = None,
+    grace_s: float = GRACE_S,
+    announce: Callable[[str], Any] = print,
+) -> list[str]:
+    """Stop every desktop of the state file; what was done, one line (also announced)."""
     state_file = state_file or default_state_file()
-    if not state_file.exists():
-        announce(f"arpo-envs down: no state file {state_file}; nothing to stop")
-        return 0
-    state = json.loads(state_file.read_text())
-    servers = [Member(**{k: v for k, v in s.items() if k != "token"})
-               for s in state.get("servers", [])]  # fmt: skip
+    state = read_state(state_file)
+    if state is None:
+        line = f"arpo-envs down: no state file {state_file}; nothing to stop"
+        announce(line)
+        return [line]
+    servers = state.servers
     trees = _trees(servers)
     for m in servers:
         with contextlib.suppress(ProcessLookupError):
@@ -323,27 +378,25 @@ def down(state_file: Path | None = None, grace_s: float = 10.0, announce=print) 
             remove_stale_lock(int(m.display[1:]))
         remove_lock_files(Path(m.root))
         shutil.rmtree(m.root, ignore_errors=True)
-    up_pid = state.get("up_pid")
+    up_pid = state.up_pid
     if up_pid and up_pid != os.getpid():
         with contextlib.suppress(ProcessLookupError):
             os.kill(up_pid, signal.SIGTERM)
     with contextlib.suppress(FileNotFoundError):
         state_file.unlink()
-    if state.get("tokens_file"):
+    if state.tokens_file:
         with contextlib.suppress(OSError):
-            Path(state["tokens_file"]).unlink()
-    announce(
-        f"arpo-envs down: stopped {len(servers)} desktops"
-        + (
-            f" ({len(left)} killed after {grace_s:g} s, {swept} stray processes swept)"
-            if left or swept
-            else ""
-        )
+            Path(state.tokens_file).unlink()
+    line = f"arpo-envs down: stopped {len(servers)} desktops" + (
+        f" ({len(left)} killed after {grace_s:g} s, {swept} stray processes swept)"
+        if left or swept
+        else ""
     )
-    return swept
+    announce(line)
+    return [line]
 
 
-def _trees(servers: list[Member]) -> dict[int, int]:
+def _trees(servers: tuple[DesktopEntry, ...]) -> dict[int, int]:
     """Every process of the servers' trees (pid -> start time): live ones walked now, and
     what each server last recorded (all a server killed hard left behind)."""
     tree: dict[int, int] = {}
@@ -352,7 +405,7 @@ def _trees(servers: list[Member]) -> dict[int, int]:
             with contextlib.suppress(OSError, ValueError):
                 recorded = json.loads(Path(m.root, TREE_FILE).read_text())
                 tree.update({int(pid): int(start) for pid, start in recorded.items()})
-        if _pid_alive(m.pid):
+        if alive(m.pid):
             tree.update(tree_snapshot(m.pid))
     return tree
 
@@ -371,10 +424,10 @@ def wait_foreground(state_file: Path) -> None:
 
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, handler)
-    state = json.loads(state_file.read_text())
-    pids = [s["pid"] for s in state["servers"]]
+    state = read_state(state_file)
+    pids = [s.pid for s in state.servers] if state is not None else []
     while not stop["why"]:
-        dead = [p for p in pids if not _pid_alive(p)]
+        dead = [p for p in pids if not alive(p)]
         if dead:
             stop["why"] = f"server(s) {dead} exited"
             break

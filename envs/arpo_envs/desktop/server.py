@@ -75,7 +75,9 @@ from arpo_envs.desktop.executor import (
     normalize,
     run_subprocess,
 )
-from arpo_envs.desktop.procs import (
+from arpo_envs.desktop.screen import Screen
+from arpo_envs.desktop.windows import WindowList, accessibility_xml, matches, wmctrl
+from arpo_envs.procs import (
     TREE_FILE,
     become_subreaper,
     desktop_env,
@@ -86,8 +88,6 @@ from arpo_envs.desktop.procs import (
     tree_snapshot,
     write_python_wrappers,
 )
-from arpo_envs.desktop.screen import Screen
-from arpo_envs.desktop.windows import WindowList, accessibility_xml, matches, wmctrl
 from arpo_envs.server_common import RequestError, ServerSecurity, check_type, make_app, read_json
 
 log = logging.getLogger("arpo_envs.desktop")

@@ -27,33 +27,37 @@ overlay of the image and serves OSWorld's protocol on `127.0.0.1:<port>`:
   VM whose last `vm_max_failures` reverts or setups failed, on at least two different
   tasks, is quarantined and replaced.
 - **Forks** (group rollouts from one mid-task state): `POST /vms/<name>/snapshot` saves a
-  running VM's state (RAM, devices, disk) and answers `{"status": "ok", "snapshot": id}`;
+  running VM's state (RAM, devices, disk) and answers `SnapshotTaken` (the snapshot's id);
   the VM is paused for about 0.6 s (under TCG) and then goes on, reverts as always, and
-  never shares its RAM or disk with the saved state. `POST /snapshots/<id>/fork` with
-  `{"n": n}` starts n clones in exactly that state and answers `{"status": "ok",
-  "clones": [{"name", "url", "port", "chromium_port", "vlc_port"}, ...]}` once each
-  clone's server answers; `DELETE /snapshots/<id>` kills its clones and deletes them and
-  the saved state (`{"status": "ok"}`). Clones are fleet members: their own forwarded
-  ports, health checks (a clone whose QEMU dies, or whose guest stops answering, is
-  `failed` and says so in `GET /vms/<clone>/health`; it is never replaced: it cannot be
-  made again), snapshots of their own (trees of several levels), killed by the fleet's
-  stop and `down`. A clone cannot be reverted (409: it has no snapshot `clean` of its
-  own). Bounds: `max_clones` alive and `max_snapshots` held at once (over either: 429
-  with the numbers), and a snapshot not released within `snapshot_ttl_s` is released by
-  the fleet (event `snapshot_expired`). A fork that fails answers 503 with the reason and
-  leaves no clone of it behind; an unknown snapshot is 404 naming it. How a snapshot and
-  a clone are made (QEMU's VM templating through a holder process), and what was
-  measured against the alternatives: `qemu.py`'s docstring.
+  never shares its RAM or disk with the saved state. `POST /snapshots/<id>/fork` with a
+  `ForkRequest` of n starts n clones in exactly that state and answers `Forked` (each
+  clone's name, URL and ports) once each clone's server answers; `DELETE /snapshots/<id>`
+  kills its clones and deletes them and the saved state (`Released`). Clones are fleet
+  members: their own forwarded ports, health checks (a clone whose QEMU dies, or whose
+  guest stops answering, is `failed` and says so in `GET /vms/<clone>/health`; it is never
+  replaced: it cannot be made again), snapshots of their own (trees of several levels),
+  killed by the fleet's stop and `down`. A clone cannot be reverted (409: it has no
+  snapshot `clean` of its own). Bounds: `max_clones` alive and `max_snapshots` held at
+  once (over either: 429 with the numbers), and a snapshot not released within
+  `snapshot_ttl_s` is released by the fleet (event `snapshot_expired`). A fork that fails
+  answers 503 with the reason and leaves no clone of it behind; an unknown snapshot is 404
+  naming it. How a snapshot and a clone are made (QEMU's VM templating through a holder
+  process), and what was measured against the alternatives: `qemu.py`'s docstring.
 - **Control API** on `control_host` (127.0.0.1 by default), every request with the
   fleet's bearer token (random; in the state file, mode 0600): `GET /fleet`,
   `POST /vms/<name>/revert`, `POST /vms/<name>/report`, `GET /vms/<name>/health`,
   `POST /vms/<name>/snapshot`, `POST /snapshots/<id>/fork`, `DELETE /snapshots/<id>`.
-  Every answer is a JSON object of at most a few KB (the actor's provider reads at most
-  1 MiB): a revert answers 200 `{"status": "ok", ...}`, 409 `{"error", "quarantined":
-  true}` for a quarantined task, 503 `{"error", "state"}` when it failed; a malformed
-  body (not JSON, nested too deeply, not an object) is 400 `{"error"}`, a wrong token 401.
+  Every body and every answer is a typed, versioned record of `arpo_envs.fleet_records`
+  (`encode` / `decode`), a JSON object of at most a few KB (the actor's provider reads at
+  most 1 MiB): a revert answers 200 `Reverted`, 409 `Quarantined` for a quarantined task,
+  503 `Failure` (with the VM's state) when it failed; a body that is not the record the
+  endpoint takes (not JSON, nested too deeply, another version, a field missing or of the
+  wrong type) is 400 `Failure` naming the field, a wrong token 401 `Failure`.
 - **Records.** Every decision (start, revert failure, replacement, quarantine) is a line
   of `<dir>/events.jsonl` and a log line with its reason; counters are in `GET /fleet`.
+- **up / status / down** have the shapes of every fleet's (`arpo_envs.fleet`): `up` starts
+  the fleet process in the background and returns a `VMFleet` handle once every VM
+  answers; the state file `<dir>/fleet.json` is a `VMFleetState` record.
 - **Stop.** SIGTERM / Ctrl-C / `down`: every QEMU killed (clones too), the fleet's folder
   (overlays, sockets, logs, saved states) and its saved RAM files removed. QEMU also
   exits when the fleet dies (`exit-with-parent`), and `down` kills by pid whatever the
@@ -73,17 +77,45 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from arpo_envs.desktop.procs import alive, kill_all, wait_gone
+from arpo_envs.fleet import FleetEnv, FleetHandle
+from arpo_envs.fleet_records import (
+    EnvStatus,
+    Failure,
+    FleetRecordError,
+    FleetReport,
+    FleetStatus,
+    Forked,
+    ForkRequest,
+    Limits,
+    Released,
+    Reported,
+    ReportRequest,
+    Reverted,
+    RevertRequest,
+    SnapshotRequest,
+    SnapshotStatus,
+    SnapshotTaken,
+    TaskQuarantined,
+    VMEntry,
+    VMFleetState,
+    VMHealth,
+    VMStatus,
+    decode,
+    encode,
+    load,
+    save,
+)
+from arpo_envs.procs import alive, free_port, free_ports, kill_all, wait_gone
 from arpo_envs.vm.qemu import (
     GUEST_PORTS,
     Machine,
@@ -100,6 +132,15 @@ log = logging.getLogger("arpo_envs.vm.fleet")
 
 SNAPSHOT = "clean"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+STATE_FILE = "fleet.json"
+"""The state file's name in the fleet's folder."""
+GRACE_S = 15.0
+"""Default seconds `down` waits for the fleet process to stop before SIGKILL."""
+
+
+CLONE_EXIT_GRACE_S = 5.0
+"""How long a clone whose health check failed is given to show that its QEMU exited
+before it is killed as hung."""
 
 
 def default_dir() -> Path:
@@ -190,7 +231,7 @@ class FleetConfig:
 
     @property
     def state_file(self) -> Path:
-        return self.folder / "fleet.json"
+        return self.folder / STATE_FILE
 
     @property
     def ram_dir(self) -> Path:
@@ -215,6 +256,12 @@ class Member:
     last_error: str = ""
     snapshot: str = ""
     """A clone: the id of the snapshot it was started from ('' for the fleet's own VMs)."""
+
+    def entry(self) -> VMEntry:
+        """How clients reach it (the state file, a fork's answer)."""
+        return VMEntry(self.name, self.vm.url, self.port, self.vm.pid or 0,
+                       self.vm.extra_ports.get("chromium", 0), self.vm.extra_ports.get("vlc", 0),
+                       self.snapshot)  # fmt: skip
 
     def require_ready(self) -> None:
         """VMError naming the state (and why) unless the VM is ready."""
@@ -286,42 +333,14 @@ class Fleet:
             f.write(json.dumps(rec) + "\n")
 
     def write_state(self, ready: bool) -> None:
-        state = {
-            "pid": os.getpid(),
-            "ready": ready,
-            "dir": str(self.dir),
-            "control": f"http://{self.config.control_host}:{self._control_port}",
-            "token": self.token,
-            "accel": self.machine.accel,
-            "accel_reason": self.machine.reason,
-            "vms": [
-                {
-                    "name": m.name,
-                    "url": m.vm.url,
-                    "port": m.port,
-                    "qemu_pid": m.vm.pid,
-                    **{f"{k}_port": p for k, p in m.vm.extra_ports.items()},
-                }
-                for m in self.members.values()
-            ],
-            "clones": [
-                {
-                    "name": m.name,
-                    "snapshot": m.snapshot,
-                    "url": m.vm.url,
-                    "port": m.port,
-                    "qemu_pid": m.vm.pid,
-                    **{f"{k}_port": p for k, p in m.vm.extra_ports.items()},
-                }
-                for m in self.clones.values()
-            ],
-            "ram_dir": str(self.config.ram_dir),
-        }
-        tmp = self.config.state_file.with_suffix(".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(state, f, indent=2)
-        os.replace(tmp, self.config.state_file)
+        save(self.config.state_file, VMFleetState(
+            pid=os.getpid(), ready=ready, dir=str(self.dir),
+            control=f"http://{self.config.control_host}:{self._control_port}",
+            token=self.token, accel=self.machine.accel, accel_reason=self.machine.reason,
+            vms=tuple(m.entry() for m in self.members.values()),
+            clones=tuple(m.entry() for m in self.clones.values()),
+            ram_dir=str(self.config.ram_dir),
+        ))  # fmt: skip
 
     _control_port = 0
 
@@ -455,10 +474,12 @@ class Fleet:
             m.state = "failed"
             proc = m.vm.proc
             if proc is not None and "QEMU exited" not in reason:
-                # a check can see the guest's connection reset before QEMU is gone: say
-                # which it was (a guest that hangs is killed after this grace)
+                # a check can see the guest's connection reset before QEMU is gone (a
+                # killed QEMU's exit, the teardown of its guest RAM, takes over a second
+                # on a loaded machine): say which it was (a guest that hangs is killed
+                # after this grace)
                 with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(0.5):
+                    async with asyncio.timeout(CLONE_EXIT_GRACE_S):
                         await proc.wait()
                 if proc.returncode is not None:
                     reason = f"QEMU exited with code {proc.returncode} ({reason})"
@@ -488,7 +509,7 @@ class Fleet:
                     self.event("vm_start_failed", m.name, reason=str(e))
                     await asyncio.sleep(1.0)
 
-    async def revert(self, m: Member, task_id: str = "") -> dict[str, Any]:
+    async def revert(self, m: Member, task_id: str = "") -> Reverted:
         """loadvm + a screenshot; raises VMError (and replaces the VM) on failure."""
         if task_id in self.quarantined_tasks:
             raise TaskQuarantined(task_id, self.quarantined_tasks[task_id])
@@ -518,18 +539,18 @@ class Fleet:
         total = time.perf_counter() - t0
         self.counters["reverts"] += 1
         self.revert_s.append(total)
-        return {"seconds": round(total, 3), "loadvm_s": round(load_s, 3)}
+        return Reverted(seconds=round(total, 3), loadvm_s=round(load_s, 3))
 
-    def report(self, m: Member, task_id: str, ok: bool, error: str = "") -> dict[str, Any]:
+    def report(self, m: Member, task_id: str, ok: bool, error: str = "") -> Reported:
         """An actor's word on one setup: counts toward the task's or the VM's quarantine."""
         if ok:
             m.streak.clear()
             self.task_failures.pop(task_id, None)
             self.task_attempts.pop(task_id, None)
-            return {"vm": m.state, "task_quarantined": False}
+            return Reported(m.state, task_quarantined=False)
         self.counters["setup_failed"] += 1
         if task_id in self.quarantined_tasks:
-            return {"vm": m.state, "task_quarantined": True}
+            return Reported(m.state, task_quarantined=True)
         vms = self.task_failures.setdefault(task_id, set())
         vms.add(m.name)
         self.task_attempts[task_id] += 1
@@ -540,13 +561,13 @@ class Fleet:
             self.event("task_quarantined", m.name, task=task_id, reason=reason)
             for other in self.members.values():  # the task's failures are not the VMs'
                 other.streak = [t for t in other.streak if t != task_id]
-            return {"vm": m.state, "task_quarantined": True}
+            return Reported(m.state, task_quarantined=True)
         m.streak.append(task_id)
         k = self.config.vm_max_failures
         if len(m.streak) >= k and len(set(m.streak[-k:])) >= 2:
             self.event("vm_quarantined", m.name, failures=list(m.streak[-k:]), error=error[:300])
             self.spawn(self.replace(m, f"{k} failures in a row: {error[:200]}"))
-        return {"vm": m.state, "task_quarantined": False}
+        return Reported(m.state, task_quarantined=False)
 
     async def health_loop(self) -> None:
         every = self.config.health_interval_s
@@ -582,55 +603,34 @@ class Fleet:
             return f"QEMU exited (seen by the health check: {why})"
         return f"health check: {why}"
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> FleetReport:
         rs = sorted(self.revert_s)
-        return {
-            "accel": self.machine.accel,
-            "accel_reason": self.machine.reason,
-            "qemu": self.machine.qemu_version,
-            "golden": self.golden_info,
-            "vms": [
-                {
-                    "name": m.name,
-                    "url": m.vm.url,
-                    "state": m.state,
-                    "qemu_pid": m.vm.pid,
-                    "replacements": m.replacements,
-                    "failure_streak": len(m.streak),
-                    "last_error": m.last_error,
-                }
+        return FleetReport(
+            accel=self.machine.accel,
+            accel_reason=self.machine.reason,
+            qemu=self.machine.qemu_version,
+            golden=dict(self.golden_info),
+            vms=tuple(
+                VMStatus(m.name, m.vm.url, m.state, m.vm.pid or 0, m.last_error,
+                         replacements=m.replacements, failure_streak=len(m.streak))
                 for m in self.members.values()
-            ],
-            "counters": dict(self.counters),
-            "revert_median_s": round(rs[len(rs) // 2], 3) if rs else None,
-            "quarantined_tasks": dict(self.quarantined_tasks),
-            "clones": [
-                {
-                    "name": m.name,
-                    "snapshot": m.snapshot,
-                    "url": m.vm.url,
-                    "state": m.state,
-                    "qemu_pid": m.vm.pid,
-                    "last_error": m.last_error,
-                }
+            ),
+            clones=tuple(
+                VMStatus(m.name, m.vm.url, m.state, m.vm.pid or 0, m.last_error, snapshot=m.snapshot)
                 for m in self.clones.values()
-            ],
-            "snapshots": [
-                {
-                    "id": snap.id,
-                    "parent": snap.parent,
-                    "clones": list(snap.clones),
-                    "age_s": round(time.monotonic() - snap.created, 1),
-                    "ram_mib": round(snap.saved.ram_bytes() / 2**20),
-                }
+            ),
+            snapshots=tuple(
+                SnapshotStatus(snap.id, snap.parent, tuple(snap.clones),
+                               age_s=round(time.monotonic() - snap.created, 1),
+                               ram_mib=round(snap.saved.ram_bytes() / 2**20))
                 for snap in self.snapshots.values()
-            ],
-            "limits": {
-                "max_clones": self.config.max_clones,
-                "max_snapshots": self.config.max_snapshots,
-                "snapshot_ttl_s": self.config.snapshot_ttl_s,
-            },
-        }
+            ),
+            counters=dict(self.counters),
+            revert_median_s=round(rs[len(rs) // 2], 3) if rs else None,
+            quarantined_tasks=dict(self.quarantined_tasks),
+            limits=Limits(self.config.max_clones, self.config.max_snapshots,
+                          self.config.snapshot_ttl_s),
+        )  # fmt: skip
 
     # ---- life ---------------------------------------------------------------------------
 
@@ -643,7 +643,7 @@ class Fleet:
         ports = (
             [self.config.base_port + i for i in range(self.config.n)]
             if self.config.base_port
-            else [free_port() for _ in range(self.config.n)]
+            else free_ports(self.config.n)
         )
         for i, port in enumerate(ports):
             name = f"vm-{i}"
@@ -672,7 +672,7 @@ class Fleet:
     def live_clones(self) -> int:
         return self._starting_clones + sum(c.state != "failed" for c in self.clones.values())
 
-    async def snapshot(self, m: Member) -> dict[str, Any]:
+    async def snapshot(self, m: Member) -> SnapshotTaken:
         """Save `m`'s state for forks (`qemu.save_state`); it goes on serving. Refused (409
         not ready, 429 over `max_snapshots`); VMError when the save failed (the VM goes on;
         replaced if its QEMU did not survive)."""
@@ -690,7 +690,7 @@ class Fleet:
         finally:
             self._starting_snapshots -= 1
 
-    async def _snapshot(self, m: Member) -> dict[str, Any]:
+    async def _snapshot(self, m: Member) -> SnapshotTaken:
         async with m.lock:
             _ready_or_refused(m)  # again: a revert or a check it waited for may have failed
             sid = f"snap-{secrets.token_hex(4)}"
@@ -718,9 +718,9 @@ class Fleet:
         out = {k: round(v, 3) for k, v in info.items()}
         self.event("snapshot", m.name, snapshot=sid, **out)
         self.write_state(ready=True)
-        return {"snapshot": sid, **out}
+        return SnapshotTaken(sid, out)
 
-    async def fork(self, sid: str, n: int) -> dict[str, Any]:
+    async def fork(self, sid: str, n: int) -> Forked:
         """`n` clones of snapshot `sid`, each serving once this returns. Refused (404 unknown
         snapshot, 429 over `max_clones`); VMError if a clone failed (none of this fork's
         clones is left)."""
@@ -745,7 +745,7 @@ class Fleet:
         finally:
             self._starting_clones -= n
 
-    async def _fork(self, snap: Snapshot, n: int) -> dict[str, Any]:
+    async def _fork(self, snap: Snapshot, n: int) -> Forked:
         t0 = time.perf_counter()
         ports = self._free_ports(n * len(GUEST_PORTS))
         made = []
@@ -794,16 +794,9 @@ class Fleet:
         self.event("fork", snap.parent, snapshot=snap.id, n=n, seconds=round(seconds, 3),
                    each_s=[round(float(r), 3) for r in results])  # fmt: skip
         self.write_state(ready=True)
-        return {
-            "seconds": round(seconds, 3),
-            "clones": [
-                {"name": c.name, "url": c.vm.url, "port": c.port,
-                 **{f"{k}_port": p for k, p in c.vm.extra_ports.items()}}
-                for c in made
-            ],
-        }  # fmt: skip
+        return Forked(snap.id, round(seconds, 3), tuple(c.entry() for c in made))
 
-    async def release(self, sid: str, reason: str = "released") -> dict[str, Any]:
+    async def release(self, sid: str, reason: str = "released") -> Released:
         """Kill the clones of `sid` and delete them and the saved state. Refused 404 if unknown."""
         snap = self.snapshots.get(sid)
         if snap is None:
@@ -823,7 +816,7 @@ class Fleet:
         self.event("snapshot_released", snap.parent, snapshot=sid, clones=len(gone),
                    age_s=round(age, 1), reason=reason)  # fmt: skip
         self.write_state(ready=True)
-        return {"clones_stopped": len(gone), "age_s": round(age, 1)}
+        return Released(sid, clones_stopped=len(gone), age_s=round(age, 1))
 
     async def _compact(self, snap: Snapshot) -> None:
         try:
@@ -851,12 +844,7 @@ class Fleet:
             for m in [*self.members.values(), *self.clones.values()]
             for p in (m.port, *m.vm.extra_ports.values())
         }
-        out: list[int] = []
-        while len(out) < k:
-            p = free_port()
-            if p not in used and p not in out:
-                out.append(p)
-        return out
+        return free_ports(k, exclude=used)
 
 
 def _ready_or_refused(m: Member) -> None:
@@ -864,12 +852,6 @@ def _ready_or_refused(m: Member) -> None:
         m.require_ready()
     except VMError as e:
         raise Refused(409, f"cannot snapshot now: {e}") from None
-
-
-class TaskQuarantined(Exception):
-    def __init__(self, task_id: str, reason: str):
-        super().__init__(f"task {task_id} is quarantined: {reason}")
-        self.task_id, self.reason = task_id, reason
 
 
 async def screenshot_ok(url: str, timeout_s: float) -> tuple[bool, str]:
@@ -926,17 +908,20 @@ async def answers(url: str, path: str, timeout_s: float) -> bool:
             writer.close()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 # ---- the control API -----------------------------------------------------------------------
 
 
 def make_app(fleet: Fleet) -> Any:
+    """The control API of `fleet`: every body it takes and every answer a record of
+    `arpo_envs.fleet_records` (module docstring, *Control API*)."""
     from aiohttp import web
+
+    def answer(rec: Any, status: int = 200) -> web.Response:
+        return web.json_response(encode(rec), status=status)
+
+    def refused(cls: type[web.HTTPException], error: str) -> web.HTTPException:
+        """An answer that ends the request where it is raised (a Failure record)."""
+        return cls(text=json.dumps(encode(Failure(error))), content_type="application/json")
 
     @web.middleware
     async def auth(request: web.Request, handler: Any) -> web.StreamResponse:
@@ -944,7 +929,7 @@ def make_app(fleet: Fleet) -> Any:
 
         got = request.headers.get("Authorization", "")
         if not hmac.compare_digest(got.encode(), f"Bearer {fleet.token}".encode()):
-            return web.json_response({"error": "missing or wrong fleet token"}, status=401)
+            return answer(Failure("missing or wrong fleet token"), 401)
         return await handler(request)
 
     def member(request: web.Request) -> Member:
@@ -953,103 +938,73 @@ def make_app(fleet: Fleet) -> Any:
             msg = f"no VM {request.match_info['name']!r}; VMs: {', '.join(fleet.members)}"
             if fleet.clones:
                 msg += f"; clones: {', '.join(fleet.clones)}"
-            raise web.HTTPNotFound(text=json.dumps({"error": msg}), content_type="application/json")
+            raise refused(web.HTTPNotFound, msg)
         return m
 
-    async def body(request: web.Request) -> dict[str, Any]:
-        if not request.can_read_body:
-            return {}
+    async def body(request: web.Request, cls: type[Any]) -> Any:
+        """The request's body as the record `cls`; 400 naming what is wrong otherwise."""
         try:
             data = await request.json()
         except (ValueError, UnicodeDecodeError) as e:
-            raise web.HTTPBadRequest(
-                text=json.dumps({"error": f"body is not JSON: {e}"}),
-                content_type="application/json",
-            ) from None
+            raise refused(web.HTTPBadRequest, f"body is not JSON: {e}") from None
         except RecursionError:  # JSON nested deeper than Python's parser goes
-            raise web.HTTPBadRequest(
-                text=json.dumps({"error": "body is not JSON: nested too deeply"}),
-                content_type="application/json",
-            ) from None
-        if not isinstance(data, dict):
-            raise web.HTTPBadRequest(
-                text=json.dumps({"error": "body must be a JSON object"}),
-                content_type="application/json",
-            )
-        return data
-
-    def task_field(data: dict[str, Any]) -> str:
-        t = data.get("task_id", "")
-        if not isinstance(t, str) or len(t) > 1024:
-            raise web.HTTPBadRequest(
-                text=json.dumps({"error": "task_id must be a string of at most 1024 characters"}),
-                content_type="application/json",
-            )
-        return t
+            raise refused(web.HTTPBadRequest, "body is not JSON: nested too deeply") from None
+        try:
+            return decode(data, cls)
+        except FleetRecordError as e:
+            raise refused(web.HTTPBadRequest, f"body is not a {cls.RECORD}: {e}") from None
 
     async def get_fleet(request: web.Request) -> web.Response:
-        return web.json_response(fleet.status())
+        return answer(fleet.status())
 
     async def revert(request: web.Request) -> web.Response:
         m = member(request)
-        task_id = task_field(await body(request))
+        req: RevertRequest = await body(request, RevertRequest)
         try:
-            out = await fleet.revert(m, task_id)
+            return answer(await fleet.revert(m, req.task_id))
         except TaskQuarantined as e:
-            return web.json_response({"error": str(e), "quarantined": True}, status=409)
+            return answer(e.record(), 409)
         except Refused as e:
-            return web.json_response({"error": str(e), "state": m.state}, status=e.status)
+            return answer(Failure(str(e), m.state), e.status)
         except VMError as e:
-            return web.json_response({"error": str(e), "state": m.state}, status=503)
-        return web.json_response({"status": "ok", **out})
+            return answer(Failure(str(e), m.state), 503)
 
     async def snapshot(request: web.Request) -> web.Response:
         m = member(request)
-        await body(request)  # none is needed; a malformed one is still a 400
+        await body(request, SnapshotRequest)
         try:
-            out = await fleet.shielded(fleet.snapshot(m))
+            return answer(await fleet.shielded(fleet.snapshot(m)))
         except Refused as e:
-            return web.json_response({"error": str(e), "state": m.state}, status=e.status)
+            return answer(Failure(str(e), m.state), e.status)
         except VMError as e:
-            return web.json_response({"error": str(e), "state": m.state}, status=503)
-        return web.json_response({"status": "ok", **out})
+            return answer(Failure(str(e), m.state), 503)
 
     async def fork(request: web.Request) -> web.Response:
-        sid = request.match_info["id"]
-        n = (await body(request)).get("n")
-        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 1024:
-            return web.json_response({"error": f"n must be an integer in 1..1024, got {n!r}"},
-                                     status=400)  # fmt: skip
+        req: ForkRequest = await body(request, ForkRequest)
         try:
-            out = await fleet.shielded(fleet.fork(sid, n))
+            return answer(await fleet.shielded(fleet.fork(request.match_info["id"], req.n)))
         except Refused as e:
-            return web.json_response({"error": str(e)}, status=e.status)
+            return answer(Failure(str(e)), e.status)
         except VMError as e:
-            return web.json_response({"error": str(e)}, status=503)
-        return web.json_response({"status": "ok", "snapshot": sid, **out})
+            return answer(Failure(str(e)), 503)
 
     async def release(request: web.Request) -> web.Response:
         try:
-            out = await fleet.shielded(fleet.release(request.match_info["id"]))
+            return answer(await fleet.shielded(fleet.release(request.match_info["id"])))
         except Refused as e:
-            return web.json_response({"error": str(e)}, status=e.status)
-        return web.json_response({"status": "ok", **out})
+            return answer(Failure(str(e)), e.status)
 
     async def report(request: web.Request) -> web.Response:
         m = member(request)
-        data = await body(request)
-        task_id = task_field(data)
-        ok = data.get("ok")
-        if not isinstance(ok, bool):
-            return web.json_response({"error": "ok must be true or false"}, status=400)
-        return web.json_response(fleet.report(m, task_id, ok, str(data.get("error", ""))[:2000]))
+        req: ReportRequest = await body(request, ReportRequest)
+        return answer(fleet.report(m, req.task_id, req.ok, req.error[:2000]))
 
     async def health(request: web.Request) -> web.Response:
         m = member(request)
         if m.state != "ready":
-            return web.json_response({"ok": False, "state": m.state, "error": m.last_error})
+            return answer(VMHealth(False, m.state, m.last_error))
         ok, why = await fleet.check(m)
-        return web.json_response({"ok": ok, "state": m.state, "error": why})
+        return answer(VMHealth(ok, m.state, why))
 
     app = web.Application(middlewares=[auth], client_max_size=1 << 20)
     app.router.add_get("/fleet", get_fleet)
@@ -1102,25 +1057,53 @@ async def serve(config: FleetConfig, announce: Any = print) -> None:
 # ---- up / status / down (any shell) -------------------------------------------------------
 
 
-def read_state(state_file: Path) -> dict[str, Any] | None:
+@dataclass(frozen=True, slots=True)
+class VMFleet(FleetHandle):
+    """A running fleet, as `up` returns it (`arpo_envs.fleet.FleetHandle`)."""
+
+    kind = "vm"
+    state: VMFleetState
+    """Its state file's record when it became ready (control API, token, VMs)."""
+
+    def status(self) -> FleetStatus:
+        return status(self.state_file)
+
+    def down(
+        self, grace_s: float | None = None, announce: Callable[[str], Any] = print
+    ) -> list[str]:
+        return down(self.state_file, GRACE_S if grace_s is None else grace_s, announce)
+
+
+def read_state(state_file: Path | None = None) -> VMFleetState | None:
+    """The state file's record; None when there is none or it cannot be read as one."""
     try:
-        return json.loads(state_file.read_text())
-    except (OSError, ValueError):
+        return load(state_file or default_dir() / STATE_FILE, VMFleetState)
+    except (OSError, FleetRecordError):
         return None
 
 
-def up(config: FleetConfig, *, detach: bool, announce: Any = print) -> dict[str, Any] | None:
-    """Start the fleet. Detached: a background process; returns its state once every VM
-    answers (RuntimeError with the fleet's log tail if it dies first). Else runs here."""
+def _refuse_second(config: FleetConfig) -> None:
     old = read_state(config.state_file)
-    if old and alive(int(old.get("pid", 0))):
+    if old and alive(old.pid):
         raise RuntimeError(
-            f"a fleet already runs from {config.folder} (pid {old['pid']}); "
+            f"a fleet already runs from {config.folder} (pid {old.pid}); "
             "`arpo-envs vm down` first, or give another --dir"
         )
-    if not detach:
-        asyncio.run(serve(config, announce))
-        return None
+
+
+def up(config: FleetConfig, announce: Callable[[str], Any] = print) -> VMFleet:
+    """Start the fleet process in the background; returns once every VM answers
+    (RuntimeError with the fleet's log tail if it dies first). On any failure, also
+    Ctrl-C, what was started is stopped (`down`)."""
+    _refuse_second(config)
+    try:
+        return _up(config, announce)
+    except BaseException:
+        down(config.state_file, announce=lambda s: None)
+        raise
+
+
+def _up(config: FleetConfig, announce: Callable[[str], Any]) -> VMFleet:
     config.folder.mkdir(parents=True, exist_ok=True)
     config.state_file.unlink(missing_ok=True)
     logf = config.folder.parent / f"{config.folder.name}.log"
@@ -1139,62 +1122,94 @@ def up(config: FleetConfig, *, detach: bool, announce: Any = print) -> dict[str,
     deadline = t0 + config.start_timeout_s + config.n * config.provision_timeout_s
     while time.monotonic() < deadline:
         st = read_state(config.state_file)
-        if st and st.get("ready"):
-            for v in st["vms"]:
-                announce(f"vm {v['name']} {v['url']} accel {st['accel']}")
-            return st
-        dead = st is not None and not alive(int(st.get("pid", 0)))
+        if st and st.ready:
+            for v in st.vms:
+                announce(f"vm {v.name} {v.url} accel {st.accel}")
+            envs = tuple(FleetEnv(v.name, v.url, pid=v.qemu_pid, ports=v.osworld_ports)
+                         for v in st.vms)  # fmt: skip
+            return VMFleet(config.state_file, envs, st)
+        dead = st is not None and not alive(st.pid)
         if dead or (st is None and time.monotonic() - t0 > 60):
             tail = logf.read_text(errors="replace").strip().splitlines()[-8:]
             raise RuntimeError("the fleet did not start:\n  " + "\n  ".join(tail))
         time.sleep(0.5)
-    down(config.folder)
     raise RuntimeError(f"the fleet was not ready within the deadline; see {logf}")
 
 
-def status(state_file: Path) -> dict[str, Any]:
-    st = read_state(state_file)
+def run_foreground(config: FleetConfig, announce: Callable[[str], Any] = print) -> None:
+    """Run the fleet in this process until SIGTERM / SIGINT (`arpo-envs vm up` without
+    --detach), then stop every VM and remove the folder."""
+    _refuse_second(config)
+    asyncio.run(serve(config, announce))
+
+
+def status(state_file: Path | None = None) -> FleetStatus:
+    """The fleet's status (any shell): its own report through the control API if it runs."""
+    path = state_file or default_dir() / STATE_FILE
+    st = read_state(path)
     if st is None:
-        return {"running": False, "state_file": str(state_file)}
-    if not alive(int(st.get("pid", 0))):
-        return {"running": False, "state_file": str(state_file), "stale": True}
+        return FleetStatus("vm", str(path), running=False, stale=False, envs=())
+    if not alive(st.pid):
+        envs = tuple(EnvStatus(v.name, v.url, "gone", v.qemu_pid) for v in (*st.vms, *st.clones))
+        return FleetStatus("vm", str(path), running=False, stale=True, envs=envs)
     req = urllib.request.Request(
-        st["control"] + "/fleet", headers={"Authorization": f"Bearer {st['token']}"}
+        st.control + "/fleet", headers={"Authorization": f"Bearer {st.token}"}
     )
     with urllib.request.urlopen(req, timeout=30) as r:
-        return {"running": True, **json.loads(r.read())}
+        report = decode(json.loads(r.read()), FleetReport)
+    envs = tuple(
+        EnvStatus(v.name, v.url, v.state, v.qemu_pid) for v in (*report.vms, *report.clones)
+    )
+    return FleetStatus("vm", str(path), running=True, stale=False, envs=envs, report=report)
 
 
-def down(folder: Path, grace_s: float = 15.0) -> list[str]:
-    """Stop the fleet of `folder` and everything it started; what was done, one line each."""
+def down(
+    state_file: Path | None = None,
+    grace_s: float = GRACE_S,
+    announce: Callable[[str], Any] = print,
+) -> list[str]:
+    """Stop the fleet of `state_file` (`<dir>/fleet.json`) and everything it started, and
+    remove its folder; what was done, one line each (each also announced)."""
+    state_file = state_file or default_dir() / STATE_FILE
+    if state_file.name != STATE_FILE or state_file.is_dir():
+        raise ValueError(
+            f"{state_file} is not a VM fleet's state file (<dir>/{STATE_FILE}): `down` "
+            "removes the folder it is in"
+        )
+    folder = state_file.parent
     done: list[str] = []
-    st = read_state(folder / "fleet.json") or {}
-    pid = int(st.get("pid", 0))
+
+    def did(line: str) -> None:
+        done.append(line)
+        announce(line)
+
+    st = read_state(state_file)
+    pid = st.pid if st else 0
     if pid and alive(pid):
         kill_all([pid], signal.SIGTERM)
         if wait_gone([pid], grace_s):
             kill_all([pid])
-            done.append(f"fleet pid {pid} killed")
+            did(f"fleet pid {pid} killed")
         else:
-            done.append(f"fleet pid {pid} stopped")
+            did(f"fleet pid {pid} stopped")
     marker = str(folder.resolve()) if folder.exists() else str(folder)
-    listed = {int(v.get("qemu_pid") or 0) for v in [*st.get("vms", []), *st.get("clones", [])]}
+    listed = {v.qemu_pid for v in (*st.vms, *st.clones)} if st else set()
     qemus = [q for q in set(_qemu_pids(marker)) | listed if alive(q) and marker in _cmdline(q)]
     kill_all(qemus)
     wait_gone(qemus, 10.0)
-    done += [f"QEMU pid {q} killed" for q in qemus]
-    for vm in st.get("vms", []):  # sockets kept outside the folder (long paths)
-        qmp_path(folder / str(vm.get("name", ""))).unlink(missing_ok=True)
-    for c in st.get("clones", []):
-        clone_dir = folder / "snapshots" / str(c.get("snapshot", "")) / str(c.get("name", ""))
-        qmp_path(clone_dir).unlink(missing_ok=True)
-    ram_dir = Path(st.get("ram_dir") or ram_dir_of(folder))
+    for q in qemus:
+        did(f"QEMU pid {q} killed")
+    for vm in st.vms if st else ():  # sockets kept outside the folder (long paths)
+        qmp_path(folder / vm.name).unlink(missing_ok=True)
+    for c in st.clones if st else ():
+        qmp_path(folder / "snapshots" / c.snapshot / c.name).unlink(missing_ok=True)
+    ram_dir = Path(st.ram_dir) if st and st.ram_dir else ram_dir_of(folder)
     if ram_dir.exists():  # the snapshots' RAM (tmpfs: memory until removed)
         shutil.rmtree(ram_dir, ignore_errors=True)
-        done.append(f"removed {ram_dir}")
+        did(f"removed {ram_dir}")
     if folder.exists():
         shutil.rmtree(folder, ignore_errors=True)
-        done.append(f"removed {folder}")
+        did(f"removed {folder}")
     return done
 
 

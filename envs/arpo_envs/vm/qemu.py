@@ -78,7 +78,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from arpo_envs.desktop.procs import set_parent_death_signal
+from arpo_envs.procs import set_parent_death_signal
 
 log = logging.getLogger("arpo_envs.vm.qemu")
 

@@ -1,4 +1,9 @@
-"""Processes of one desktop: their environment, how they are found, and killing all of them.
+"""Processes of the environments: how they are found and killed, and free ports to serve on.
+
+Both fleets use these: the local desktops (`arpo_envs.desktop`: a desktop's environment,
+its marker, its server's process tree) and the VMs (`arpo_envs.vm`: `alive`, `kill_all`,
+`wait_gone`, `free_port`, `set_parent_death_signal`). `free_port` is the one helper for a
+free loopback port in the project (its tests and benchmarks import it from here).
 
 Two links find every process of one desktop, including ones that left their process
 group and session (a `soffice ... &` from a shell command, a double-forking launcher,
@@ -24,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -263,6 +269,33 @@ def kill_marked(
         total += len(pids)
         wait_gone(pids, timeout_s)
     return total
+
+
+# ---- ports ------------------------------------------------------------------------------------
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port of `host` that nothing listens on now (the kernel's pick; free when asked,
+    so a process started with it may still find it taken by then)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def free_ports(k: int, exclude: Iterable[int] = (), host: str = "127.0.0.1") -> list[int]:
+    """`k` distinct free ports of `host`, none of them in `exclude` (ports handed out already
+    but maybe not bound yet)."""
+    taken = set(exclude)
+    out: list[int] = []
+    while len(out) < k:
+        p = free_port(host)
+        if p not in taken:
+            taken.add(p)
+            out.append(p)
+    return out
+
+
+# ---- processes started by this one ------------------------------------------------------------
 
 
 def set_parent_death_signal() -> None:
