@@ -88,7 +88,7 @@ def warm_start(args: argparse.Namespace, arm: str, out: Path) -> tuple[str, dict
             SFTConfig(
                 model=str(tiny), out=str(sft), families=[args.family], per_family=args.demos,
                 task_seed=DEMO_TASK_SEED, epochs=args.sft_epochs, observation_type=arm,
-                max_steps=15,
+                max_steps=0,
             )
         )  # fmt: skip
         summary["wall_s"] = round(time.monotonic() - t0, 1)
