@@ -4,6 +4,13 @@
         --save-as experiment-transfer-<date>
     python benchmarks/experiment_transfer.py --out runs/transfer-pick --seeds 0   # settings
     python benchmarks/experiment_transfer.py --out runs/transfer --report-only
+    python benchmarks/experiment_transfer.py --out runs/transfer-curve --curve som \
+        --demos 256 --curve-chunks 3 --curve-epochs 3            # the warm start's curve
+
+`--curve TYPE` (how `--demos` and `--sft-epochs` are chosen, seed 0): the warm start of one
+arm trained in chunks of `--curve-epochs` epochs, and after each chunk its greedy success
+(`arpo.offline.demos.evaluate_greedy`, episodes fitted to each task's oracle) on 32 of its
+own demonstrations' tasks and on the unseen tasks, with the mean NLL per response token.
 
 Question: does a policy shown the accessibility tree (`som`: the screenshot with numbered
 marks and the table of the marks, `click(mark=N)`; or `screenshot_a11y_tree`) learn a skill
@@ -57,7 +64,7 @@ log = logging.getLogger("experiment_transfer")
 
 DEMO_TASK_SEED = 100
 """Task seed of the warm start's demonstrations."""
-UNSEEN_TASK_SEED = 9000
+UNSEEN_TASK_SEED = 2000
 """Task seed of the unseen tasks (the training tasks use the run's seed, 0-99)."""
 
 
@@ -182,6 +189,48 @@ def run_arm(args: argparse.Namespace, arm: str, seeds: list[int], out: Path, res
         (out / "results.json").write_text(json.dumps(res, indent=2))
 
 
+def curve(args: argparse.Namespace, arm: str, out: Path) -> list[dict[str, Any]]:
+    """The warm start's greedy success on seen and unseen tasks by epochs (see `--curve`)."""
+    from arpo.offline.data import read_trajectories, write_trajectories
+    from arpo.offline.demos import evaluate_greedy, record_demos, sim_task_pool
+    from arpo.offline.offline import OfflineConfig, OfflineTrainer
+    from arpo.policy.tiny import build_tiny_model
+
+    tiny = out / "tiny"
+    if not (tiny / "config.json").exists():
+        build_tiny_model(tiny, seed=0)
+    demo_tasks = sim_task_pool([args.family], args.demos, seed=DEMO_TASK_SEED)
+    unseen = sim_task_pool([args.family], args.unseen, seed=UNSEEN_TASK_SEED)
+    if {t["id"] for t in demo_tasks} & {t["id"] for t in unseen}:
+        raise SystemExit("unseen tasks among the demonstrations' tasks")
+    ddir = out / f"demos-{arm}"
+    if not ddir.exists():
+        demos, _ = record_demos(demo_tasks, str(tiny), n_envs=2, max_steps=0,
+                                observation_type=arm)  # fmt: skip
+        write_trajectories(ddir, demos)
+    demos = list(read_trajectories(ddir))
+    trainer = OfflineTrainer(
+        OfflineConfig(algo="rft", model=str(tiny), out=str(out / f"curve-{arm}"), lr=1e-3,
+                      epochs=args.curve_epochs, batch_size=8, micro_batch=4, weight_decay=0.0,
+                      grad_clip=1.0, seed=0)
+    )  # fmt: skip
+    rows = []
+    for c in range(args.curve_chunks):
+        t0 = time.monotonic()
+        trainer.train(demos)
+        trainer.save(out / f"curve-{arm}")
+        m = out / f"curve-{arm}"
+        seen = evaluate_greedy(m, demo_tasks[:32], n_envs=2, max_steps=0, observation_type=arm)
+        new = evaluate_greedy(m, unseen, n_envs=2, max_steps=0, observation_type=arm)
+        rows.append({
+            "epochs": (c + 1) * args.curve_epochs, "nll": trainer.mean_nll(demos[:64]),
+            "seen": seen["success_rate"], "unseen": new["success_rate"],
+            "parsed": new["parsed_rate"], "wall_s": round(time.monotonic() - t0, 1),
+        })  # fmt: skip
+        log.info("curve %s: %s", arm, rows[-1])
+    return rows
+
+
 def _pct(x: float) -> str:
     return "n/a" if x is None or math.isnan(x) else f"{100 * x:.1f}"
 
@@ -255,10 +304,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval-runs", type=int, default=4, help="Evaluation episodes per task.")
     p.add_argument("--report-only", action="store_true", help="Tables from results.json.")
     p.add_argument("--save-as", default="", help="Copy results to benchmarks/results/<name>.")
+    p.add_argument("--curve", default="", help="Observation type: the warm start's curve only.")
+    p.add_argument("--curve-chunks", type=int, default=3, help="--curve: chunks of training.")
+    p.add_argument("--curve-epochs", type=int, default=3, help="--curve: epochs per chunk.")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.curve:
+        rows = curve(args, args.curve, out)
+        text = "\n".join(
+            [f"# Warm-start curve: {args.curve}, {args.demos} demonstrations of {args.family}",
+             "", "| epochs | NLL per token | seen tasks (%) | unseen tasks (%) | parsed | s |",
+             "|---|---|---|---|---|---|"]
+            + [f"| {r['epochs']} | {r['nll']:.3f} | {_pct(r['seen'])} | {_pct(r['unseen'])} "
+               f"| {r['parsed']:.2f} | {r['wall_s']} |" for r in rows]
+        )  # fmt: skip
+        (out / "curve.md").write_text(text + "\n")
+        (out / "curve.json").write_text(json.dumps(rows, indent=2))
+        print(text)
+        if args.save_as:
+            dest = Path(__file__).resolve().parent / "results"
+            shutil.copyfile(out / "curve.md", dest / f"{args.save_as}.md")
+            shutil.copyfile(out / "curve.json", dest / f"{args.save_as}.json")
+        return 0
     res_path = out / "results.json"
     res: dict[str, Any] = json.loads(res_path.read_text()) if res_path.exists() else {"arms": {}}
     seeds = [int(s) for s in args.seeds.split(",") if s]
