@@ -217,6 +217,20 @@ class ScriptedPolicy:
                     p.future.set_result(None)
 
 
+def turn_frame(
+    seen: Any, images: Sequence[Any], min_pixels: int, max_pixels: int, who: str
+) -> A.Frame:
+    """The coordinate frame a scripted answer is written in: the shown observation's
+    (`arpo.actor.episode.Observation.frame`), else the last screenshot's as UI-TARS sees it.
+    EngineError (naming `who`) when it was shown neither."""
+    if seen is not None:
+        return seen.frame
+    if images:
+        w, h = image_size(images[-1])
+        return A.Frame.for_screen(w, h, min_pixels=min_pixels, max_pixels=max_pixels)
+    raise EngineError(f"{who} needs the screenshot or the observation (`observe`) to click")
+
+
 def by_mark(action: A.Action, marks: Sequence[Any] | None) -> A.Action:
     """`action` as set-of-marks shows it: a pointer action at a point some mark's box holds
     becomes the same action on the smallest such mark (`click(mark=N)`, at the mark's
@@ -274,16 +288,7 @@ class _ScriptedEpisode:
         params: SamplingParams | None = None,
     ) -> Completion:
         p = self.policy
-        if self.seen is not None:
-            frame = self.seen.frame
-        elif images:
-            w, h = image_size(images[-1])
-            frame = A.Frame.for_screen(w, h, min_pixels=p.min_pixels, max_pixels=p.max_pixels)
-        else:
-            raise EngineError(
-                "the scripted policy needs the screenshot or the observation (`observe`) "
-                "to place its clicks"
-            )
+        frame = turn_frame(self.seen, images, p.min_pixels, p.max_pixels, "the scripted policy")
         version = p.policy_version
         await p._cost()
         if p.error_prob and self.rng.random() < p.error_prob:

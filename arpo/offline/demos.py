@@ -37,13 +37,13 @@ import numpy as np
 
 from arpo import store_item, wire
 from arpo.actor.episode import MAX_STEPS, EpisodeConfig, run_episode, step_budget
-from arpo.actor.scripted import by_mark, oracle_to_actions
+from arpo.actor.scripted import by_mark, oracle_to_actions, turn_frame
 from arpo.env.environment import Environment, EnvironmentConfig
 from arpo.env.runner import RunnerConfig
 from arpo.errors import ArpoError, EngineError
 from arpo.policy import actions as A
 from arpo.policy.engine import Completion, SamplingParams
-from arpo.policy.prompt import image_size, pixel_bounds
+from arpo.policy.prompt import pixel_bounds
 from arpo.record import Status, Trajectory
 
 log = logging.getLogger("arpo.offline.demos")
@@ -108,13 +108,7 @@ class _OracleEpisode:
         self, token_ids: Any, images: Sequence[Any] = (), params: SamplingParams | None = None
     ) -> Completion:
         p = self.policy
-        if self.seen is not None:
-            frame = self.seen.frame
-        elif images:
-            w, h = image_size(images[-1])
-            frame = A.Frame.for_screen(w, h, min_pixels=p.min_pixels, max_pixels=p.max_pixels)
-        else:
-            raise EngineError("the oracle needs the screenshot or the observation to click")
+        frame = turn_frame(self.seen, images, p.min_pixels, p.max_pixels, "the oracle")
         marks = getattr(self.seen, "marks", None)
         text = p.response_text(self.oracle, self.step, frame, marks)
         self.step += 1
