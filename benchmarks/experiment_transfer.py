@@ -228,6 +228,7 @@ def curve(args: argparse.Namespace, arm: str, out: Path) -> list[dict[str, Any]]
             "parsed": new["parsed_rate"], "wall_s": round(time.monotonic() - t0, 1),
         })  # fmt: skip
         log.info("curve %s: %s", arm, rows[-1])
+        (out / "curve.json").write_text(json.dumps(rows, indent=2))  # a row as it comes
     return rows
 
 
