@@ -141,7 +141,7 @@ async def lockstep(urls: list[str], args: argparse.Namespace, duration: float) -
 
             await asyncio.gather(*(run(i, c) for i, c in acts))
         results = await asyncio.gather(
-            *(e.timed(e.runner.evaluate(t)) for e, t in zip(envs, round_tasks, strict=True))
+            *(e.evaluate(t) for e, t in zip(envs, round_tasks, strict=True))
         )
         episodes += len(results)
         failures += sum(r.score != 1.0 or r.status != "ok" for r in results)

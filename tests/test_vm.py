@@ -11,6 +11,8 @@ per image, about 25 s), so the whole module takes a few minutes. What is checked
 - the local task suite's oracles pass on a VM through the real actor, scored by OSWorld's
   evaluator code; SIGKILL of the VM's QEMU mid-run makes an episode `env_error`, the VM is
   replaced and the rest of the run goes on it, every trajectory accounted for;
+- a check that runs after the fleet replaced the VM (it reads the replacement, in its
+  golden state) makes the episode `env_error`, not a score;
 - a task whose setup always fails is quarantined after failing on 2 VMs, the VMs are not
   blamed and the other tasks run;
 - `down` after SIGKILL of the fleet leaves no process and no folder.
@@ -273,6 +275,70 @@ def _os_tasks(tmp: Path, n: int) -> Path:
     for k in range(n):
         (out / f"vm-terminal-{k}.json").write_text(json.dumps(_terminal_task(k)))
     return out.parent
+
+
+@pytest.mark.timeout(600)
+def test_a_vm_replaced_before_the_check_makes_the_episode_env_error(fleet: FleetConfig) -> None:
+    """The fleet replaces a killed VM on the same URL from its golden snapshot; a check that
+    runs after that reads the replacement (OSWorld's setup controller even waits for it) and
+    scores 0. `Environment.evaluate` compares the machine with the one of the episode's start
+    and makes that result env_error; the next episode on the replacement is scored again."""
+    vm = _fleet_status(fleet).vms[1]
+    link = FleetLink.from_state(fleet.state_file)
+    task = Task.from_dict(
+        {
+            "id": "vm-replaced",
+            "instruction": "test",
+            "config": [{"type": "execute", "parameters": {
+                "command": "echo vm-ok > /home/user/out.txt", "shell": True}}],
+            "evaluator": {
+                "func": "exact_match",
+                "result": {"type": "vm_command_line", "command": "cat /home/user/out.txt",
+                           "shell": True},
+                "expected": {"type": "rule", "rules": {"expected": "vm-ok\n"}},
+            },
+        },
+        domain="vm",
+    )  # fmt: skip
+
+    def replaced() -> Any:
+        end = time.monotonic() + 300
+        while time.monotonic() < end:
+            now = _fleet_status(fleet).vms[1]
+            if now.qemu_pid not in (0, vm.qemu_pid) and now.state == "ready":
+                return now
+            time.sleep(0.5)
+        raise AssertionError(f"vm-1 was not replaced within 300 s: {now}")
+
+    async def main() -> tuple[Any, ...]:
+        env = Environment(
+            0, vm.url, RunnerConfig(evaluator="own", osworld_probe_timeout_s=0),
+            provider=lambda c: FleetVMProvider(c, link, vm.name),
+        )  # fmt: skip
+        try:
+            assert await env.prepare(task) is None
+            started_on = env.instance
+            before = await env.evaluate(task)
+            os.kill(vm.qemu_pid, signal.SIGKILL)
+            now = await asyncio.to_thread(replaced)
+            await env.client.close()  # the old guest's connections are dead
+            plain = await env.runner.evaluate(task)  # what the checker alone says
+            after = await env.evaluate(task)
+            assert await env.prepare(task) is None
+            again = await env.evaluate(task)
+            return started_on, before, now, plain, after, again
+        finally:
+            await env.runner.aclose()
+            await env.close()
+
+    started_on, before, now, plain, after, again = asyncio.run(main())
+    assert started_on == f"QEMU pid {vm.qemu_pid}, replacement {vm.replacements}"
+    assert (before.status, before.score) == ("ok", 1.0), before
+    assert (plain.status, plain.score) == ("ok", 0.0), plain  # the replacement has no file
+    assert (after.status, after.score) == ("env_error", 0.0), after
+    assert "replaced during the episode" in (after.error or "")
+    assert started_on in after.error and f"QEMU pid {now.qemu_pid}" in after.error, after.error
+    assert (again.status, again.score) == ("ok", 1.0), again
 
 
 @pytest.mark.timeout(900)

@@ -462,7 +462,7 @@ async def conclude(env: Environment, run: EpisodeRun) -> tuple[Status, float, st
     """Check the finished episode on `env`: (status, checker score, error)."""
     t0 = time.perf_counter()
     try:
-        result = await env.timed(env.runner.evaluate(run.task))
+        result = await env.evaluate(run.task)
     except EnvError as e:
         log.warning("env %d: evaluation failed: %s", env.index, e)
         return Status.ENV_ERROR, 0.0, f"evaluate: {type(e).__name__}: {e}"

@@ -3,7 +3,7 @@
     env = Environment(0, "http://127.0.0.1:5000", RunnerConfig(reset_before_setup=True))
     failed = await env.prepare(task)      # revert + setup, retried; None: ready for `task`
     await env.timed(env.runner.act("pyautogui.click(10, 20)"))
-    result = await env.timed(env.runner.evaluate(task))
+    result = await env.evaluate(task)     # the checker; env_error if the VM was replaced
     await env.close()
 
 An `Environment` holds the server's client, the provider that reverts it (arpo.env.provider:
@@ -29,6 +29,7 @@ frees it; `can_fork` says whether to try.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import random
 import time
@@ -152,6 +153,9 @@ class Environment:
         """Seconds this environment spent in requests (reset, screenshots, actions, checks)."""
         self._saved: dict[str, list[str]] = {}
         """The episode's actions at each saved state (`snapshot` handle -> actions)."""
+        self.instance = ""
+        """Which machine served the episode since its revert (`Provider.instance`; '' when
+        the provider cannot tell): `evaluate` checks it again after the checker ran."""
 
     def retire_refused(self, refused: EnvAuthError) -> None:
         """Give this environment up for good: it refuses the client's token."""
@@ -201,6 +205,7 @@ class Environment:
         raises, an environment's answer cannot make its task look broken."""
         try:
             await self.provider.revert_to_snapshot(task.id)
+            self.instance = await self.provider.instance()
         except (ResetError, TaskError, TaskQuarantined):
             raise
         except Exception as e:
@@ -294,10 +299,47 @@ class Environment:
             )  # fmt: skip
         return SetupFailure(Status.ENV_ERROR, err)
 
+    async def evaluate(self, task: Task) -> EvalResult:
+        """The runner's check of the episode of `task` (`TaskRunner.evaluate`, timed), then
+        whether the machine that served the episode still does: a fleet VM replaced during
+        the episode (its QEMU killed, its guest hung) comes back on the same URL in its
+        golden state, and OSWorld's setup controller waits for it (20 tries 5 s apart), so a
+        getter can read the replacement and score 0 an episode the agent may have solved.
+        A changed `Provider.instance` (or one that cannot be asked) makes the result
+        `env_error` with both names: the score is not this episode's. Raises as
+        `TaskRunner.evaluate` does."""
+        return await self._same_machine(task, await self.timed(self.runner.evaluate(task)))
+
+    async def _same_machine(self, task: Task, result: EvalResult) -> EvalResult:
+        """`result`, or env_error when the machine that served the episode was replaced."""
+        if not self.instance or result.status == "env_error":
+            return result
+        try:
+            now = await self.timed(self.provider.instance())
+        except EnvError as e:
+            now = f"unknown ({type(e).__name__}: {e})"
+        if now == self.instance:
+            return result
+        log.warning(
+            "env %d (%s): replaced during the episode of %s (%s, now %s); its result is "
+            "env_error", self.index, self.url, task.id, self.instance, now,
+        )  # fmt: skip
+        return dataclasses.replace(
+            result,
+            score=0.0,
+            status="env_error",
+            error=(
+                f"the environment was replaced during the episode ({self.instance} when it "
+                f"started, {now} after its check): the checker's {result.status} score "
+                f"{result.score:g} is not this episode's"
+            ),
+        )
+
     async def run(self, task: Task, actions: Sequence[str]) -> EvalResult:
         """`TaskRunner.run` from a clean environment: check the task, revert, then the
         runner's setup, `actions` and evaluation; a failed revert is an `env_error` result,
-        as the runner's own environment failures are. TaskError (a bad task) is raised."""
+        as the runner's own environment failures are and a machine replaced meanwhile
+        (`evaluate`). TaskError (a bad task) is raised."""
         t0 = time.perf_counter()
         self.runner.check(task)
         try:
@@ -307,7 +349,7 @@ class Environment:
                 task.id, 0.0, "env_error", error=f"{type(e).__name__}: {e}",
                 seconds=time.perf_counter() - t0,
             )  # fmt: skip
-        return await self.runner.run(task, actions)
+        return await self._same_machine(task, await self.runner.run(task, actions))
 
     # ---- forks --------------------------------------------------------------------------------
 
@@ -347,6 +389,7 @@ class Environment:
             )
             e.runner.adopt(task, history)
             out.append(e)
+            e.instance = await e.provider.instance()
         return out
 
     async def release(self, handle: str) -> None:

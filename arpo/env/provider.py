@@ -60,6 +60,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from arpo_envs.fleet_records import (
     Failure,
     FleetRecordError,
+    FleetReport,
     Forked,
     ForkRequest,
     Quarantined,
@@ -141,6 +142,12 @@ class Provider(Protocol):
 
     async def stop(self) -> None: ...
 
+    async def instance(self) -> str:
+        """Which machine serves now: a string that changes whenever the environment is
+        replaced by another (a fleet VM's new QEMU); '' when the provider cannot tell.
+        EnvError when it cannot be asked."""
+        ...
+
     can_fork: bool
 
     async def snapshot(self) -> str: ...
@@ -190,6 +197,12 @@ class StaticProvider:
 
     async def stop(self) -> None:
         return None
+
+    async def instance(self) -> str:
+        """'': a server started elsewhere, or a desktop, is not replaced behind the
+        actor's back (a desktop that restarts loses its connections, and the episode's next
+        request fails)."""
+        return ""
 
     can_fork = False
 
@@ -445,6 +458,19 @@ class FleetVMProvider:
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+    async def instance(self) -> str:
+        """The VM's QEMU process and replacement count in the fleet's report (`GET /fleet`):
+        the fleet replaces a VM whose QEMU exited or whose guest stopped answering by a new
+        one started from the golden snapshot, on the same URL, so a request in flight can
+        land on the replacement; 'gone' when the fleet no longer lists it."""
+        _, answer = await self._call("GET", "/fleet", None, FleetReport)
+        if isinstance(answer, Failure):
+            raise EnvError(f"VM fleet: GET /fleet failed: {brief(answer.error, 500)}")
+        for vm in (*answer.vms, *answer.clones):
+            if vm.name == self.name:
+                return f"QEMU pid {vm.qemu_pid}, replacement {vm.replacements}"
+        return "gone"
 
     can_fork = True
 

@@ -252,7 +252,7 @@ async def _audit_one(
     async def evaluate(what: str) -> float | None:
         """The checker's score, or None (and an eval problem) when it could not run."""
         try:
-            r = await runner.evaluate(task)
+            r = await env.evaluate(task)
         except Exception as e:  # e.g. a postconfig file whose bytes are not what it names
             eval_problems.append(f"{what}: {_err(e)}")
         else:
