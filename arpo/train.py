@@ -138,6 +138,14 @@ class TrainConfig:
 
     run_dir: str = option("runs/train", "Folder of the run (everything it writes).")
     model: str = option("", "Policy to start from ('' = the tiny model, warm-started).")
+    tiny_max_pixels: int = option(
+        0,
+        "Image budget of the tiny model's processor (`max_pixels`, written into "
+        "<run_dir>/tiny): a screenshot is resized to at most this many pixels, one image "
+        "token per 28x28 (0 = the default, 64 x 28 x 28: a 1280x720 screenshot is 60 "
+        "tokens; benchmarks/bench_long_context.py --max-pixels measures the cost of more). "
+        "Only with model ''; another model's budget is its saved processor's (max_pixels).",
+    )
     warm_start: bool = option(True, "With model '': `arpo sft` on oracle demonstrations first.")
     sft_epochs: int = option(
         60,
@@ -274,6 +282,18 @@ class TrainConfig:
             fail("vms", "must be >= 0")
         if self.seed < 0:
             fail("seed", "must be >= 0")
+        if self.tiny_max_pixels:
+            from arpo.policy.tiny import TINY_MIN_PIXELS
+
+            if self.model:
+                fail(
+                    "tiny_max_pixels",
+                    f"applies to the tiny model only; {self.model}'s image budget is its "
+                    "saved processor's max_pixels (the actor and the learner both read it "
+                    "there: edit its processor config)",
+                )
+            if self.tiny_max_pixels < TINY_MIN_PIXELS:
+                fail("tiny_max_pixels", f"must be 0 or >= {TINY_MIN_PIXELS} (its min_pixels)")
         if not self.tasks and self.sim_tasks_per_family < 1:
             fail("sim_tasks_per_family", "must be >= 1 (tasks generated per family)")
         if not self.tasks:
@@ -524,11 +544,20 @@ class TrainRun:
         cfg = self.config
         if cfg.model:
             return cfg.model
-        from arpo.policy.tiny import build_tiny_model
+        from arpo.policy.tiny import TINY_MAX_PIXELS, build_tiny_model
 
         tiny = self.run_dir / "tiny"
+        budget = cfg.tiny_max_pixels or TINY_MAX_PIXELS
         if not (tiny / "config.json").exists():
-            build_tiny_model(tiny, seed=cfg.seed)
+            build_tiny_model(tiny, seed=cfg.seed, max_pixels=budget)
+        else:
+            made = _tiny_max_pixels(tiny)
+            if made != budget:
+                raise ArpoError(
+                    f"{tiny} was built with an image budget of {made} pixels, and this run "
+                    f"asks for {budget} (tiny_max_pixels): give another run_dir, or remove "
+                    "that folder (and its warm start, sft/) to build it again"
+                )
         if not cfg.warm_start:
             return str(tiny)
         sft_dir = self.run_dir / "sft"
@@ -1160,6 +1189,15 @@ class TrainRun:
         (self.run_dir / "summary.json").write_text(json.dumps(out, indent=2))
         self.summary = out
         return out
+
+
+def _tiny_max_pixels(model: Path) -> int:
+    """The `max_pixels` a saved tiny model's processor was built with."""
+    from transformers import AutoProcessor
+
+    from arpo.policy.prompt import pixel_bounds
+
+    return int(pixel_bounds(AutoProcessor.from_pretrained(str(model)))[1])
 
 
 def _warm_start_observation(sft_dir: Path) -> str:

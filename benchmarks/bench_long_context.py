@@ -4,6 +4,9 @@
     python benchmarks/bench_long_context.py --observation-types screenshot,som --turns 1,15 --repeats 1
     python benchmarks/bench_long_context.py --turns 1,2 --repeats 1 --episodes 1 \\
         --observation-types a11y_tree,som --tasks click_button --out /tmp/lc     # smoke run
+    python benchmarks/bench_long_context.py --max-pixels 12544,50176,200704,802816 \\
+        --observation-types screenshot,som --tasks click_button --turns 1,5 \\
+        --save-as long-context-pixels                                  # the image budget
 
 The observation types are OSWorld's run.py's (`EpisodeConfig.observation_type`):
 `screenshot`, `a11y_tree` (the accessibility tree linearised to a table, no image),
@@ -51,9 +54,15 @@ is 60 image tokens (UI-TARS-1.5 spends thousands) and its byte-level BPE has abo
 tokens, so a table costs more tokens than Qwen's tokenizer would make of it (the JSON has
 the tables' characters per turn too).
 
-Medians of `--repeats`. Results: benchmarks/results/long-context-obs-<date>.{json,md}
-(`--out` for another folder) with the machine, commit and load average. Run it alone on
-the machine.
+The image budget (`--max-pixels`, a list): the processor's `max_pixels` that the tiny model
+is built with (`arpo-tiny-model --max-pixels`, `arpo train`'s `tiny_max_pixels`); each budget
+is a model of its own, its screens observed with it (a 1280x720 screenshot is resized to fit
+the budget in 28x28 units, one image token each), and the rows say which. The default is
+the tiny model's (`TINY_MAX_PIXELS`).
+
+Medians of `--repeats`. Results: benchmarks/results/<save-as>-<date>.{json,md} (`--save-as`
+defaults to long-context-obs; `--out` for another folder) with the machine, commit and load
+average. Run it alone on the machine.
 """
 
 from __future__ import annotations
@@ -314,19 +323,20 @@ def report(res: dict) -> str:
         "Real observations of the simulated desktop (1280x720), each type built by the "
         f"actor's `observe`, tables cut to {res['a11y_max_tokens']} tokens; "
         f"{res['response']}-token responses. Tokens are the tiny model's (60 image tokens a "
-        "screenshot; a byte-level BPE of about 800 tokens). Tokens per turn: what a turn's "
+        "1280x720 screenshot at its default budget; a byte-level BPE of about 800 tokens). Tokens per turn: what a turn's "
         "observation adds to the prompt; the first turn also has the system prompt and "
         "instruction.",
         "",
-        "| task | observation | turns | system + instruction (tokens) | tokens per turn | "
+        "| task | max pixels | observation | turns | system + instruction (tokens) | tokens per turn | "
         "of which table | table share | of which image | tables cut | prompt of the last "
         "turn | episode sequence | sampling the last turn (s) | learner forward (s) | "
         "learner step (s) | peak RSS (MiB) |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['task']} | {r['observation']} | {r['turns']} | {r['system_prompt_tokens']} | "
+            f"| {r['task']} | {r['max_pixels']} | {r['observation']} | {r['turns']} | "
+            f"{r['system_prompt_tokens']} | "
             f"{r['turn_tokens']:.0f} | {r['table_tokens_per_turn']:.0f} | "
             f"{r['table_share']:.0%} | {r['image_tokens_per_turn']:.0f} | "
             f"{r['tables_cut']}/{r['turns']} | {r['prompt_tokens_last_turn']} | "
@@ -340,14 +350,15 @@ def report(res: dict) -> str:
         f"{rows[0]['prefix_cache_tokens']}); trajectories per CPU minute = 60 / (an "
         "episode's share of the sampling time + its learner step):",
         "",
-        "| task | observation | turns | prompt tokens read | of which reused | sampling, no "
+        "| task | max pixels | observation | turns | prompt tokens read | of which reused | sampling, no "
         "cache (s) | with prefix cache (s) | turns/s, no cache | turns/s, prefix cache | "
         "ratio | trajectories per CPU min, no cache | prefix cache |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['task']} | {r['observation']} | {r['turns']} | {r['prompt_tokens_read']} | "
+            f"| {r['task']} | {r['max_pixels']} | {r['observation']} | {r['turns']} | "
+            f"{r['prompt_tokens_read']} | "
             f"{r['prompt_tokens_reused']} | {r['episodes_s_no_cache']:.2f} | "
             f"{r['episodes_s_prefix_cache']:.2f} | {r['turns_per_s_no_cache']:.1f} | "
             f"{r['turns_per_s_prefix_cache']:.1f} | "
@@ -359,13 +370,13 @@ def report(res: dict) -> str:
 
 
 def measure(args: argparse.Namespace, model: str, tmp: Path, families: list[str],
-            kinds: list[str], lengths: list[int]) -> list[dict]:  # fmt: skip
-    """Observe each family's screens once, then measure every (family, type, length) in a
-    process of its own; the rows in that order."""
+            kinds: list[str], lengths: list[int], max_pixels: int) -> list[dict]:  # fmt: skip
+    """Observe each family's screens once with `model` (built with `max_pixels`), then
+    measure every (family, type, length) in a process of its own; the rows in that order."""
     rows = []
     for family in families:
         t0 = time.perf_counter()
-        obs = tmp / f"{family}.msgpack"
+        obs = tmp / f"{family}-{max_pixels}.msgpack"
         capture(model, family, kinds, args.episodes, max(lengths), args.a11y_max_tokens, obs)
         print(f"{family}: {args.episodes} x {max(lengths)} screens observed in "
               f"{time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)  # fmt: skip
@@ -380,7 +391,8 @@ def measure(args: argparse.Namespace, model: str, tmp: Path, families: list[str]
                 if out.returncode != 0:
                     sys.stderr.write(out.stderr[-4000:])
                     raise SystemExit(f"{family} {kind} {k} turns: exit {out.returncode}")
-                rows.append({"task": family, **json.loads(out.stdout.strip().splitlines()[-1])})
+                row = json.loads(out.stdout.strip().splitlines()[-1])
+                rows.append({"task": family, "max_pixels": max_pixels, **row})
                 print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -405,7 +417,13 @@ def main() -> int:
     p.add_argument("--episodes", type=int, default=4, help="Episodes sampled at once.")
     p.add_argument("--a11y-max-tokens", type=int, default=EpisodeConfig().a11y_max_tokens,
                    help="Tokens each table is cut to (EpisodeConfig's default).")  # fmt: skip
+    p.add_argument("--max-pixels", default="",
+                   help="Image budgets (processor max_pixels), comma separated; '' = the tiny "
+                   "model's default.")  # fmt: skip
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="Results folder.")
+    p.add_argument(
+        "--save-as", default="long-context-obs", help="Results file name before the date."
+    )
     p.add_argument("--one", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--kind", default="", help=argparse.SUPPRESS)
     p.add_argument("--obs", default="", help=argparse.SUPPRESS)
@@ -422,13 +440,19 @@ def main() -> int:
     lengths = [int(x) for x in args.turns.split(",")]
     if min(lengths) < 1 or args.repeats < 1 or args.episodes < 1 or args.response < 1:
         p.error("--turns, --repeats, --episodes and --response must be >= 1")
-    from arpo.policy.tiny import build_tiny_model
+    from arpo.policy.tiny import TINY_MAX_PIXELS, TINY_MIN_PIXELS, build_tiny_model
 
+    budgets = [int(x) for x in args.max_pixels.split(",") if x] or [TINY_MAX_PIXELS]
+    if min(budgets) < TINY_MIN_PIXELS:
+        p.error(f"--max-pixels: each budget must be >= the tiny model's min_pixels "
+                f"{TINY_MIN_PIXELS}")  # fmt: skip
     tmp = Path(tempfile.mkdtemp(prefix="bench-long-"))
-    model = str(build_tiny_model(tmp / "tiny", seed=0))
     load = os.getloadavg()
+    rows = []
     try:
-        rows = measure(args, model, tmp, families, kinds, lengths)
+        for px in budgets:
+            model = str(build_tiny_model(tmp / f"tiny-{px}", seed=0, max_pixels=px))
+            rows += measure(args, model, tmp, families, kinds, lengths, px)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     date = dt.date.today().isoformat()
@@ -446,8 +470,8 @@ def main() -> int:
     }
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"long-context-obs-{date}.json").write_text(json.dumps(res, indent=2))
-    (out_dir / f"long-context-obs-{date}.md").write_text(report(res))
+    (out_dir / f"{args.save_as}-{date}.json").write_text(json.dumps(res, indent=2))
+    (out_dir / f"{args.save_as}-{date}.md").write_text(report(res))
     print(report(res))
     return 0
 

@@ -346,14 +346,14 @@ def test_arpo_train_refuses_a_warm_start_made_for_another_observation_type(tmp_p
 
     from arpo.config import load_config
     from arpo.errors import ArpoError
+    from arpo.policy.tiny import build_tiny_model
     from arpo.train import TrainConfig, TrainRun
 
     sft = tmp_path / "run" / "sft"
     sft.mkdir(parents=True)
     (sft / "config.json").write_text("{}")
     (sft / "offline.json").write_text(_json.dumps({"sft": {"observation_type": "screenshot"}}))
-    (tmp_path / "run" / "tiny").mkdir()
-    (tmp_path / "run" / "tiny" / "config.json").write_text("{}")
+    build_tiny_model(tmp_path / "run" / "tiny", seed=0)
     cfg = load_config(
         TrainConfig,
         None,
@@ -363,3 +363,31 @@ def test_arpo_train_refuses_a_warm_start_made_for_another_observation_type(tmp_p
         TrainRun(cfg).policy()
     same = load_config(TrainConfig, None, [f"run_dir={str(tmp_path / 'run')!r}"])
     assert TrainRun(same).policy() == str(sft)
+
+
+def test_arpo_train_builds_the_tiny_model_with_its_image_budget(tmp_path):
+    """`tiny_max_pixels` is the tiny model's processor budget: the saved processor has it
+    (the actor and the learner read it there), a 1280x720 screenshot costs as many image
+    tokens as it allows, a run folder built with another budget is refused, and the field
+    is refused beside a model of one's own."""
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    from arpo.config import ConfigError, load_config
+    from arpo.errors import ArpoError
+    from arpo.policy.prompt import EpisodePrompt, pixel_bounds
+    from arpo.train import TrainConfig, TrainRun
+
+    def run(*args: str) -> TrainRun:
+        over = [f"run_dir={str(tmp_path / 'run')!r}", "warm_start=false", *args]
+        return TrainRun(load_config(TrainConfig, None, over))
+
+    tiny = run("tiny_max_pixels=200704").policy()
+    processor = AutoProcessor.from_pretrained(tiny)
+    assert pixel_bounds(processor)[1] == 200704
+    prompt = EpisodePrompt.from_processor(processor, "click")
+    assert prompt.image_tokens(Image.new("RGB", (1280, 720))) == 252  # 60 at the default
+    with pytest.raises(ArpoError, match="tiny_max_pixels"):
+        run().policy()
+    with pytest.raises(ConfigError, match="tiny_max_pixels"):
+        load_config(TrainConfig, None, ["model='/some/model'", "tiny_max_pixels=200704"])
