@@ -136,3 +136,22 @@ def test_up_in_the_foreground_stops_everything_on_sigterm(tmp_path) -> None:
     assert proc.returncode == 0
     assert "stopped 2 desktops" in out_file.read_text()
     _assert_nothing_left(members, state)
+
+
+def test_vm_up_flags_set_the_fleets_fork_bounds() -> None:
+    """`arpo-envs vm up` sets every bound of the fleet's forks, and a bad one stops it with
+    the field named before any VM starts."""
+    from arpo_envs.cli import _vm_config, build_parser
+
+    args = build_parser().parse_args(
+        ["vm", "up", "--max-clones", "2", "--max-snapshots", "1", "--snapshot-ttl", "60",
+         "--snapshot-ram-dir", "/tmp"]
+    )  # fmt: skip
+    cfg = _vm_config(args)
+    assert (cfg.max_clones, cfg.max_snapshots, cfg.snapshot_ttl_s, cfg.snapshot_ram_dir) == (
+        2, 1, 60.0, "/tmp"
+    )  # fmt: skip
+    out = subprocess.run(
+        [*CLI, "vm", "up", "--snapshot-ttl", "0"], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 1 and "snapshot_ttl_s must be > 0" in out.stderr, out.stderr

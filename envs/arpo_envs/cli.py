@@ -184,6 +184,10 @@ def _vm_config(args: argparse.Namespace) -> object:
             firmware=args.firmware or ("uefi" if args.image else "bios"),
         ),
         health_interval_s=args.health_interval,
+        max_clones=args.max_clones,
+        max_snapshots=args.max_snapshots,
+        snapshot_ttl_s=args.snapshot_ttl,
+        snapshot_ram_dir=args.snapshot_ram_dir,
     )  # fmt: skip
 
 
@@ -254,6 +258,16 @@ def _add_vm_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
     u.add_argument("--height", type=int, default=720)
     u.add_argument("--internet", action="store_true", help="let the guests reach other hosts")
     u.add_argument("--health-interval", type=float, default=30.0, help="seconds (0: none)")
+    u.add_argument(
+        "--max-clones", type=int, default=8, help="forked VMs alive at once (0: no forks)"
+    )
+    u.add_argument("--max-snapshots", type=int, default=4, help="saved states held at once")
+    u.add_argument(
+        "--snapshot-ttl", type=float, default=1800.0, help="seconds before an unreleased one goes"
+    )
+    u.add_argument(
+        "--snapshot-ram-dir", default="", help="folder of the saved states' RAM (default /dev/shm)"
+    )
     u.add_argument("--detach", action="store_true", help="return once every VM answers")
     u.set_defaults(func=_vm_up)
     s = vsub.add_parser("status", help="state, accelerator and counters of the fleet")
