@@ -75,6 +75,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+from arpo_envs.procs import alive
 
 from arpo.config import check_range, fail, option
 from arpo.errors import SnapshotError
@@ -214,16 +215,6 @@ def _write_json(path: Path, data: Any) -> None:
         os.fsync(f.fileno())
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process
-        return True
-    return True
-
-
 def _remove_leftovers(root: Path) -> None:
     """Delete `.tmp-*` folders of writers that are gone (a crash mid-save or mid-delete)."""
     for entry in root.iterdir():
@@ -231,7 +222,7 @@ def _remove_leftovers(root: Path) -> None:
         if m is None or not entry.is_dir():
             continue
         pid = int(m.group(1))
-        if pid != os.getpid() and _pid_alive(pid):
+        if pid != os.getpid() and alive(pid):
             continue  # another live process is writing it
         log.info("checkpoint: removing the leftover %s", entry)
         shutil.rmtree(entry, ignore_errors=True)
