@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from _earlier import EARLIER_DEFAULTS, earlier_config
+from _runs import final_checkpoint
 
 log = logging.getLogger("ablate")
 
@@ -125,7 +126,6 @@ def _eval(policy: str, tasks: str, out: Path, runs: int, envs: int) -> float:
 def run_variant(args: argparse.Namespace, name: str, seed: int, model: str, tasks: str) -> dict:
     """One `arpo train` run of `name` with `seed`, its final evaluation and its curves."""
     from arpo.config import load_config
-    from arpo.learner.checkpoint import latest_checkpoint
     from arpo.learner.metrics import read_metrics
     from arpo.train import TrainConfig, TrainRun
 
@@ -156,9 +156,7 @@ def run_variant(args: argparse.Namespace, name: str, seed: int, model: str, task
         s["wall_s"] = round(time.monotonic() - t0, 1)
         summary.write_text(json.dumps(s, indent=2))
     rows = read_metrics(run_dir / "learner" / "metrics.jsonl")
-    ckpt = latest_checkpoint(run_dir / "learner" / "checkpoints", verify=False)
-    if ckpt is None:
-        raise SystemExit(f"{run_dir}: no checkpoint; see {run_dir / 'logs'}")
+    ckpt = final_checkpoint(run_dir)
     final = _eval(str(ckpt / "model"), tasks, run_dir / "eval", args.eval_runs, args.envs)
     curves = {k: [r.get(m) for r in rows] for k, m in TRACKED.items()}
     return {

@@ -89,6 +89,7 @@ from pathlib import Path
 from typing import Any
 
 from _earlier import earlier_config
+from _runs import final_checkpoint
 from _stats import t_interval
 
 log = logging.getLogger("experiment")
@@ -339,7 +340,6 @@ def _mean(xs: list[float]) -> float:
 
 
 def _online(args, method: str, seed: int, s: dict[str, Any]) -> dict[str, Any]:
-    from arpo.learner.checkpoint import latest_checkpoint
     from arpo.learner.metrics import read_metrics
     from arpo.train import TrainRun
 
@@ -355,9 +355,7 @@ def _online(args, method: str, seed: int, s: dict[str, Any]) -> dict[str, Any]:
         summary.write_text(json.dumps(sm, indent=2))
     sm = json.loads(summary.read_text())
     rows = read_metrics(run_dir / "learner" / "metrics.jsonl")
-    ckpt = latest_checkpoint(run_dir / "learner" / "checkpoints", verify=False)
-    if ckpt is None:
-        raise SystemExit(f"{run_dir}: no checkpoint; see {run_dir / 'logs'}")
+    ckpt = final_checkpoint(run_dir)
     ev = _eval(args, str(ckpt / "model"), s, run_dir / "eval")
     acc = sm.get("accounting", {})
     lr_min = _values(rows, "losses/seq_logratio_replay_min")

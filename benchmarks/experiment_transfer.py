@@ -58,6 +58,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from _runs import final_checkpoint
 from _stats import t_interval
 
 log = logging.getLogger("experiment_transfer")
@@ -132,7 +133,6 @@ def evaluate(args: argparse.Namespace, arm: str, model: str, tasks: Path, out: P
 def train(args: argparse.Namespace, arm: str, seed: int, model: str, out: Path) -> dict:
     """`arpo train` from the warm start on the seed's tasks; its summary and wall time."""
     from arpo.config import load_config
-    from arpo.learner.checkpoint import latest_checkpoint
     from arpo.train import TrainConfig, TrainRun
 
     run_dir = out / "runs" / f"{arm}-s{seed}"
@@ -157,9 +157,7 @@ def train(args: argparse.Namespace, arm: str, seed: int, model: str, out: Path) 
         sm["wall_s"] = round(time.monotonic() - t0, 1)
         summary.write_text(json.dumps(sm, indent=2))
     sm = json.loads(summary.read_text())
-    ckpt = latest_checkpoint(run_dir / "learner" / "checkpoints", verify=False)
-    if ckpt is None:
-        raise SystemExit(f"{run_dir}: no checkpoint; see {run_dir / 'logs'}")
+    ckpt = final_checkpoint(run_dir)
     return {"summary": sm, "model": str(ckpt / "model"), "tasks": str(run_dir / "tasks")}
 
 

@@ -329,14 +329,9 @@ def test_arpo_learner_under_torchrun_trains_with_a_real_actor(tmp_path, tiny_dir
     """`torchrun --nproc_per_node 2 -m arpo.learner.cli` (gloo, FSDP2): rank 0 binds the
     endpoints, a real actor fills groups, both ranks train, rank 0 writes metrics and a
     checkpoint that a single-process learner resumes from."""
-    import socket
+    from arpo_envs.procs import free_ports
 
-    ports = []
-    for _ in range(2):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            ports.append(s.getsockname()[1])
-    data, control = (f"tcp://127.0.0.1:{p}" for p in ports)
+    data, control = (f"tcp://127.0.0.1:{p}" for p in free_ports(2))
     run = tmp_path / "run"
     learner_args = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",

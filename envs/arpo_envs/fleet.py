@@ -25,10 +25,12 @@ was interrupted left behind. State files are records of `arpo_envs.fleet_records
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+import sys
+from abc import ABC
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any, ClassVar
 
 from arpo_envs.fleet_records import FleetStatus
@@ -62,12 +64,18 @@ class FleetHandle(ABC):
     envs: tuple[FleetEnv, ...]
     """Its environments, in order."""
 
-    @abstractmethod
-    def status(self) -> FleetStatus:
-        """The fleet's `FleetStatus` now."""
+    def _kind_module(self) -> ModuleType:
+        """The module of the handle's kind: its `status`, `down` and `GRACE_S` are the verbs."""
+        return sys.modules[type(self).__module__]
 
-    @abstractmethod
+    def status(self) -> FleetStatus:
+        """The fleet's `FleetStatus` now (the kind's `status(state_file)`)."""
+        return self._kind_module().status(self.state_file)  # type: ignore[no-any-return]
+
     def down(
         self, grace_s: float | None = None, announce: Callable[[str], Any] = print
     ) -> list[str]:
-        """Stop the fleet (`grace_s` before SIGKILL; None: the kind's default)."""
+        """Stop the fleet (the kind's `down`; `grace_s` before SIGKILL, None: its GRACE_S)."""
+        kind = self._kind_module()
+        grace = kind.GRACE_S if grace_s is None else grace_s
+        return kind.down(self.state_file, grace, announce)  # type: ignore[no-any-return]

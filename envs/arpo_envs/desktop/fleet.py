@@ -157,14 +157,6 @@ class DesktopFleet(FleetHandle):
     state: DesktopFleetState
     """What the state file holds (pids, roots, displays; no token)."""
 
-    def status(self) -> FleetStatus:
-        return status(self.state_file)
-
-    def down(
-        self, grace_s: float | None = None, announce: Callable[[str], Any] = print
-    ) -> list[str]:
-        return down(self.state_file, GRACE_S if grace_s is None else grace_s, announce)
-
 
 def _server_cmd(cfg: FleetConfig, i: int, root: str) -> list[str]:
     port = 0 if cfg.base_port == 0 else cfg.base_port + i

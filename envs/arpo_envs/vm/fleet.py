@@ -1065,14 +1065,6 @@ class VMFleet(FleetHandle):
     state: VMFleetState
     """Its state file's record when it became ready (control API, token, VMs)."""
 
-    def status(self) -> FleetStatus:
-        return status(self.state_file)
-
-    def down(
-        self, grace_s: float | None = None, announce: Callable[[str], Any] = print
-    ) -> list[str]:
-        return down(self.state_file, GRACE_S if grace_s is None else grace_s, announce)
-
 
 def read_state(state_file: Path | None = None) -> VMFleetState | None:
     """The state file's record; None when there is none or it cannot be read as one."""
