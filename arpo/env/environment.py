@@ -389,7 +389,13 @@ class Environment:
             )
             e.runner.adopt(task, history)
             out.append(e)
-            e.instance = await e.provider.instance()
+        try:
+            for e in out:
+                e.instance = await e.provider.instance()
+        except BaseException:
+            for e in out:
+                await e.close()
+            raise
         return out
 
     async def release(self, handle: str) -> None:
