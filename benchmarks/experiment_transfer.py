@@ -165,6 +165,7 @@ def run_arm(args: argparse.Namespace, arm: str, seeds: list[int], out: Path, res
     model, sft = warm_start(args, arm, out)
     unseen = out / "unseen"
     held = _write_pool(unseen, args.family, args.unseen, UNSEEN_TASK_SEED)
+    _disjoint_from_demos(args, held)
     arm_res = res["arms"].setdefault(arm, {"seeds": {}})
     arm_res["sft"] = {k: sft.get(k) for k in ("demos", "steps", "nll_after", "wall_s")}
     arm_res["warm_unseen"] = evaluate(args, arm, model, unseen, out / "evals" / f"{arm}-warm")
@@ -187,6 +188,15 @@ def run_arm(args: argparse.Namespace, arm: str, seeds: list[int], out: Path, res
         (out / "results.json").write_text(json.dumps(res, indent=2))
 
 
+def _disjoint_from_demos(args: argparse.Namespace, held: list[str]) -> None:
+    """SystemExit when an unseen task is among the warm start's demonstration tasks."""
+    from arpo.offline.demos import sim_task_pool
+
+    demo_ids = {t["id"] for t in sim_task_pool([args.family], args.demos, seed=DEMO_TASK_SEED)}
+    if demo_ids & set(held):
+        raise SystemExit("unseen tasks among the demonstrations' tasks")
+
+
 def curve(args: argparse.Namespace, arm: str, out: Path) -> list[dict[str, Any]]:
     """The warm start's greedy success on seen and unseen tasks by epochs (see `--curve`)."""
     from arpo.offline.data import read_trajectories, write_trajectories
@@ -199,8 +209,7 @@ def curve(args: argparse.Namespace, arm: str, out: Path) -> list[dict[str, Any]]
         build_tiny_model(tiny, seed=0)
     demo_tasks = sim_task_pool([args.family], args.demos, seed=DEMO_TASK_SEED)
     unseen = sim_task_pool([args.family], args.unseen, seed=UNSEEN_TASK_SEED)
-    if {t["id"] for t in demo_tasks} & {t["id"] for t in unseen}:
-        raise SystemExit("unseen tasks among the demonstrations' tasks")
+    _disjoint_from_demos(args, [t["id"] for t in unseen])
     ddir = out / f"demos-{arm}"
     if not ddir.exists():
         demos, _ = record_demos(demo_tasks, str(tiny), n_envs=2, max_steps=0,
