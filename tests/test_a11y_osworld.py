@@ -12,7 +12,8 @@ the functions compared never touch them.
 For every tree (each task family's scene of the simulated desktop, and the states after a
 first action: a menu open, a dialog up, a list scrolled, a field holding quotes; a
 hand-written tree in the shape of the Ubuntu VM server's AT-SPI dump, compact and indented;
-a hand-written Windows tree), both sides give the linearised table; for the Ubuntu trees,
+a hand-written Windows tree; a real local desktop's AT-SPI tree with mousepad and its menu
+open, `--atspi`), both sides give the linearised table; for the Ubuntu trees,
 with a screenshot, also the set-of-marks: the marks' boxes, the mark table and the tagged
 screenshot, compared pixel for pixel. Not compared: `trim` (OSWorld counts tiktoken tokens,
 the project the policy's own, see the module's deviation 3) and the set-of-marks of the
@@ -26,14 +27,19 @@ import io
 import json
 import subprocess
 import xml.etree.ElementTree as ET
+from pathlib import Path
 from typing import Any
 
 import pytest
+from arpo_envs.desktop.atspi import NS
 from arpo_envs.sim.desktop import Desktop
 from arpo_envs.sim.interpreter import execute
 from arpo_envs.sim.tasks import FAMILIES, load_scene
 from osworld_fixtures.evaluator import PYTHON, needs_evaluator
 from PIL import Image, ImageChops, ImageDraw
+from test_desktop_atspi import box, mousepad, require_atspi, tree
+from test_desktop_common import running_desk
+from test_desktop_common import wait_until as until
 
 from arpo.env import a11y
 
@@ -188,6 +194,26 @@ def _sim_state(family: str, seed: int, actions: list[str]) -> tuple[str, bytes]:
     return desk.accessibility_xml(), desk.screenshot_png()
 
 
+def _local_atspi_state(root: Path) -> tuple[str, bytes]:
+    """A real local desktop's AT-SPI tree and screenshot (`--atspi`): mousepad on a file
+    whose text has quotes and a tab, its Edit menu open."""
+    require_atspi()
+    with running_desk(root, "--atspi") as desk:
+        desk.sh("printf 'say \"hi\"\\tthere\\n' > ~/quoted.txt")
+        assert desk.post("/setup/open_file", {"path": "/home/user/quoted.txt"}).status == 200
+        menu = next(m for m in mousepad(desk).iter("menu") if m.get("name") == "Edit")
+        x, y, w, h = box(menu)
+        desk.act(f"pyautogui.click({x + w // 2}, {y + h // 2})")
+        until(lambda: "menu-item" in ET.tostring(tree(desk), encoding="unicode"))
+        until(
+            lambda: any(
+                i.get(f"{{{NS['st']}}}showing") == "true"
+                for i in tree(desk).iter("menu-item")
+            )
+        )  # fmt: skip
+        return desk.get("/accessibility").json()["AT"], desk.get("/screenshot").body
+
+
 def _first_action(family: str, seed: int) -> list[str]:
     """The first action of the oracle of (family, seed)."""
     return load_scene(Desktop(), family, seed).oracle[:1]
@@ -212,9 +238,11 @@ def _cases() -> dict[str, dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def both() -> dict[str, tuple[dict[str, Any], dict[str, Any]]]:
+def both(tmp_path_factory) -> dict[str, tuple[dict[str, Any], dict[str, Any]]]:
     """Case name -> (the case, OSWorld's answer for it); one OSWorld process for all."""
     cases = _cases()
+    xml, png = _local_atspi_state(tmp_path_factory.mktemp("atspi"))
+    cases["local-atspi"] = {"xml": xml, "png": png}
     sent = [
         {
             "xml": c["xml"],
@@ -281,5 +309,8 @@ def test_the_cases_exercise_the_rules(both) -> None:
     windows = both["windows"][1]["table"]
     assert '\t"typed ""text"""\t' in windows and "Closes the window" in windows
     assert "sim-dialog-up" in both and "Cancel" in both["sim-dialog-up"][1]["mark_table"]
+    local = both["local-atspi"][1]["table"]
+    assert "menu\tEdit\t" in local and "menu-item\tSelect All" in local, local
+    assert '\t"say ""hi""\tthere' in local, local
     quoted = both["sim-quoted-text"][1]["table"]
     assert '\t"say ""hi"" now"\t' in quoted

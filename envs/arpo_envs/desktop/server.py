@@ -21,7 +21,7 @@ reset empties (`home.private_tmp`; without a private mount namespace only `$TMPD
 | POST /screen_size | - | {width, height} |
 | GET /platform | - | text "Linux" |
 | GET /terminal | - | {output: null, status} (no AT-SPI; a liveness ping) |
-| GET /accessibility | - | {AT: xml}: applications and their frames only (no AT-SPI, see `windows`) |
+| GET /accessibility | - | {AT: xml}: with `atspi`, the AT-SPI trees of the apps that register (GTK 3) in OSWorld's format (`atspi`); other windows as application > frame (`windows`) |
 | GET /cursor_position | - | [x, y] |
 | POST /run_python | {code} | {status, message, need_more, output, error, return_code} |
 | POST /run_bash_script | {script, timeout?, working_dir?} | {status, output (stdout+stderr), error, returncode} |
@@ -64,6 +64,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from arpo_envs.desktop import home as homes
+from arpo_envs.desktop.atspi import A11yBus, read_apps
 from arpo_envs.desktop.display import XDisplay
 from arpo_envs.desktop.executor import (
     MAX_ANSWER_BYTES,
@@ -103,6 +104,9 @@ holding a server grab made screenshots hang and every thread that touched X wait
 X_WORK_S = 10.0
 """Longest wait for X work that began while the server answered (a grab can start
 mid-way); else 503."""
+ATSPI_DEADLINE_S = 30.0
+"""Longest walk of the AT-SPI applications for one /accessibility answer (each D-Bus call
+waits at most 5 s); applications not walked by then are left out and logged."""
 WINDOWS_GONE_S = 5.0
 """Longest wait, at reset, for the killed programs' windows to leave the window manager's
 list; a warning names what is left after it."""
@@ -170,6 +174,11 @@ class DesktopConfig:
     """Size of the desktop's own /tmp (a tmpfs, emptied by every reset) where the server has
     a private mount namespace; elsewhere `$TMPDIR` is `<root>/tmp`, emptied by reset, which
     reports its bytes and logs when they exceed this."""
+    atspi: bool = False
+    """Run a session bus and the AT-SPI registry (`arpo_envs.desktop.atspi`, kept across
+    resets): GTK 3 apps (mousepad) then register their widgets, and GET /accessibility
+    answers their whole trees as OSWorld's VM server does; other apps (LibreOffice's X11
+    plugin, xterm) stay frames. False: frames only, no bus (apps start a little faster)."""
 
     def __post_init__(self) -> None:
         if self.width < 320 or self.height < 240:
@@ -231,6 +240,10 @@ class Desktop:
         )
         self.lo_template: Path | None = None
         self.executor: WarmExecutor | None = None
+        self.bus: A11yBus | None = A11yBus(root, self.env) if config.atspi else None
+        if self.bus is not None:  # every process of the desktop on its session bus
+            self.env.update(self.bus.session_env())
+            self.env.pop("NO_AT_BRIDGE", None)
         self.screen: Screen | None = None
         self.launched: list[subprocess.Popen] = []
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="reset")
@@ -246,6 +259,8 @@ class Desktop:
         self.lo_template = homes.libreoffice_template()
         self._rebuild_home()
         self.display.start()
+        if self.bus is not None:
+            self.bus.start()
         if self.config.inprocess:
             self.executor = WarmExecutor(
                 self.env, self.home, self.config.pause_s, str(self.root / "logs" / "executor.log")
@@ -255,13 +270,19 @@ class Desktop:
         self.screen = Screen(self.display.name, self.config.draw_cursor)
 
     def _keep(self) -> list[int]:
-        """Processes a reset keeps: the display and the warm executor."""
-        return self.display.pids() + (self.executor.pids() if self.executor else [])
+        """Processes a reset keeps: the display, the warm executor and the buses."""
+        return (
+            self.display.pids()
+            + (self.executor.pids() if self.executor else [])
+            + (self.bus.pids() if self.bus else [])
+        )
 
     def stop(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self.executor is not None:
             self.executor.stop()
+        if self.bus is not None:
+            self.bus.stop()
         kill_marked(self.root, exclude=self.display.pids(), tree=os.getpid())
         self.display.stop()
         kill_marked(self.root, tree=os.getpid())
@@ -299,7 +320,11 @@ class Desktop:
         """Kill every process of the desktop but the display and the warm executor's own
         process, without the executor's lock: a program waiting on a grabbed X server
         holds that lock until its timeout (up to 120 s)."""
-        keep = self.display.pids() + ([self.executor.pid] if self.executor is not None else [])
+        keep = (
+            self.display.pids()
+            + ([self.executor.pid] if self.executor is not None else [])
+            + (self.bus.pids() if self.bus is not None else [])
+        )
         return await self._bg(kill_marked, self.root, [p for p in keep if p], 3.0, os.getpid())
 
     async def reset(self, restart_display: bool) -> dict[str, Any]:
@@ -314,6 +339,9 @@ class Desktop:
             await self._bg(self.display.stop)
             await self._bg(self.display.start)
             restarted = True
+        if self.bus is not None and (restarted or not self.bus.alive()):
+            await self._bg(self.bus.stop)  # the bus launcher holds the old display
+            await self._bg(self.bus.start)
             if self.executor is not None:  # its pyautogui read the old display's keymap
                 self.executor.start()
             if self.screen is not None:
@@ -505,7 +533,16 @@ class DesktopServer:
 
     async def accessibility(self, request: web.Request) -> web.Response:
         windows = await self._x(asyncio.to_thread(self._windows))
-        return web.json_response({"AT": accessibility_xml(windows)})
+        registered = []
+        bus = self.desk.bus
+        if bus is not None:
+            if not bus.alive():
+                raise RequestError(
+                    "the desktop's session bus or AT-SPI registry is not running; POST /reset "
+                    "restarts it", 503,
+                )  # fmt: skip
+            registered = await asyncio.to_thread(read_apps, bus.address, 5.0, ATSPI_DEADLINE_S)
+        return web.json_response({"AT": accessibility_xml(windows, registered)})
 
     def _windows(self):
         wl = WindowList(self.desk.display.name)
@@ -1021,6 +1058,11 @@ def _parser() -> argparse.ArgumentParser:
         "--tmp-max-mb", type=int, default=512, help="size of the desktop's own /tmp (MiB)"
     )
     p.add_argument(
+        "--atspi",
+        action="store_true",
+        help="a session bus and the AT-SPI registry: /accessibility gives GTK apps' whole trees",
+    )
+    p.add_argument(
         "--vm-guest",
         action="store_true",
         help="inside a fleet VM: bind any address without a token (only the host's loopback "
@@ -1084,6 +1126,7 @@ def main(argv: list[str] | None = None) -> int:
             inprocess=not args.no_inprocess,
             draw_cursor=not args.no_cursor,
             vm_guest=args.vm_guest,
+            atspi=args.atspi,
             tmp_max_bytes=args.tmp_max_mb << 20,
         )
     except ValueError as e:

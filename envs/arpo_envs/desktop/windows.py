@@ -5,10 +5,10 @@ poll, no process per poll). Activating and closing go through `wmctrl`, with the
 matching rules of OSWorld's server: the name is a case-insensitive substring of the
 title, `strict` asks for the whole title with its case, `by_class` matches WM_CLASS.
 
-`accessibility_xml` is a minimal stand-in for the AT-SPI tree: AT-SPI needs a session
-bus and the apps' accessibility bridges, which these desktops run without (for speed
-and so nothing outlives a reset). It lists applications and their frames with
-title, state and geometry in OSWorld's namespaces; nothing below a frame.
+`accessibility_xml` builds the desktop's tree in OSWorld's format: the AT-SPI trees of the
+applications that registered (`arpo_envs.desktop.atspi`, on a desktop started with
+`atspi=True`), and for every other window (all of them without `atspi`) its application
+and frame with title, state and geometry, nothing below the frame.
 """
 
 from __future__ import annotations
@@ -111,13 +111,21 @@ def wmctrl(action: str, name: str, strict: bool, by_class: bool, env: dict[str, 
     return r.returncode
 
 
-def accessibility_xml(windows: list[Window]) -> str:
-    """A minimal OSWorld-style tree: desktop-frame > application > frame."""
+def accessibility_xml(
+    windows: list[Window], registered: list[tuple[int | None, ET.Element]] = ()
+) -> str:
+    """OSWorld's tree: desktop-frame > the `registered` AT-SPI applications (process id,
+    tree), then application > frame for each window no registered process owns."""
     ET.register_namespace("st", NS_STATE)
     ET.register_namespace("cp", NS_COMPONENT)
     root = ET.Element("desktop-frame", {"name": "main"})
+    for _, tree in registered:
+        root.append(tree)
+    covered = {pid for pid, _ in registered if pid is not None}
     apps: dict[str, ET.Element] = {}
     for w in windows:
+        if w.pid is not None and w.pid in covered:
+            continue
         app_name = w.wm_class[-1] if w.wm_class else "unknown"
         app = apps.get(app_name)
         if app is None:
