@@ -169,7 +169,10 @@ class TrainConfig:
     actors: int = option(1, "Actor processes with simulated desktops.")
     sim_envs_per_actor: int = option(4, "Simulated desktops per actor.")
     local_desktops: int = option(
-        0, "Real local desktops (Xvfb + openbox + apps) driven by one more actor."
+        0,
+        "Real local desktops (Xvfb + openbox + apps) driven by one more actor; with an "
+        "observation type that shows a table they serve their apps' AT-SPI trees "
+        "(`arpo-envs up --atspi`).",
     )
     local_tasks: str = option(
         "", "Tasks for the real desktops ('' = the package's local task suite)."
@@ -682,7 +685,9 @@ class TrainRun:
         """The run's local desktops: their URLs and each one's own bearer token."""
         from arpo_envs.desktop.fleet import FleetConfig, up
 
-        cfg = FleetConfig(n=self.config.local_desktops, base_port=0,
+        # a tree in the prompt: the desktops serve their apps' AT-SPI trees
+        tree = self.config.actor.episode.observation_type != "screenshot"
+        cfg = FleetConfig(n=self.config.local_desktops, base_port=0, atspi=tree,
                           state_file=self.run_dir / "desktops.json", tokens=True)  # fmt: skip
         self.desktop_state = cfg.state_file
         fleet = up(cfg, announce=lambda s: log.info("desktop: %s", s))

@@ -171,3 +171,33 @@ def test_without_atspi_the_tree_is_frames_and_no_bus_runs(tmp_path) -> None:
         assert env == ["disabled:", "1"]
     finally:
         stop_desk_proc(d.proc)
+
+
+# `up` starts the servers detached and keeps no Popen of them: their __del__ warns
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.filterwarnings("ignore::ResourceWarning")
+def test_arpo_envs_up_atspi_gives_every_desktop_its_bus(tmp_path) -> None:
+    """`arpo-envs up --atspi` (what `arpo train` starts for a tree observation type): each
+    desktop's processes are on that desktop's own session bus, and `down` leaves nothing."""
+    from arpo_envs.cli import build_parser
+    from arpo_envs.desktop.fleet import FleetConfig, up
+
+    require_atspi()
+    assert build_parser().parse_args(["up", "--atspi"]).atspi is True
+    cfg = FleetConfig(n=2, base_port=0, atspi=True, state_file=tmp_path / "state.json")
+    fleet = up(cfg)
+    try:
+        buses = []
+        for e in fleet.envs:
+            d = Desk(e.url, "", "", "", 0, None)  # type: ignore[arg-type]
+            buses.append(d.sh("echo $DBUS_SESSION_BUS_ADDRESS")["output"].strip())
+            ask = (
+                "python -c 'import os; from arpo_envs.desktop.atspi import a11y_address; "
+                'print(a11y_address(os.environ["DBUS_SESSION_BUS_ADDRESS"]))\''
+            )
+            assert d.sh(ask)["output"].startswith("unix:"), d.sh(ask)
+        assert all(b.startswith("unix:path=") for b in buses) and len(set(buses)) == 2, buses
+        roots = [s.root for s in fleet.state.servers]
+    finally:
+        fleet.down()
+    assert all(marked_pids(r) == [] for r in roots)

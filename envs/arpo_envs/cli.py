@@ -117,6 +117,7 @@ def _up(args: argparse.Namespace) -> int:
             width=args.width,
             height=args.height,
             files_template=args.files_template,
+            atspi=args.atspi,
             **kwargs,
         )
         up(cfg, announce=lambda s: print(s, flush=True))
@@ -353,6 +354,12 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--width", type=int, default=1280)
     u.add_argument("--height", type=int, default=720)
     u.add_argument("--files-template", default=None, help="directory copied to home on reset")
+    u.add_argument(
+        "--atspi",
+        action="store_true",
+        help="a session bus and the AT-SPI registry per desktop: /accessibility gives GTK apps' "
+        "whole trees (for the a11y_tree, screenshot_a11y_tree and som observations)",
+    )
     u.add_argument("--state", default=None, help="state file (default $ARPO_DESKTOP_STATE or /tmp)")
     u.add_argument("--detach", action="store_true", help="return once all desktops answer")
     u.set_defaults(func=_up)

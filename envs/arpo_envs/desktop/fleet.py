@@ -107,6 +107,9 @@ class FleetConfig:
     """Screen height of every desktop."""
     files_template: str | None = None
     """Directory copied into every home on reset."""
+    atspi: bool = False
+    """Each desktop runs a session bus and the AT-SPI registry, so GET /accessibility gives
+    GTK apps' whole trees (`arpo_envs.desktop.atspi`); False: windows as frames only."""
     state_file: Path = field(default_factory=default_state_file)
     """Where pids and ports are kept for `down`."""
     root_base: str = "/tmp"
@@ -165,6 +168,8 @@ def _server_cmd(cfg: FleetConfig, i: int, root: str) -> list[str]:
     cmd += ["--root", root]
     if cfg.files_template:
         cmd += ["--files-template", cfg.files_template]
+    if cfg.atspi:
+        cmd.append("--atspi")
     return cmd
 
 
