@@ -201,3 +201,57 @@ def test_arpo_envs_up_atspi_gives_every_desktop_its_bus(tmp_path) -> None:
     finally:
         fleet.down()
     assert all(marked_pids(r) == [] for r in roots)
+
+
+def test_an_a11y_tree_episode_on_the_local_suite_sees_the_desktops_table(desk: Desk, tmp_path):
+    """A local-suite task (mousepad) played by its oracle with `a11y_tree`: the first prompt
+    holds the linearised table of what /accessibility answers on that screen (mousepad's
+    widgets, the file's text), and the checker scores the episode 1."""
+    import asyncio
+    import json
+
+    from arpo_envs.tasks import SUITE_DIR
+    from transformers import AutoProcessor
+
+    from arpo import wire
+    from arpo.actor.episode import EpisodeConfig, run_episode
+    from arpo.actor.scripted import ScriptedPolicy
+    from arpo.env.environment import Environment
+    from arpo.env.runner import RunnerConfig
+    from arpo.env.task import Task, load_task_pool
+    from arpo.env.taskfiles import BlobCache, FileSource, TaskFiles
+    from arpo.policy.prompt import pixel_bounds
+    from arpo.policy.prompt_text import observation_text
+    from arpo.policy.tiny import build_tiny_model
+    from arpo.record import Status
+
+    processor = AutoProcessor.from_pretrained(build_tiny_model(tmp_path / "tiny"))
+    tok = processor.tokenizer
+    lo, hi = pixel_bounds(processor)
+    index = TaskFiles()
+    [task] = load_task_pool(SUITE_DIR / "text_editor" / "editor-append-line.json", index)
+    files = FileSource.local(index, BlobCache(tmp_path / "cache"))
+    # the scripted policy turns each oracle step into one UI-TARS action: no sleeps
+    task["oracle"] = [re.sub(r"; time\.sleep\([\d.]+\)", "", a) for a in task["oracle"]]
+    cfg = EpisodeConfig(max_steps=0, observation_type="a11y_tree")
+    cfg.validate()
+
+    async def go():
+        env = Environment(0, desk.url, RunnerConfig(reset_before_setup=True), files=files)
+        try:
+            assert await env.prepare(Task.from_dict(task, domain="local")) is None
+            until(lambda: "mousepad" in desk.get("/accessibility").json()["AT"])
+            xml = await env.client.accessibility()
+            grant = wire.Grant("g/0/1", task["id"], "g", 0, 0, json.dumps(task))
+            policy = ScriptedPolicy(tokenizer=tok, min_pixels=lo, max_pixels=hi)
+            return xml, await run_episode(env, grant, policy, cfg, actor_id="a0")
+        finally:
+            await env.close()
+
+    xml, traj = asyncio.run(go())
+    assert traj.status == Status.OK and traj.checker_score == 1.0, traj.error
+    table = a11y.trim(a11y.linearize(xml), tok, cfg.a11y_max_tokens)
+    assert "text\t\t" in table and "menu\tFile" in table, table
+    want = tok.encode(observation_text("a11y_tree", table), add_special_tokens=False)
+    ids = traj.turns[0].prompt_ids.tolist()
+    assert any(ids[i : i + len(want)] == want for i in range(len(ids) - len(want) + 1))
