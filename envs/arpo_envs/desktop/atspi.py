@@ -122,6 +122,8 @@ class A11yBus:
     def __init__(self, root: Path, env: dict[str, str]):
         self.socket = root / "run" / "bus"
         self.address = f"unix:path={self.socket}"
+        self.a11y = ""
+        """The accessibility bus's address, asked once per start (not per tree read)."""
         self.env = env
         self.daemon: subprocess.Popen | None = None
         self.launcher: subprocess.Popen | None = None
@@ -160,7 +162,7 @@ class A11yBus:
         own(self.launcher.pid)
         while True:
             try:
-                a11y_address(self.address, timeout_s=1.0)
+                self.a11y = a11y_address(self.address, timeout_s=1.0)
                 return
             except Exception as e:
                 if self.launcher.poll() is not None or time.monotonic() > deadline:
@@ -190,6 +192,7 @@ class A11yBus:
                 p.wait(5)
                 disown(p.pid)
         self.daemon = self.launcher = None
+        self.a11y = ""
 
 
 def _connect(address: str, timeout_s: float):
@@ -296,13 +299,13 @@ class _Walker:
 
 
 def read_apps(
-    session_address: str, timeout_s: float = 5.0, deadline_s: float = 30.0
+    a11y_bus: str, timeout_s: float = 5.0, deadline_s: float = 30.0
 ) -> list[tuple[int | None, ET.Element]]:
     """Every registered application's tree with its process id, in the registry's order.
 
     Each D-Bus call waits at most `timeout_s`; applications not walked by `deadline_s` after
     the start are left out (logged), like an application that fails while it is walked."""
-    conn = _connect(a11y_address(session_address, timeout_s), timeout_s)
+    conn = _connect(a11y_bus, timeout_s)
     try:
         w = _Walker(conn, timeout_s)
         t0 = time.monotonic()

@@ -541,7 +541,7 @@ class DesktopServer:
                     "the desktop's session bus or AT-SPI registry is not running; POST /reset "
                     "restarts it", 503,
                 )  # fmt: skip
-            registered = await asyncio.to_thread(read_apps, bus.address, 5.0, ATSPI_DEADLINE_S)
+            registered = await asyncio.to_thread(read_apps, bus.a11y, 5.0, ATSPI_DEADLINE_S)
         return web.json_response({"AT": accessibility_xml(windows, registered)})
 
     def _windows(self):

@@ -19,8 +19,9 @@ from dataclasses import dataclass
 
 from Xlib import X, display, error
 
-NS_STATE = "https://accessibility.ubuntu.example.org/ns/state"
-NS_COMPONENT = "https://accessibility.ubuntu.example.org/ns/component"
+from arpo_envs.desktop.atspi import NS
+
+NS_STATE, NS_COMPONENT = NS["st"], NS["cp"]
 
 
 @dataclass(frozen=True, slots=True)
