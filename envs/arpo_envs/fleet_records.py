@@ -126,7 +126,7 @@ class VMStatus:
     url: str
     """Base URL of its OSWorld server."""
     state: str
-    """starting | ready | reverting | snapshotting | replacing | failed | released."""
+    """starting | ready | reverting | snapshotting | replacing | failing | failed | released."""
     qemu_pid: int
     """Pid of its current QEMU process (0: none)."""
     last_error: str

@@ -247,7 +247,8 @@ class Member:
     port: int
     vm: QemuVM
     state: str = "starting"
-    """starting | ready | reverting | snapshotting | replacing | failed | released"""
+    """starting | ready | reverting | snapshotting | replacing | failing (a clone, its reason
+    being settled) | failed | released"""
     streak: list[str] = field(default_factory=list)
     """What failed since the last success: task ids, or '<revert>' / '<health>'."""
     replacements: int = 0
@@ -468,10 +469,12 @@ class Fleet:
 
     async def replace(self, m: Member, reason: str) -> None:
         """Kill the member's QEMU and start a new one from the golden snapshot."""
-        if self._stopping or m.state in ("replacing", "failed", "released"):
+        if self._stopping or m.state in ("replacing", "failing", "failed", "released"):
             return
         if m.snapshot:  # a clone cannot be made again: it is failed until its release
-            m.state = "failed"
+            # 'failing' while the reason is settled: a client polling the health sees
+            # 'failed' only with the final reason beside it
+            m.state = "failing"
             proc = m.vm.proc
             if proc is not None and "QEMU exited" not in reason:
                 # a check can see the guest's connection reset before QEMU is gone (a
@@ -484,6 +487,7 @@ class Fleet:
                 if proc.returncode is not None:
                     reason = f"QEMU exited with code {proc.returncode} ({reason})"
             m.last_error = reason
+            m.state = "failed"
             self.event("clone_failed", m.name, snapshot=m.snapshot, reason=reason)
             await m.vm.kill()
             self.write_state(ready=True)
@@ -1004,6 +1008,8 @@ def make_app(fleet: Fleet) -> Any:
         if m.state != "ready":
             return answer(VMHealth(False, m.state, m.last_error))
         ok, why = await fleet.check(m)
+        if not ok and m.state != "ready":  # failed meanwhile (its QEMU exited): say why
+            why = m.last_error or why
         return answer(VMHealth(ok, m.state, why))
 
     app = web.Application(middlewares=[auth], client_max_size=1 << 20)
