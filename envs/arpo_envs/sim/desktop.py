@@ -24,6 +24,7 @@ from typing import Any
 
 from PIL import Image, ImageDraw
 
+from arpo_envs.desktop.atspi import NS
 from arpo_envs.sim.png import BandPngEncoder
 from arpo_envs.sim.widgets import ListBox, MenuBar, Theme, Widget, Window, font
 
@@ -86,15 +87,6 @@ def _cursor_sprite() -> Image.Image:
 
 
 _CURSOR = _cursor_sprite()
-
-# Namespaces of OSWorld's Ubuntu accessibility tree, so its tree tools read ours.
-A11Y_NS = {
-    "st": "https://accessibility.ubuntu.example.org/ns/state",
-    "attr": "https://accessibility.ubuntu.example.org/ns/attributes",
-    "cp": "https://accessibility.ubuntu.example.org/ns/component",
-}
-for _prefix, _uri in A11Y_NS.items():
-    ET.register_namespace(_prefix, _uri)
 
 
 class StatePathError(LookupError):
@@ -402,7 +394,7 @@ class Desktop:
           title in the menu bar is `expanded` and `selected`;
         - list rows scrolled out of view are not `showing` (box x, -1, w, 0).
         """
-        st, cp = A11Y_NS["st"], A11Y_NS["cp"]
+        st, cp = NS["st"], NS["cp"]  # OSWorld's, so its tree tools read ours
 
         def node(
             parent: ET.Element,
