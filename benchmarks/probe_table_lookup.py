@@ -20,6 +20,10 @@ tokens each in the tiny tokenizer, 3.9 on average, the case of the experiment);
 `--names single`: names are words the tiny tokenizer holds as one token (the case of a
 real model's vocabulary, where "Save" or "Restore" is one token).
 
+`--layers N`: the same model with N text layers instead of 2 (a content match that then
+copies the row's number needs a layer to move the number beside the name and one to match;
+the question's name sits four tokens before the answer, which takes a third hop).
+
 Reported: the curve (steps, loss, accuracy, seconds). AdamW, `--lr`, batch `--batch`.
 """
 
@@ -109,6 +113,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--eval-every", type=int, default=200)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument(
+        "--layers",
+        type=int,
+        default=0,
+        help="Text layers of the model (0: the tiny model's own, 2).",
+    )
     p.add_argument("--save-as", default="", help="Write benchmarks/results/<name>.json.")
     args = p.parse_args(argv)
 
@@ -121,6 +131,15 @@ def main(argv: list[str] | None = None) -> int:
     folder = build_tiny_model(Path(tempfile.mkdtemp(prefix="probe-tiny-")) / "m", seed=0)
     tok = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
+    if args.layers:  # the same model with more text layers, fresh weights of the same init
+        from transformers import Qwen2_5_VLForConditionalGeneration
+
+        config = model.config
+        config.text_config.num_hidden_layers = args.layers
+        config.text_config.layer_types = ["full_attention"] * args.layers
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            model = Qwen2_5_VLForConditionalGeneration(config).to(torch.float32)
     names = name_pool(args.names, tok)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     rng = random.Random(args.seed)
