@@ -487,7 +487,8 @@ class Fleet:
                 if proc.returncode is not None:
                     reason = f"QEMU exited with code {proc.returncode} ({reason})"
             m.last_error = reason
-            m.state = "failed"
+            if m.state == "failing":  # not released meanwhile
+                m.state = "failed"
             self.event("clone_failed", m.name, snapshot=m.snapshot, reason=reason)
             await m.vm.kill()
             self.write_state(ready=True)
