@@ -9,7 +9,7 @@ whose name is the label. This trains the text part of the tiny model (`arpo-tiny
 seed 0, random weights) on that lookup alone, with nothing else in the sequence and a
 dense signal: each sequence is a table in the som table's format (`index\\ttag\\tname\\t
 text`, 4 to 9 rows, random tags) followed by one line per row, in random order,
-`'<name>' is mark <n>`, and the loss is on each `<n>` (up to 9 answers per sequence
+`"<name>" is mark <n>`, and the loss is on each `<n>` (up to 9 answers per sequence
 where a `click_button` demonstration gives one). Every `--eval-every` steps: the share of
 answers right (greedy, teacher-forced) on 256 fresh sequences. Without reading: a row at
 random scores 0.17 on average over 4-9 rows, a row at random among those not yet asked
@@ -19,6 +19,10 @@ random scores 0.17 on average over 4-9 rows, a row at random among those not yet
 tokens each in the tiny tokenizer, 3.9 on average, the case of the experiment);
 `--names single`: names are words the tiny tokenizer holds as one token (the case of a
 real model's vocabulary, where "Save" or "Restore" is one token).
+
+The question quotes the name with `"`: with `'`, the tokenizer's contraction rule (`'s`, `'t`,
+`'d`, `'m`, ...) splits 53 of the 185 one-token names (`'sheet'` is `'`, `s`, `heet`), so the
+question would not hold the token the table has (the runs before 2026-11-28 09:00 had that).
 
 `--layers N`: the same model with N text layers instead of 2 (a content match that then
 copies the row's number needs a layer to move the number beside the name and one to match;
@@ -58,7 +62,7 @@ def sample(rng: random.Random, names: list[str]) -> tuple[str, list[tuple[str, s
     rows = "\n".join(f'{i + 1}\t{rng.choice(TAGS)}\t{w}\t""' for i, w in enumerate(chosen))
     order = rng.sample(range(len(chosen)), len(chosen))
     return f"index\ttag\tname\ttext\n{rows}\n", [
-        (f"'{chosen[i]}' is mark ", f"{i + 1}") for i in order
+        (f'"{chosen[i]}" is mark ', f"{i + 1}") for i in order
     ]
 
 
