@@ -26,6 +26,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 import pytest
@@ -52,24 +53,55 @@ WORKER = ROOT / "tests" / "dist_worker.py"
 PYTHON = sys.executable
 
 
+# How a rank's log reads when torch's C++ runtime aborted it (std::terminate, SIGABRT),
+# not when the worker's own Python code failed: seen once in CI, on rank 1 of the FSDP2
+# job, with no Python traceback (0 of 80 runs here, alone or with 2 busy cores beside).
+RUNTIME_ABORT = "terminate called"
+
+
 def _run(*jobs: tuple[list[str], int], timeout: float = 300.0) -> None:
     """Run the worker once per job (args, nproc; nproc 0 = a plain single process), all
-    at the same time, and fail with their output if any fails."""
+    at the same time, and fail with their output if any fails.
+
+    A torchrun job whose rank torch's runtime aborted (`RUNTIME_ABORT` in its log) runs
+    once more, alone, with a warning that carries the first log; any other failure, or
+    a second abort, fails the test. Each run starts from its arguments alone (a fresh
+    group, the same --init file), so a rerun computes what the first run would have."""
+    failures = _launch(jobs, timeout)
+    aborted = [(job, out) for job, _, out in failures if job[1] and RUNTIME_ABORT in out]
+    if aborted and len(aborted) == len(failures):
+        for job, out in aborted:
+            msg = f"torch's runtime aborted a rank of {_cmd(*job)}; run again:\n{out[-3000:]}"
+            warnings.warn(msg, stacklevel=2)
+        failures = _launch([job for job, _ in aborted], timeout)
+    if failures:
+        raise AssertionError(
+            "\n\n".join(f"{_cmd(*job)} failed ({code}):\n{out}" for job, code, out in failures)
+        )
+
+
+def _cmd(args: list[str], nproc: int) -> list[str]:
+    if nproc:
+        return [PYTHON, "-m", "torch.distributed.run", "--standalone",
+                "--nproc_per_node", str(nproc), str(WORKER), *args]  # fmt: skip
+    return [PYTHON, str(WORKER), *args]
+
+
+def _launch(jobs, timeout: float) -> list[tuple[tuple[list[str], int], int, str]]:
+    """Start every job at once and wait for all; the failed ones as (job, exit code,
+    last 8,000 characters of its output)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["OMP_NUM_THREADS"] = "1"
+    # A rank that dies by a signal (an abort in the C++ runtime) prints its Python stack.
+    env["PYTHONFAULTHANDLER"] = "1"
     failures = []
     with contextlib.ExitStack() as stack:
         running = []
-        for args, nproc in jobs:
-            if nproc:
-                cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone"]
-                cmd += ["--nproc_per_node", str(nproc), str(WORKER), *args]
-            else:
-                cmd = [PYTHON, str(WORKER), *args]
+        for job in jobs:
             log = stack.enter_context(tempfile.TemporaryFile())
             proc = stack.enter_context(
                 subprocess.Popen(
-                    cmd,
+                    _cmd(*job),
                     env=env,
                     cwd=ROOT,
                     stdout=log,
@@ -80,15 +112,13 @@ def _run(*jobs: tuple[list[str], int], timeout: float = 300.0) -> None:
             # On leaving the block (a failure, a timeout) a job still running is stopped
             # with its ranks before Popen's exit waits for it.
             stack.callback(_kill_group, proc)
-            running.append((cmd, proc, log))
-        for cmd, proc, log in running:
+            running.append((job, proc, log))
+        for job, proc, log in running:
             code = proc.wait(timeout=timeout)
             if code != 0:
                 log.seek(0)
-                out = log.read().decode(errors="replace")[-8000:]
-                failures.append(f"{' '.join(cmd)} failed ({code}):\n{out}")
-    if failures:
-        raise AssertionError("\n\n".join(failures))
+                failures.append((job, code, log.read().decode(errors="replace")[-8000:]))
+    return failures
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
