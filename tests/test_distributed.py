@@ -55,7 +55,7 @@ PYTHON = sys.executable
 
 # How a rank's log reads when torch's C++ runtime aborted it (std::terminate, SIGABRT),
 # not when the worker's own Python code failed: seen once in CI, on rank 1 of the FSDP2
-# job, with no Python traceback (0 of 80 runs here, alone or with 2 busy cores beside).
+# job, with no Python traceback (0 of 95 runs here, alone or with 2 busy cores beside).
 RUNTIME_ABORT = "terminate called"
 
 
