@@ -39,10 +39,11 @@ put together by the real prompt builder (`EpisodePrompt(..., observation=type)`)
 - whole episodes: `--episodes` episodes of k turns (episode e on its own tasks' screens)
   sampled at once, turn by turn as the actor does (each response goes into the next turn's
   prompt), with the engine's prefix cache off (every turn prefills the whole episode so
-  far) and on (`prefix_cache_tokens`, the engine's default: only the new observation and
-  tokens are prefilled while the episodes' prefixes fit in it): turns per second both
-  ways, and trajectories per CPU minute (one episode's sampling plus its learner step, as
-  on this machine where actor and learner share the cores);
+  far) and on (`prefix_cache_tokens`, the engine's default or `--prefix-cache-tokens`:
+  only the new observation and tokens are prefilled while the episodes' prefixes fit in
+  it): turns per second both ways, and trajectories per CPU minute (one episode's
+  sampling plus its learner step, as on this machine where actor and learner share the
+  cores);
 - learning: the trainer's proximal pass (forward) and one full step (forward, backward,
   AdamW) on the k-turn episode, micro-batch 1;
 - the process's peak resident memory (ru_maxrss) after all of it.
@@ -156,7 +157,7 @@ def capture(model_dir: str, family: str, kinds: list[str], episodes: int, turns:
 
 
 def one_length(model_dir: str, obs_file: str, kind: str, turns: int, response: int, repeats: int,
-               episodes: int) -> dict:  # fmt: skip
+               episodes: int, cache_tokens: int = 0) -> dict:  # fmt: skip
     import msgpack
     import torch
 
@@ -233,7 +234,7 @@ def one_length(model_dir: str, obs_file: str, kind: str, turns: int, response: i
         return statistics.median(out)
 
     sample_s = asyncio.run(sample())
-    cache_on = EngineConfig(model=model_dir).prefix_cache_tokens
+    cache_on = cache_tokens or EngineConfig(model=model_dir).prefix_cache_tokens
 
     async def whole_episodes(cache_tokens: int) -> tuple[float, dict]:
         engine = HFEngine(EngineConfig(model=model_dir, device="cpu", max_batch_size=episodes,
@@ -385,7 +386,8 @@ def measure(args: argparse.Namespace, model: str, tmp: Path, families: list[str]
                 out = subprocess.run(
                     [sys.executable, __file__, "--one", str(k), "--kind", kind, "--obs", str(obs),
                      "--model", model, "--response", str(args.response),
-                     "--repeats", str(args.repeats), "--episodes", str(args.episodes)],
+                     "--repeats", str(args.repeats), "--episodes", str(args.episodes),
+                     "--prefix-cache-tokens", str(args.prefix_cache_tokens)],
                     capture_output=True, text=True,
                 )  # fmt: skip
                 if out.returncode != 0:
@@ -424,6 +426,8 @@ def main() -> int:
     p.add_argument(
         "--save-as", default="long-context-obs", help="Results file name before the date."
     )
+    p.add_argument("--prefix-cache-tokens", type=int, default=0,
+                   help="The prefix cache's budget when on (0: the engine's default).")  # fmt: skip
     p.add_argument("--one", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--kind", default="", help=argparse.SUPPRESS)
     p.add_argument("--obs", default="", help=argparse.SUPPRESS)
@@ -431,7 +435,8 @@ def main() -> int:
     args = p.parse_args()
     if args.one:
         print(json.dumps(one_length(args.model, args.obs, args.kind, args.one, args.response,
-                                    args.repeats, args.episodes)))  # fmt: skip
+                                    args.repeats, args.episodes,
+                                    args.prefix_cache_tokens)))  # fmt: skip
         return 0
     from arpo_envs.sim.tasks import FAMILIES
 
@@ -440,6 +445,8 @@ def main() -> int:
     lengths = [int(x) for x in args.turns.split(",")]
     if min(lengths) < 1 or args.repeats < 1 or args.episodes < 1 or args.response < 1:
         p.error("--turns, --repeats, --episodes and --response must be >= 1")
+    if args.prefix_cache_tokens < 0:
+        p.error("--prefix-cache-tokens must be >= 0 (0: the engine's default)")
     from arpo.policy.tiny import TINY_MAX_PIXELS, TINY_MIN_PIXELS, build_tiny_model
 
     budgets = [int(x) for x in args.max_pixels.split(",") if x] or [TINY_MAX_PIXELS]

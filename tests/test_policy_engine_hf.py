@@ -303,6 +303,41 @@ def test_prefix_cache_reuses_earlier_turns_and_scores_as_a_full_prefill(tiny_dir
     np.testing.assert_allclose(fresh.logprobs, tf, atol=LOGPROB_TOL, rtol=0)
 
 
+def test_a_batch_that_reuse_would_make_wider_runs_prefilled_whole(tiny_dir):
+    """A row reusing a long prefix batched with a longer row that reuses only the system
+    prompt would be laid out C + S wide, near twice the longest prompt: the batch runs
+    prefilled whole (`prefix_dropped` counts both matches, no hit), and every row's
+    log-probs still equal a full teacher-forced pass."""
+    from transformers import AutoProcessor
+
+    params = [SamplingParams(temperature=1.0, max_new_tokens=8, seed=s) for s in range(2)]
+    tok = AutoProcessor.from_pretrained(tiny_dir).tokenizer
+    text = tok("the form has a field for every name and a button to send it " * 400).input_ids
+    shots = [png(640, 400, 40 + i) for i in range(5)]
+    _, a = _episode_turns(tiny_dir, shots[:3], [text[:3000], text[:5]])
+    _, b = _episode_turns(tiny_dir, shots[3:], [text[:4500]])
+
+    async def run():
+        cfg = EngineConfig(kind="hf", model=str(tiny_dir), batch_wait_ms=200)
+        async with make_engine(cfg) as engine:
+            await engine.generate(*a[1], params[0])  # kept: 3,700 tokens that a[2] starts with
+            before = dict(engine.stats)
+            outs = await asyncio.gather(
+                *[engine.generate(*turn, p) for turn, p in zip((a[2], b[1]), params, strict=True)]
+            )
+            return outs, before, dict(engine.stats)
+
+    outs, before, after = asyncio.run(run())
+    assert after["batches"] == before["batches"] + 1
+    assert after["prefix_dropped"] - before["prefix_dropped"] == 2, after
+    assert after["prefix_hits"] == before["prefix_hits"], after
+    model = _model(tiny_dir)
+    proc = AutoProcessor.from_pretrained(tiny_dir)
+    for (ids, images), p, out in zip((a[2], b[1]), params, outs, strict=True):
+        tf = teacher_forced(model, proc, ids, images, out.token_ids, p)
+        np.testing.assert_allclose(out.logprobs, tf, atol=LOGPROB_TOL, rtol=0)
+
+
 def test_prefix_cache_in_a_batch_of_hits_and_misses_and_within_its_budget(tiny_dir):
     """One batch mixing rows that reuse prefixes of different lengths with rows that reuse
     nothing: every row's log-probs equal a full teacher-forced pass. The kept tokens never

@@ -32,6 +32,12 @@ what a full prefill would, up to summation order (float32: within 1e-4, see
 tests/test_policy_engine_hf.py). Entries are kept least recently used first within
 `prefix_cache_tokens` tokens in all; an entry that a newer one extends is dropped; new
 weights clear the cache (its keys and values belong to the old ones).
+A batch that would cost more laid out this way than prefilled whole (a row reusing much
+beside a row reusing nothing: C + S wide where the longest prompt is L; the estimate is
+`_reuse_pays`'s) runs prefilled whole, and its matches count in `stats["prefix_dropped"]`
+(measured before this rule: 15-turn episodes of 17,000 tokens, 4 at once, in a cache of
+32,768 tokens sampled at 0.59 x the speed without the cache;
+benchmarks/results/long-context-obs-list_select-2026-11-28.md).
 
 Weights are replaced between batches: `load_state_dict` from memory, or the
 safetensors files of a checkpoint folder.
@@ -120,10 +126,11 @@ class HFEngine(Engine):
         self._rng_seed = int(time.time_ns() & 0x7FFF_FFFF)
         self.stats = {
             "batches": 0, "requests": 0, "tokens": 0, "decode_s": 0.0,
-            "prompt_tokens": 0, "prefix_hits": 0, "prefix_tokens": 0,
+            "prompt_tokens": 0, "prefix_hits": 0, "prefix_tokens": 0, "prefix_dropped": 0,
         }  # fmt: skip
         """Counters: batches run, requests served, tokens sampled, seconds spent in batches,
-        prompt tokens read, requests that reused a kept prefix and the tokens they reused."""
+        prompt tokens read, requests that reused a kept prefix and the tokens they reused,
+        requests whose match was not used because its batch ran cheaper prefilled whole."""
         self._prefixes: collections.OrderedDict[int, _Prefix] = collections.OrderedDict()
         self._prefix_ids = 0
         self._prefix_total = 0
@@ -150,6 +157,8 @@ class HFEngine(Engine):
         self._forbidden = torch.tensor(forbidden_token_ids(self._tokenizer), dtype=torch.long)
         self._stop_default = (int(self._tokenizer.convert_tokens_to_ids("<|im_end|>")),)
         self.image_token_id = int(self.model.config.image_token_id)
+        cfg = self.model.config
+        self._hidden = int(getattr(cfg, "text_config", cfg).hidden_size)
 
     async def close(self) -> None:
         if self._loop_task is not None:
@@ -233,9 +242,14 @@ class HFEngine(Engine):
             reused, entry = 0, None
             if keep and len(starts) == len(r.images):
                 reused, entry = self._match(ids, digests, starts, ends)
+            plans.append((ids, digests, reused, entry, starts))
+        if any(p[2] for p in plans) and not self._reuse_pays(reqs, plans):
+            self.stats["prefix_dropped"] += sum(p[2] > 0 for p in plans)
+            plans = [(ids, dig, 0, None, st) for ids, dig, _, _, st in plans]
+        for i, (ids, digests, reused, entry, starts) in enumerate(plans):
             m = int(np.searchsorted(starts, reused)) if reused else 0
-            plans.append((ids, digests, reused, entry, m))
-            new_images.extend(r.images[m:])
+            plans[i] = (ids, digests, reused, entry, m)
+            new_images.extend(reqs[i].images[m:])
         pixel_values = grid = None
         per_image: list[int] = []
         if new_images:
@@ -327,6 +341,24 @@ class HFEngine(Engine):
             if common > best:
                 best, best_e = common, e
         return best, best_e
+
+    def _reuse_pays(self, reqs: Sequence[_Request], plans: list) -> bool:
+        """Whether the batch costs less with its matched prefixes than prefilled whole.
+
+        The batch is laid out as its longest reused block C plus its longest new block S
+        (module docstring), so a batch mixing a row that reuses much with a row that reuses
+        nothing prefills S ~ the whole longest prompt L anyway, over C + S positions. Cost
+        per layer, in units of one token attending one position: every token the batch runs
+        (prefill then T sampled) attends its width and passes the projections and MLP,
+        about 8 x hidden size positions' worth (2 x width x d against ~16 d^2 flops):
+        reuse  (S + T) x (C + S + 8d),  whole  (L + T) x (L + 8d)."""
+        lengths = [len(p[0]) for p in plans]
+        c = max(p[2] for p in plans)
+        s = max(n - p[2] for n, p in zip(lengths, plans, strict=True))
+        big_l = max(lengths)
+        t = max(r.params.max_new_tokens for r in reqs)
+        k = 8 * self._hidden
+        return (s + t) * (c + s + k) < (big_l + t) * (big_l + k)
 
     def _keep(
         self, rows: list[_Row], cache: Any, out_ids: list[list[int]], width_c: int, width_s: int
