@@ -117,7 +117,8 @@ class EngineConfig:
         32768,
         "transformers engine: tokens of keys and values kept across requests, so the next "
         "turn of an episode prefills only its new tokens (0: off; memory per token is "
-        "2 x layers x kv heads x head dim x dtype size).",
+        "2 x layers x kv heads x head dim x dtype size). Gains most when it holds the "
+        "episodes sampled at once x their longest prompt.",
     )
     max_model_len: int = option(32768, "vLLM: longest prompt + response in tokens.")
     max_images: int = option(16, "vLLM: most images in one prompt (the reference keeps 15).")
