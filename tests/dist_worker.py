@@ -133,14 +133,10 @@ def micro_loss(model, base, processor, item: dict, loss_cfg: LossConfig):
     )
 
 
-def _marker(rank: int):
-    """A function that prints `rank R: <stage>` to stderr at once, so that the log of a
-    run whose rank died shows how far each rank got."""
-
-    def mark(stage: str) -> None:
-        print(f"rank {rank}: {stage}", file=sys.stderr, flush=True)
-
-    return mark
+def _mark(rank: int, stage: str) -> None:
+    """Print `rank R: <stage>` to stderr at once, so that the log of a run whose rank died
+    shows how far each rank got."""
+    print(f"rank {rank}: {stage}", file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -158,13 +154,12 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.manual_seed(0)
     info = init_distributed(DistConfig(backend="gloo", strategy=args.strategy))
-    mark = _marker(info.rank)
-    mark("joined")
+    _mark(info.rank, "joined")
     processor = AutoProcessor.from_pretrained(args.model)
     base = Qwen2_5_VLForConditionalGeneration.from_pretrained(args.model, dtype=torch.float32)
     base.train()
     model = wrap_model(base, info.config, info)
-    mark("wrapped")
+    _mark(info.rank, "wrapped")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     if args.init:
         saved = torch.load(args.init, weights_only=False) if info.is_main else None
@@ -226,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         norms = broadcast_object(norm, info)
         if norms != norm:
             raise AssertionError(f"rank {info.rank} grad norm {norm} != rank 0's {norms}")
-        mark(f"step {step} done")
+        _mark(info.rank, f"step {step} done")
     # Metric means over ranks: a rank's NaN is left out of the mean.
     means = all_reduce_mean(
         {
@@ -239,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     if info.is_main:
         torch.save(means, out / "means.pt")
     shutdown(info)
-    mark("left the group")
+    _mark(info.rank, "left the group")
     return 0
 
 

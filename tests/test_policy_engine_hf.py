@@ -306,34 +306,41 @@ def test_prefix_cache_reuses_earlier_turns_and_scores_as_a_full_prefill(tiny_dir
 def test_a_batch_that_reuse_would_make_wider_runs_prefilled_whole(tiny_dir):
     """A row reusing a long prefix batched with a longer row that reuses only the system
     prompt would be laid out C + S wide, near twice the longest prompt: the batch runs
-    prefilled whole (`prefix_dropped` counts both matches, no hit), and every row's
-    log-probs still equal a full teacher-forced pass."""
+    prefilled whole (`prefix_dropped` counts both matches, no hit), every row's log-probs
+    still equal a full teacher-forced pass, and the entry that the first row's prompt
+    extends is still replaced by the new one, as when it is reused."""
     from transformers import AutoProcessor
 
     params = [SamplingParams(temperature=1.0, max_new_tokens=8, seed=s) for s in range(2)]
-    tok = AutoProcessor.from_pretrained(tiny_dir).tokenizer
-    text = tok("the form has a field for every name and a button to send it " * 400).input_ids
-    shots = [png(640, 400, 40 + i) for i in range(5)]
-    _, a = _episode_turns(tiny_dir, shots[:3], [text[:3000], text[:5]])
-    _, b = _episode_turns(tiny_dir, shots[3:], [text[:4500]])
+    proc = AutoProcessor.from_pretrained(tiny_dir)
+    text = proc.tokenizer("the form has a field for every name and a button " * 500).input_ids
+    _, b = _episode_turns(tiny_dir, [png(640, 400, 43), png(640, 400, 44)], [text[:4500]])
 
     async def run():
         cfg = EngineConfig(kind="hf", model=str(tiny_dir), batch_wait_ms=200)
         async with make_engine(cfg) as engine:
-            await engine.generate(*a[1], params[0])  # kept: 3,700 tokens that a[2] starts with
+            ep = EpisodePrompt.from_processor(proc, "fill the form")
+            ep.add_screenshot(png(640, 400, 40))
+            ep.add_response(text[:3000])
+            ep.add_screenshot(png(640, 400, 41))
+            out = await engine.generate(*ep.model_input(), params[0])  # kept: 3,700 tokens
+            (first,) = engine._prefixes
+            ep.add_response(out.token_ids)
+            ep.add_screenshot(png(640, 400, 42))
+            a = ep.model_input()  # starts with the whole kept entry
             before = dict(engine.stats)
             outs = await asyncio.gather(
-                *[engine.generate(*turn, p) for turn, p in zip((a[2], b[1]), params, strict=True)]
+                *[engine.generate(*turn, p) for turn, p in zip((a, b[1]), params, strict=True)]
             )
-            return outs, before, dict(engine.stats)
+            return a, outs, before, dict(engine.stats), first, list(engine._prefixes)
 
-    outs, before, after = asyncio.run(run())
+    a, outs, before, after, first, kept = asyncio.run(run())
     assert after["batches"] == before["batches"] + 1
     assert after["prefix_dropped"] - before["prefix_dropped"] == 2, after
     assert after["prefix_hits"] == before["prefix_hits"], after
+    assert first not in kept and len(kept) == 2, (first, kept)
     model = _model(tiny_dir)
-    proc = AutoProcessor.from_pretrained(tiny_dir)
-    for (ids, images), p, out in zip((a[2], b[1]), params, outs, strict=True):
+    for (ids, images), p, out in zip((a, b[1]), params, outs, strict=True):
         tf = teacher_forced(model, proc, ids, images, out.token_ids, p)
         np.testing.assert_allclose(out.logprobs, tf, atol=LOGPROB_TOL, rtol=0)
 

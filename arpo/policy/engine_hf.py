@@ -95,8 +95,11 @@ class _Row:
     """Digests of its screenshots (empty with the prefix cache off)."""
     reused: int
     """Leading tokens whose keys and values come from the prefix cache."""
+    matched: int
+    """Leading tokens that `entry` covers: `reused`, or more when the batch runs
+    prefilled whole (`_reuse_pays`) and reuses nothing."""
     entry: _Prefix | None
-    """The kept entry they come from."""
+    """The kept entry matched."""
     grid: Any
     """[images, 3] `image_grid_thw` of all its screenshots (None without)."""
     positions: Any
@@ -231,25 +234,25 @@ class HFEngine(Engine):
 
         dev = self.config.device
         keep = self.config.prefix_cache_tokens > 0
-        plans: list[tuple[np.ndarray, tuple[bytes, ...], int, _Prefix | None, int]] = []
-        new_images: list[Any] = []
+        # Per request: ids, digests, tokens matched in the cache, the entry matched, and
+        # the image blocks' starts.
+        plans: list[tuple[np.ndarray, tuple[bytes, ...], int, _Prefix | None, np.ndarray]] = []
         for r in reqs:
             ids = np.asarray(r.ids, dtype=np.int64)
             pad = ids == self.image_token_id
             starts = np.flatnonzero(pad & ~np.r_[False, pad[:-1]])
             ends = np.flatnonzero(pad & ~np.r_[pad[1:], False]) + 1
             digests = tuple(image_digest(im) for im in r.images) if keep else ()
-            reused, entry = 0, None
+            matched, entry = 0, None
             if keep and len(starts) == len(r.images):
-                reused, entry = self._match(ids, digests, starts, ends)
-            plans.append((ids, digests, reused, entry, starts))
-        if any(p[2] for p in plans) and not self._reuse_pays(reqs, plans):
+                matched, entry = self._match(ids, digests, starts, ends)
+            plans.append((ids, digests, matched, entry, starts))
+        use = self._reuse_pays(reqs, plans)
+        if not use:
             self.stats["prefix_dropped"] += sum(p[2] > 0 for p in plans)
-            plans = [(ids, dig, 0, None, st) for ids, dig, _, _, st in plans]
-        for i, (ids, digests, reused, entry, starts) in enumerate(plans):
-            m = int(np.searchsorted(starts, reused)) if reused else 0
-            plans[i] = (ids, digests, reused, entry, m)
-            new_images.extend(reqs[i].images[m:])
+        # The first image each row encodes anew (those before come with the reused prefix).
+        firsts = [int(np.searchsorted(p[4], p[2])) if use and p[2] else 0 for p in plans]
+        new_images = [im for r, m in zip(reqs, firsts, strict=True) for im in r.images[m:]]
         pixel_values = grid = None
         per_image: list[int] = []
         if new_images:
@@ -262,7 +265,8 @@ class HFEngine(Engine):
             per_image = [int(g.prod()) // merge for g in grid]
         rows: list[_Row] = []
         k = 0
-        for r, (ids, digests, reused, entry, m) in zip(reqs, plans, strict=True):
+        for r, (ids, digests, matched, entry, _), m in zip(reqs, plans, firsts, strict=True):
+            reused = matched if use else 0
             fresh = len(r.images) - m
             have = int((ids == self.image_token_id).sum())
             want = int((ids[:reused] == self.image_token_id).sum()) + sum(per_image[k : k + fresh])
@@ -284,7 +288,7 @@ class HFEngine(Engine):
                 image_grid_thw=row_grid,
                 attention_mask=torch.ones_like(t_ids),
             )
-            rows.append(_Row(ids, digests, reused, entry, row_grid, positions[:, 0]))
+            rows.append(_Row(ids, digests, reused, matched, entry, row_grid, positions[:, 0]))
         n = len(reqs)
         width_c = max(row.reused for row in rows)
         width_s = max(len(row.ids) - row.reused for row in rows)
@@ -300,7 +304,7 @@ class HFEngine(Engine):
             position_ids[:, i, width_s - s :] = row.positions[:, c:]
         cache = DynamicCache(config=self.model.config)
         if width_c:
-            ref = next(row.entry for row in rows if row.entry is not None)
+            ref = next(row.entry for row in rows if row.reused)
             for layer, (k0, v0) in enumerate(ref.kv):
                 keys = k0.new_zeros((n, k0.shape[1], width_c, k0.shape[3]))
                 values = v0.new_zeros((n, v0.shape[1], width_c, v0.shape[3]))
@@ -343,7 +347,8 @@ class HFEngine(Engine):
         return best, best_e
 
     def _reuse_pays(self, reqs: Sequence[_Request], plans: list) -> bool:
-        """Whether the batch costs less with its matched prefixes than prefilled whole.
+        """Whether the batch costs less with its matched prefixes than prefilled whole
+        (False when nothing matched).
 
         The batch is laid out as its longest reused block C plus its longest new block S
         (module docstring), so a batch mixing a row that reuses much with a row that reuses
@@ -352,8 +357,10 @@ class HFEngine(Engine):
         (prefill then T sampled) attends its width and passes the projections and MLP,
         about 8 x hidden size positions' worth (2 x width x d against ~16 d^2 flops):
         reuse  (S + T) x (C + S + 8d),  whole  (L + T) x (L + 8d)."""
-        lengths = [len(p[0]) for p in plans]
         c = max(p[2] for p in plans)
+        if not c:
+            return False
+        lengths = [len(p[0]) for p in plans]
         s = max(n - p[2] for n, p in zip(lengths, plans, strict=True))
         big_l = max(lengths)
         t = max(r.params.max_new_tokens for r in reqs)
@@ -370,7 +377,7 @@ class HFEngine(Engine):
         for i, row in enumerate(rows):
             if row.entry is not None and row.entry.key in self._prefixes:  # rows may share one
                 self._prefixes.move_to_end(row.entry.key)
-                if row.reused == len(row.entry.ids):  # the new entry extends it
+                if row.matched == len(row.entry.ids):  # the new entry extends it
                     self._drop(row.entry.key)
             fed = len(out_ids[i]) - 1
             total = len(row.ids) + fed
