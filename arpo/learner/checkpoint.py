@@ -11,7 +11,7 @@
     # resume
     path = latest_checkpoint(cfg.dir, verify=cfg.verify)     # None: start from scratch
     ckpt = load_checkpoint(path, verify=cfg.verify)
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(ckpt.model_dir)
+    model = AutoModelForImageTextToText.from_pretrained(ckpt.model_dir)
     optimizer.load_state_dict(ckpt.trainer["optimizer"])
     restore_rng(ckpt.trainer["rng"])
     store = ReplayStore.restore(ckpt.store_path)
@@ -451,7 +451,7 @@ def check_model_dir(model_dir: str | Path) -> None:
     import collections
 
     from safetensors import safe_open
-    from transformers import AutoConfig, AutoProcessor, Qwen2_5_VLForConditionalGeneration
+    from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 
     d = Path(model_dir)
     try:
@@ -466,7 +466,7 @@ def check_model_dir(model_dir: str | Path) -> None:
         raise SnapshotError(f"{d}: the processor does not load: {type(e).__name__}: {e}") from e
     try:
         with torch.device("meta"):
-            model = Qwen2_5_VLForConditionalGeneration._from_config(config)
+            model = AutoModelForImageTextToText.from_config(config)
     except Exception as e:
         raise SnapshotError(
             f"{d / 'config.json'}: no model can be built from it: {type(e).__name__}: {e}"

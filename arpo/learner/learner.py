@@ -581,11 +581,9 @@ class Learner:
         if info.distributed:
             state = None
             if info.is_main:
-                from transformers import Qwen2_5_VLForConditionalGeneration
+                from arpo.policy.family import load_model
 
-                state = Qwen2_5_VLForConditionalGeneration.from_pretrained(
-                    ckpt.model_dir, dtype=t.base_model.dtype
-                ).state_dict()
+                state = load_model(ckpt.model_dir, t.base_model.dtype).state_dict()
             D.load_full_state_dict(t.model, state, info)
         t.load_optimizer_state(ckpt.trainer["optimizer"] if info.is_main else None)
         extra = None

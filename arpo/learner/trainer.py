@@ -250,7 +250,9 @@ class Trainer:
     `optimizer_state` become collectives that every rank calls with the same batch."""
 
     def __init__(self, config: TrainerConfig, dist: DistInfo | None = None) -> None:
-        from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
+        from transformers import AutoProcessor
+
+        from arpo.policy.family import load_model
 
         config = validate(config)
         self.config = config
@@ -262,19 +264,17 @@ class Trainer:
         dtype = getattr(torch, config.dtype)
         self.device = dist.device
         self.processor = AutoProcessor.from_pretrained(config.model)
-        model = Qwen2_5_VLForConditionalGeneration.from_pretrained(config.model, dtype=dtype)
+        model = load_model(config.model, dtype)
         model.to(self.device)
         if config.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         model.config.use_cache = False
         self.base_model = model
-        """The unwrapped model: its config, `get_rope_index`, and (single process) weights."""
+        """The unwrapped model: its config, its positions, and (single process) weights."""
         self.model = D.wrap_model(model, dist.config, dist) if dist.distributed else model
         self.ref_model = None
         if config.loss.kl_coef > 0 or config.track_kl:
-            self.ref_model = Qwen2_5_VLForConditionalGeneration.from_pretrained(
-                config.ref_model or config.model, dtype=dtype
-            ).to(self.device)
+            self.ref_model = load_model(config.ref_model or config.model, dtype).to(self.device)
             self.ref_model.eval().requires_grad_(False)
         self.image_token_id = int(model.config.image_token_id)
         self.forbidden = torch.tensor(

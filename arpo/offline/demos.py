@@ -43,7 +43,7 @@ from arpo.env.runner import RunnerConfig
 from arpo.errors import ArpoError, EngineError
 from arpo.policy import actions as A
 from arpo.policy.engine import Completion, SamplingParams
-from arpo.policy.prompt import pixel_bounds
+from arpo.policy.family import family_for_processor
 from arpo.record import Status, Trajectory
 
 log = logging.getLogger("arpo.offline.demos")
@@ -70,10 +70,12 @@ class OraclePolicy:
     def __init__(self, processor: Any, thought: str = DEMO_THOUGHT, scroll_clicks: int = 5):
         self.processor = processor
         self.tokenizer = processor.tokenizer
-        self.min_pixels, self.max_pixels = pixel_bounds(processor)
+        self.family = family_for_processor(processor)
+        self.image_rule = self.family.image_rule(processor)
         self.thought = thought
         self.scroll_clicks = scroll_clicks
-        self.im_end = int(self.tokenizer.convert_tokens_to_ids("<|im_end|>"))
+        self.end_id = self.family.chat(self.tokenizer).end
+        """The family's end-of-message token, which ends every response."""
 
     def episode(self, task: Any) -> _OracleEpisode:
         oracle = task.extra.get("oracle")
@@ -108,12 +110,12 @@ class _OracleEpisode:
         self, token_ids: Any, images: Sequence[Any] = (), params: SamplingParams | None = None
     ) -> Completion:
         p = self.policy
-        frame = turn_frame(self.seen, images, p.min_pixels, p.max_pixels, "the oracle")
+        frame = turn_frame(self.seen, images, p.image_rule, "the oracle")
         marks = getattr(self.seen, "marks", None)
         text = p.response_text(self.oracle, self.step, frame, marks)
         self.step += 1
-        body = list(p.tokenizer.encode(text, add_special_tokens=False))
-        ids = np.asarray([*body, p.im_end], dtype=np.int32)
+        body = list(p.tokenizer.encode(p.family.response_lead() + text, add_special_tokens=False))
+        ids = np.asarray([*body, p.end_id], dtype=np.int32)
         # The text the actor parses is the decoded ids, as an engine would return it.
         decoded = p.tokenizer.decode(body, skip_special_tokens=True)
         return Completion(ids, np.zeros(len(ids), np.float32), decoded, "stop", 0)

@@ -172,7 +172,9 @@ class OfflineTrainer:
     """The policy, the frozen reference, AdamW and the per-method steps (see module doc)."""
 
     def __init__(self, config: OfflineConfig) -> None:
-        from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
+        from transformers import AutoProcessor
+
+        from arpo.policy.family import load_model
 
         config = validate(config)
         self.config = config
@@ -182,15 +184,11 @@ class OfflineTrainer:
         dtype = getattr(torch, config.dtype)
         self.device = torch.device(config.device)
         self.processor = AutoProcessor.from_pretrained(config.model)
-        self.model = Qwen2_5_VLForConditionalGeneration.from_pretrained(
-            config.model, dtype=dtype
-        ).to(self.device)
+        self.model = load_model(config.model, dtype).to(self.device)
         self.model.config.use_cache = False
         self.ref_model = None
         if config.algo in ("dpo", "kto"):
-            self.ref_model = Qwen2_5_VLForConditionalGeneration.from_pretrained(
-                config.ref_model or config.model, dtype=dtype
-            ).to(self.device)
+            self.ref_model = load_model(config.ref_model or config.model, dtype).to(self.device)
             self.ref_model.eval().requires_grad_(False)
         self.image_token_id = int(self.model.config.image_token_id)
         tok = self.processor.tokenizer

@@ -67,7 +67,7 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from arpo.errors import ActionParseError
 
@@ -100,29 +100,12 @@ def smart_resize(
     min_pixels: int = MIN_PIXELS,
     max_pixels: int = MAX_PIXELS,
 ) -> tuple[int, int]:
-    """Qwen2.5-VL's image resize rule: the (width, height) the model sees for a screenshot.
+    """Qwen2.5-VL's image resize rule with the ARPO reference's budget as defaults: the
+    (width, height) the model sees for a screenshot (`arpo.policy.family.qwen_smart_resize`,
+    the one copy of the rule; other families' rules are `arpo.policy.family.ImageRule`'s)."""
+    from arpo.policy.family import qwen_smart_resize
 
-    Both sides become multiples of `factor`, the area lands in [min_pixels, max_pixels] and the
-    aspect ratio is kept as well as possible. Note the order: (width, height), unlike Qwen's
-    own helper which returns (height, width).
-    """
-    if width <= 0 or height <= 0:
-        raise ValueError(f"image size must be positive, got {width}x{height}")
-    if max(width, height) / min(width, height) > _MAX_ASPECT:
-        raise ValueError(
-            f"aspect ratio of {width}x{height} exceeds {_MAX_ASPECT}; Qwen2.5-VL rejects it"
-        )
-    w = max(factor, round(width / factor) * factor)
-    h = max(factor, round(height / factor) * factor)
-    if w * h > max_pixels:
-        beta = math.sqrt(width * height / max_pixels)
-        w = max(factor, math.floor(width / beta / factor) * factor)
-        h = max(factor, math.floor(height / beta / factor) * factor)
-    elif w * h < min_pixels:
-        beta = math.sqrt(min_pixels / (width * height))
-        w = math.ceil(width * beta / factor) * factor
-        h = math.ceil(height * beta / factor) * factor
-    return w, h
+    return qwen_smart_resize(width, height, factor, min_pixels, max_pixels)
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +165,13 @@ class Frame:
             width=screen_w, height=screen_h, min_pixels=min_pixels, max_pixels=max_pixels
         )
         return cls(w, h, screen_w, screen_h, relative)
+
+    @classmethod
+    def shown(cls, screen_w: int, screen_h: int, rule: Any) -> Frame:
+        """The frame of a screenshot of this screen shown by a model family's image rule
+        (`arpo.policy.family.ImageRule`): coordinates in pixels of the image it sees."""
+        w, h = rule.shown_size(screen_w, screen_h)
+        return cls(int(w), int(h), screen_w, screen_h)
 
     @property
     def model_w(self) -> int:

@@ -4,7 +4,7 @@ Requests from many episodes arrive concurrently; a background task collects them
 into batches (the first request waits up to `batch_wait_ms` for others, at most
 `max_batch_size` together) and runs each batch in a worker thread so the event
 loop stays free. A batch is left-padded, prefilled once (images encoded by the
-vision tower, multimodal rotary positions from `get_rope_index`), then decoded
+vision tower, positions from the model family's rule: `arpo.policy.family`), then decoded
 token by token with a KV cache. Each row samples with its own temperature, top-p,
 stop tokens and `torch.Generator` (seeded by the request's seed).
 
@@ -59,6 +59,7 @@ import numpy as np
 
 from arpo.errors import EngineError
 from arpo.policy.engine import Engine, EngineConfig, SamplingParams, process_logits, to_pil
+from arpo.policy.family import check_folder, load_model
 from arpo.policy.prompt import forbidden_token_ids
 
 
@@ -79,8 +80,8 @@ class _Prefix:
     """[n] int64 numpy: the tokens whose keys and values are held."""
     digests: tuple[bytes, ...]
     """Digest of each screenshot whose image block lies in `ids`, in order."""
-    grid: Any
-    """[images, 3] int64 tensor: their `image_grid_thw` rows (None without images)."""
+    meta: list[Any]
+    """Their per-image position data (`Family.encode_images`' third value)."""
     kv: list[tuple[Any, Any]]
     """Per layer (keys, values), each [1, kv heads, n, head dim]."""
 
@@ -100,10 +101,11 @@ class _Row:
     prefilled whole (`_reuse_pays`) and reuses nothing."""
     entry: _Prefix | None
     """The kept entry matched."""
-    grid: Any
-    """[images, 3] `image_grid_thw` of all its screenshots (None without)."""
+    meta: list[Any]
+    """Per-image position data of all its screenshots (`Family.encode_images`)."""
     positions: Any
-    """[3, n] multimodal rotary positions of the whole prompt."""
+    """[axes, n] positions of the whole prompt (3 multimodal rotary axes for the Qwen
+    families, 1 for SmolVLM: `Family.positions`)."""
 
 
 def image_digest(image: Any) -> bytes:
@@ -118,7 +120,8 @@ def image_digest(image: Any) -> bytes:
 
 
 class HFEngine(Engine):
-    """transformers `Qwen2_5_VLForConditionalGeneration` behind the `Engine` interface."""
+    """A transformers vision-language model (`AutoModelForImageTextToText`, any family of
+    `arpo.policy.family`) behind the `Engine` interface."""
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
@@ -148,17 +151,19 @@ class HFEngine(Engine):
 
     def _load(self) -> None:
         import torch
-        from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
+        from transformers import AutoProcessor
 
         dtype = getattr(torch, self.config.dtype)
+        try:
+            self.family = check_folder(self.config.model)
+        except ValueError as e:
+            raise EngineError(str(e)) from None
         self.processor = AutoProcessor.from_pretrained(self.config.model)
-        self.model = Qwen2_5_VLForConditionalGeneration.from_pretrained(
-            self.config.model, dtype=dtype
-        ).to(self.config.device)
+        self.model = load_model(self.config.model, dtype).to(self.config.device)
         self.model.eval()
         self._tokenizer = self.processor.tokenizer
         self._forbidden = torch.tensor(forbidden_token_ids(self._tokenizer), dtype=torch.long)
-        self._stop_default = (int(self._tokenizer.convert_tokens_to_ids("<|im_end|>")),)
+        self._stop_default = (self.family.chat(self._tokenizer).end,)
         self.image_token_id = int(self.model.config.image_token_id)
         cfg = self.model.config
         self._hidden = int(getattr(cfg, "text_config", cfg).hidden_size)
@@ -253,16 +258,17 @@ class HFEngine(Engine):
         # The first image each row encodes anew (those before come with the reused prefix).
         firsts = [int(np.searchsorted(p[4], p[2])) if use and p[2] else 0 for p in plans]
         new_images = [im for r, m in zip(reqs, firsts, strict=True) for im in r.images[m:]]
-        pixel_values = grid = None
+        pixels: dict[str, Any] = {}
         per_image: list[int] = []
+        meta: list[Any] = []
         if new_images:
-            enc = self.processor.image_processor(
-                images=[to_pil(im) for im in new_images], return_tensors="pt"
+            pixels, per_image, meta = self.family.encode_images(
+                self.processor, [to_pil(im) for im in new_images]
             )
-            pixel_values = enc["pixel_values"].to(dev, self.model.dtype)
-            grid = enc["image_grid_thw"]
-            merge = self.processor.image_processor.merge_size**2
-            per_image = [int(g.prod()) // merge for g in grid]
+            pixels = {
+                k: v.to(dev, self.model.dtype) if v.is_floating_point() else v.to(dev)
+                for k, v in pixels.items()
+            }
         rows: list[_Row] = []
         k = 0
         for r, (ids, digests, matched, entry, _), m in zip(reqs, plans, firsts, strict=True):
@@ -276,26 +282,21 @@ class HFEngine(Engine):
                     f"{want}: build prompts with arpo.policy.prompt (same min/max pixels as the "
                     "model's processor)"
                 )
-            parts = [entry.grid[:m]] if m else []
-            if fresh:
-                parts.append(grid[k : k + fresh])
+            row_meta = [*(entry.meta[:m] if m else []), *meta[k : k + fresh]]
             k += fresh
-            row_grid = torch.cat(parts) if parts else None
             t_ids = torch.from_numpy(ids)[None]
-            positions, _ = self.model.model.get_rope_index(
-                t_ids,
-                mm_token_type_ids=(t_ids == self.image_token_id).int(),
-                image_grid_thw=row_grid,
-                attention_mask=torch.ones_like(t_ids),
+            positions = self.family.positions(
+                self.model, t_ids, torch.ones_like(t_ids), row_meta
             )
-            rows.append(_Row(ids, digests, reused, matched, entry, row_grid, positions[:, 0]))
+            rows.append(_Row(ids, digests, reused, matched, entry, row_meta, positions[:, 0]))
         n = len(reqs)
         width_c = max(row.reused for row in rows)
         width_s = max(len(row.ids) - row.reused for row in rows)
         pad_id = int(self._tokenizer.pad_token_id or 0)
         input_ids = torch.full((n, width_s), pad_id, dtype=torch.long)
         mask = torch.zeros((n, width_c + width_s), dtype=torch.long)
-        position_ids = torch.ones((3, n, width_s), dtype=torch.long)
+        axes = self.family.rotary_axes
+        position_ids = torch.ones((axes, n, width_s), dtype=torch.long)
         for i, row in enumerate(rows):
             c, s = row.reused, len(row.ids) - row.reused
             input_ids[i, width_s - s :] = torch.from_numpy(row.ids[c:])
@@ -317,10 +318,9 @@ class HFEngine(Engine):
         inputs = {
             "input_ids": input_ids.to(dev),
             "attention_mask": mask.to(dev),
-            "position_ids": position_ids.to(dev),
-            "pixel_values": pixel_values,
-            "image_grid_thw": None if grid is None else grid.to(dev),
+            "position_ids": self.family.model_positions(position_ids.to(dev)),
             "past_key_values": cache,
+            **pixels,
         }
         return inputs, rows, width_c, width_s
 
@@ -396,7 +396,7 @@ class HFEngine(Engine):
             ids = np.concatenate([row.ids, np.asarray(out_ids[i][:fed], dtype=np.int64)])
             self._prefix_ids += 1
             self._prefixes[self._prefix_ids] = _Prefix(
-                self._prefix_ids, ids, row.digests, row.grid, kv
+                self._prefix_ids, ids, row.digests, row.meta, kv
             )
             self._prefix_total += total
             while self._prefix_total > budget:
@@ -462,12 +462,12 @@ class HFEngine(Engine):
                 if all(done):
                     break
                 mask = torch.cat([mask, torch.ones((n, 1), dtype=mask.dtype, device=dev)], dim=1)
-                pos = next_pos.view(1, n, 1).expand(3, n, 1)
+                pos = next_pos.view(1, n, 1).expand(self.family.rotary_axes, n, 1)
                 next_pos = next_pos + 1
                 out = self.model(
                     input_ids=step.view(n, 1),
                     attention_mask=mask,
-                    position_ids=pos,
+                    position_ids=self.family.model_positions(pos),
                     past_key_values=cache,
                     use_cache=True,
                 )
@@ -501,11 +501,8 @@ class HFEngine(Engine):
         # from_pretrained maps the checkpoint's key names (which may be the original
         # Qwen2.5-VL layout) onto the model's; its state dict then loads in place.
         import torch
-        from transformers import Qwen2_5_VLForConditionalGeneration
 
         if not any(path.glob("*.safetensors")):
             raise EngineError(f"no .safetensors files in {str(path)!r}")
-        fresh = Qwen2_5_VLForConditionalGeneration.from_pretrained(
-            path, dtype=getattr(torch, self.config.dtype)
-        )
+        fresh = load_model(path, getattr(torch, self.config.dtype))
         self._apply_state_dict(fresh.state_dict())

@@ -33,10 +33,17 @@ one (`screenshot_a11y_tree`, `som`) or no image (`a11y_tree`):
 screenshot-only form). The ids are what the model reads and what the record keeps, so the
 learner trains on the table's tokens exactly as sampled.
 
-Image placeholders: n = (h / 28) * (w / 28) for the screenshot resized by Qwen2.5-VL's
-`smart_resize` (factor 28 = patch 14 x merge 2, within the processor's min / max
-pixels). The engine gets the original screenshot and its image processor resizes
-it the same way, so the counts agree (the engines check).
+Model families (`arpo.policy.family`): the layout above is the Qwen families' (Qwen2.5-VL,
+Qwen3-VL). SmolVLM's chat writes `<|im_start|>` once, then `System: ...`, `User: ...`,
+`User:<image block>` and `Assistant:` messages, each ending in `<end_of_utterance>\n`; its
+image block is `<fake_token_around_image><global-img><image>*n<fake_token_around_image>`.
+`EpisodePrompt.from_processor` takes the family and image rule from the processor.
+
+Image placeholders: n = the family's `ImageRule.tokens` for the screenshot (Qwen2.5-VL:
+(h / 28) * (w / 28) after `smart_resize`, factor 28 = patch 14 x merge 2, within the
+processor's min / max pixels; Qwen3-VL the same with 32; SmolVLM a fixed count). The engine
+gets the original screenshot and its image processor resizes it the same way, so the counts
+agree (the engines check).
 
 Equality with the chat template: the ids equal `processor.apply_chat_template(...)`
 for the same conversation whenever each response's ids are the tokenizer's own
@@ -71,31 +78,10 @@ from typing import Any
 import numpy as np
 
 from arpo.errors import EngineError
-from arpo.policy import actions as _actions
 from arpo.policy.actions import IMAGE_FACTOR
+from arpo.policy.family import FAMILIES, Family, ImageRule, family_for_processor
 from arpo.policy.prompt_text import observation_text
 from arpo.record import OBSERVATION_TYPES
-
-
-def smart_resize(
-    height: int,
-    width: int,
-    factor: int = IMAGE_FACTOR,
-    min_pixels: int = 56 * 56,
-    max_pixels: int = 28 * 28 * 1280,
-) -> tuple[int, int]:
-    """Qwen2.5-VL's resize rule in Qwen's own argument and result order (height, width).
-
-    The rule itself lives in `arpo.policy.actions.smart_resize` (which maps the model's
-    coordinates back to the screen, so both must agree); this only reorders and maps its
-    error to EngineError."""
-    try:
-        w, h = _actions.smart_resize(
-            width=width, height=height, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels
-        )
-    except ValueError as e:
-        raise EngineError(str(e)) from None
-    return h, w
 
 
 def image_size(image: Any) -> tuple[int, int]:
@@ -108,16 +94,18 @@ def image_size(image: Any) -> tuple[int, int]:
         return im.size
 
 
+def image_rule(processor: Any) -> ImageRule:
+    """The image rule of a loaded processor (`AutoProcessor` of a model folder), by its family."""
+    return family_for_processor(processor).image_rule(processor)
+
+
 def pixel_bounds(processor: Any) -> tuple[int, int]:
-    """(min_pixels, max_pixels) of a Qwen2-VL processor or image processor."""
-    ip = getattr(processor, "image_processor", processor)
-    size = getattr(ip, "size", None) or {}
-    get = size.get if isinstance(size, dict) else lambda k: getattr(size, k, None)
-    lo = get("shortest_edge") or getattr(ip, "min_pixels", None)
-    hi = get("longest_edge") or getattr(ip, "max_pixels", None)
-    if not lo or not hi:
-        raise EngineError("the image processor has no min / max pixels (not a Qwen2-VL processor?)")
-    return int(lo), int(hi)
+    """(min_pixels, max_pixels) of a Qwen-family processor (EngineError for another family:
+    use `image_rule`)."""
+    rule = image_rule(processor)
+    if rule.kind != "grid":
+        raise EngineError(f"a {family_for_processor(processor).name} processor has no pixel bounds")
+    return rule.min_pixels, rule.max_pixels
 
 
 def _system_and_task(instruction: str, prompt_kwargs: dict[str, Any]) -> tuple[str, str]:
@@ -137,14 +125,9 @@ class _TurnPieces:
     closed: bool = False
 
 
-VISION_TOKENS = (
-    "<|image_pad|>",
-    "<|video_pad|>",
-    "<|vision_start|>",
-    "<|vision_end|>",
-    "<|vision_pad|>",
-)
-"""Tokens no response may hold: they stand for pixels the next prompt would have to supply."""
+VISION_TOKENS = tuple(dict.fromkeys(t for f in FAMILIES.values() for t in f.vision_tokens))
+"""Tokens no response may hold, of every family (`Family.vision_tokens`): they stand for
+pixels the next prompt would have to supply. A tokenizer holds only its own family's."""
 FORBIDDEN_LOGIT_BIAS = -100.0
 """The logit bias an engine that takes no mask (vLLM, an OpenAI-compatible server) gets for
 them: the tokens' probability is then below e^-100 of what it was, and the log-probs of
@@ -172,8 +155,10 @@ class EpisodePrompt:
         tokenizer: Any,
         instruction: str,
         *,
-        min_pixels: int,
-        max_pixels: int,
+        min_pixels: int | None = None,
+        max_pixels: int | None = None,
+        rule: ImageRule | None = None,
+        family: Family | str = "qwen2_5_vl",
         history_images: int = 15,
         system: str | None = None,
         task_text: str | None = None,
@@ -187,7 +172,14 @@ class EpisodePrompt:
                 f"observation must be one of {', '.join(OBSERVATION_TYPES)}, got {observation!r}"
             )
         self.tokenizer = tokenizer
-        self.min_pixels, self.max_pixels = int(min_pixels), int(max_pixels)
+        self.family = FAMILIES[family] if isinstance(family, str) else family
+        """The model family whose chat and image blocks the ids follow."""
+        if rule is None:
+            if min_pixels is None or max_pixels is None:
+                raise ValueError("give the image rule (rule=image_rule(processor)) or min / max pixels")
+            rule = ImageRule("grid", IMAGE_FACTOR, int(min_pixels), int(max_pixels))
+        self.rule = rule
+        """How a screenshot is shown (`arpo.policy.family.ImageRule`)."""
         self.history_images = history_images
         self.observation = observation
         """What each turn shows (`arpo.record.OBSERVATION_TYPES`)."""
@@ -197,26 +189,28 @@ class EpisodePrompt:
         self.system = sys_text if system is None else system
         self.task_text = task if task_text is None else task_text
 
-        def tid(tok: str) -> int:
-            i = tokenizer.convert_tokens_to_ids(tok)
-            if i is None or i == getattr(tokenizer, "unk_token_id", -1):
-                raise EngineError(f"the tokenizer has no {tok} token (not a Qwen tokenizer?)")
-            return int(i)
-
-        self.im_start, self.im_end = tid("<|im_start|>"), tid("<|im_end|>")
-        self.vision_start, self.vision_end = tid("<|vision_start|>"), tid("<|vision_end|>")
-        self.image_pad = tid("<|image_pad|>")
-        self._nl = self._encode("\n")
-        self._user = [self.im_start, *self._encode("user\n")]
-        self._assistant = [self.im_start, *self._encode("assistant\n")]
+        chat = self.family.chat(tokenizer)
+        self.chat = chat
+        self.end_id = chat.end
+        """The end-of-message token (<|im_end|>, SmolVLM's <end_of_utterance>)."""
+        self.image_pad = tokenizer.convert_tokens_to_ids(self.family.image_token)
+        """The image placeholder token."""
+        self._nl = list(chat.sep)
+        self._user = list(chat.user_open)
+        self._assistant = list(chat.assistant_open)
+        lead = chat.text_lead
+        if chat.system_joined:
+            system = [*chat.system_open[:1], *self._encode(f"system\n{self.system}")]
+        else:
+            system = [*chat.system_open, *self._encode(lead + self.system)]
         self.header = [
-            self.im_start,
-            *self._encode(f"system\n{self.system}"),
-            self.im_end,
+            *chat.begin,
+            *system,
+            self.end_id,
             *self._nl,
             *self._user,
-            *self._encode(self.task_text),
-            self.im_end,
+            *self._encode(lead + self.task_text),
+            self.end_id,
             *self._nl,
         ]
         self._turns: list[_TurnPieces] = []
@@ -225,22 +219,26 @@ class EpisodePrompt:
 
     @classmethod
     def from_processor(cls, processor: Any, instruction: str, **kwargs: Any) -> EpisodePrompt:
-        """Use the tokenizer and the min / max pixels of a loaded `AutoProcessor`."""
-        lo, hi = pixel_bounds(processor)
-        return cls(processor.tokenizer, instruction, min_pixels=lo, max_pixels=hi, **kwargs)
+        """Use the tokenizer, family and image rule of a loaded `AutoProcessor`."""
+        fam = family_for_processor(processor)
+        return cls(
+            processor.tokenizer, instruction, rule=fam.image_rule(processor), family=fam, **kwargs
+        )
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def image_tokens(self, image: Any) -> int:
-        """Number of <|image_pad|> tokens the model gives this screenshot."""
+        """Number of image placeholder tokens the model gives this screenshot."""
         w, h = image_size(image)
-        rh, rw = smart_resize(h, w, IMAGE_FACTOR, self.min_pixels, self.max_pixels)
-        return (rh // IMAGE_FACTOR) * (rw // IMAGE_FACTOR)
+        try:
+            return self.rule.tokens(w, h)
+        except ValueError as e:
+            raise EngineError(str(e)) from None
 
     def _closing(self, t: int) -> list[int]:
         """Ids that end turn t's assistant message (before the next message starts)."""
-        return list(self._nl) if self._turns[t].closed else [self.im_end, *self._nl]
+        return list(self._nl) if self._turns[t].closed else [self.end_id, *self._nl]
 
     @property
     def turns(self) -> int:
@@ -279,11 +277,10 @@ class EpisodePrompt:
                 f"{'a' if table is not None else 'no'} table"
             )
         text = observation_text(self.observation, table) if table is not None else ""
-        msg = [*self._user, *(self._encode(text) if text else [])]
+        msg = [*self._user, *(self._encode(self.chat.text_lead + text) if text else [])]
         if image is not None:
-            n = self.image_tokens(image)
-            msg += [self.vision_start, *([self.image_pad] * n), self.vision_end]
-        msg += [self.im_end, *self._nl]
+            msg += self.family.image_block(self.tokenizer, self.image_tokens(image))
+        msg += [self.end_id, *self._nl]
         prefix = list(self.header) if not self._turns else self._closing(len(self._turns) - 1)
         self._turns.append(_TurnPieces(image, msg, text=text))
         ids = np.asarray(prefix + msg + self._assistant, dtype=np.int32)
@@ -298,7 +295,7 @@ class EpisodePrompt:
         if not ids:
             raise EngineError("a response needs at least one token")
         self._turns[-1].response = ids
-        self._turns[-1].closed = ids[-1] == self.im_end
+        self._turns[-1].closed = ids[-1] == self.end_id
 
     def context_for_turn(self, t: int) -> tuple[np.ndarray, list[Any]]:
         """The exact model input of turn t (ids ending in the assistant header, images)."""

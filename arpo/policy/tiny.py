@@ -1,7 +1,19 @@
-"""A tiny Qwen2.5-VL with random weights, built offline, for tests, benchmarks and the demo.
+"""Tiny vision-language models with random weights, built offline, for tests, benchmarks and
+the demo: one per model family the policy layer runs (`arpo.policy.family`).
 
-    arpo-tiny-model --out runs/tiny --seed 0
+    arpo-tiny-model --out runs/tiny --seed 0                       # Qwen2.5-VL (the default)
+    arpo-tiny-model --out runs/tiny-q3 --family qwen3_vl
+    arpo-tiny-model --out runs/tiny-smol --family smolvlm
     python -m arpo.policy.tiny --out runs/tiny --seed 0
+
+The other families' folders are built the same way from their own config classes:
+`qwen3_vl` a `Qwen3VLConfig` (2 text layers of width 256, interleaved multimodal rotary
+positions; a 2-block vision tower of patch 16 with one deepstack layer) with
+`Qwen3VLProcessor`; `smolvlm` a `SmolVLMConfig` (a 2-layer Llama text model of width 256;
+a 2-layer SigLIP-style encoder on 128-pixel squares, patch 16, pixel shuffle 2: 16 image
+tokens per screenshot) with `SmolVLMProcessor`, image splitting off, and SmolVLM's chat
+template and image tokens (<fake_token_around_image>, <global-img>, <image>,
+<end_of_utterance>). Everything below that names Qwen2.5-VL is the default family's.
 
 The folder it writes is an ordinary transformers checkpoint of the Qwen2.5-VL
 architecture (UI-TARS-1.5-7B's), so everything else loads it the way it loads the
@@ -90,6 +102,30 @@ QWEN2_VL_CHAT_TEMPLATE = (
     "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
     "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+
+# The tokens SmolVLM's tokenizer adds for its chat and images (SmolVLM-256M-Instruct's names).
+SMOLVLM_SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<end_of_utterance>",
+    "<fake_token_around_image>",
+    "<global-img>",
+    "<image>",
+)
+# SmolVLM's chat template (transformers' SmolVLMProcessor default, as SmolVLM-256M-Instruct
+# ships it): "<|im_start|>" once, then "Role: text<end_of_utterance>\n" per message.
+SMOLVLM_CHAT_TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}"
+    "{% if message['content'][0]['type'] == 'image' %}{{':'}}{% else %}{{': '}}{% endif %}"
+    "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{line['text']}}"
+    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}"
+    "<end_of_utterance>\n{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
+FAMILIES = ("qwen2_5_vl", "qwen3_vl", "smolvlm")
+"""The families `arpo-tiny-model --family` builds (those `arpo.policy.family` runs)."""
+SMOLVLM_TINY_EDGE = 128
+"""Side of the square the tiny SmolVLM's encoder sees (patch 16, shuffle 2: 16 tokens)."""
 
 # Default pixel bounds of the tiny model's image processor: a 1920x1080 screen
 # becomes 280x168 (10x6 = 60 image tokens). UI-TARS-1.5 uses 100*28*28 .. 16384*28*28.
@@ -228,8 +264,9 @@ def _corpus(seed: int, lines: int = 3000) -> list[str]:
     return out
 
 
-def build_tokenizer(vocab_size: int = 1000):
-    """A byte-level BPE tokenizer (tokenizers.Tokenizer) with Qwen's added tokens at the end.
+def build_tokenizer(vocab_size: int = 1000, family: str = "qwen2_5_vl"):
+    """A byte-level BPE tokenizer (tokenizers.Tokenizer) with the family's added tokens at the
+    end (Qwen's for the Qwen families, `SMOLVLM_SPECIAL_TOKENS` for smolvlm).
 
     Always trained on the same corpus, so checkpoints of every seed share one
     vocabulary and weights of one can be loaded into another."""
@@ -265,6 +302,11 @@ def build_tokenizer(vocab_size: int = 1000):
         special_tokens=[],
     )
     tok.train_from_iterator(_corpus(0), trainer=trainer)
+    if family == "smolvlm":
+        tok.add_special_tokens(
+            [AddedToken(t, special=True, normalized=False) for t in SMOLVLM_SPECIAL_TOKENS]
+        )
+        return tok
     tok.add_special_tokens(
         [AddedToken(t, special=True, normalized=False) for t in QWEN_SPECIAL_TOKENS]
     )
@@ -272,26 +314,81 @@ def build_tokenizer(vocab_size: int = 1000):
     return tok
 
 
-def build_processor(min_pixels: int = TINY_MIN_PIXELS, max_pixels: int = TINY_MAX_PIXELS):
-    """The tiny model's `Qwen2_5_VLProcessor` (tokenizer + image processor + chat template)."""
-    from transformers import (
-        PreTrainedTokenizerFast,
-        Qwen2_5_VLProcessor,
-        Qwen2VLImageProcessor,
-        Qwen2VLVideoProcessor,
-    )
+def _fast_tokenizer(family: str, chat_template: str, eos: str):
+    from transformers import PreTrainedTokenizerFast
 
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=build_tokenizer(),
+        tokenizer_object=build_tokenizer(family=family),
         bos_token=None,
-        eos_token="<|im_end|>",
+        eos_token=eos,
         pad_token="<|endoftext|>",
         unk_token=None,
         model_max_length=32768,
         clean_up_tokenization_spaces=False,
         split_special_tokens=False,
     )
-    tokenizer.chat_template = QWEN2_VL_CHAT_TEMPLATE
+    tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+def smolvlm_processor(tokenizer, edge: int, image_seq_len: int, chat_template: str | None = None):
+    """A `SmolVLMProcessor` around `tokenizer` (which must hold `SMOLVLM_SPECIAL_TOKENS`'
+    image and chat tokens): image splitting off, so every screenshot is one square of side
+    `edge` and `image_seq_len` <image> tokens (`arpo.policy.family`'s smolvlm rule)."""
+    from transformers import SmolVLMImageProcessor, SmolVLMProcessor, SmolVLMVideoProcessor
+
+    template = chat_template or SMOLVLM_CHAT_TEMPLATE
+    tokenizer.chat_template = template
+    for name, tok in (
+        ("fake_image_token", "<fake_token_around_image>"),
+        ("image_token", "<image>"),
+        ("global_image_token", "<global-img>"),
+        ("end_of_utterance_token", "<end_of_utterance>"),
+    ):
+        setattr(tokenizer, name, tok)
+    image_processor = SmolVLMImageProcessor(
+        do_image_splitting=False,
+        size={"longest_edge": edge},
+        max_image_size={"longest_edge": edge},
+    )
+    video_processor = SmolVLMVideoProcessor(
+        size={"longest_edge": edge}, max_image_size={"longest_edge": edge}
+    )
+    return SmolVLMProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        video_processor=video_processor,
+        image_seq_len=image_seq_len,
+        chat_template=template,
+    )
+
+
+def build_processor(
+    min_pixels: int = TINY_MIN_PIXELS,
+    max_pixels: int = TINY_MAX_PIXELS,
+    family: str = "qwen2_5_vl",
+):
+    """The tiny model's processor (tokenizer + image processor + chat template) of a family:
+    `Qwen2_5_VLProcessor`, `Qwen3VLProcessor` (the same pixel bounds, patch 16) or
+    `SmolVLMProcessor` (a square of `SMOLVLM_TINY_EDGE`; the pixel bounds are not used)."""
+    from transformers import Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen2VLVideoProcessor
+
+    if family == "smolvlm":
+        tokenizer = _fast_tokenizer(family, SMOLVLM_CHAT_TEMPLATE, "<end_of_utterance>")
+        return smolvlm_processor(tokenizer, SMOLVLM_TINY_EDGE, _smolvlm_seq_len())
+    tokenizer = _fast_tokenizer(family, QWEN2_VL_CHAT_TEMPLATE, "<|im_end|>")
+    if family == "qwen3_vl":
+        from transformers import Qwen3VLProcessor, Qwen3VLVideoProcessor
+
+        size = {"shortest_edge": min_pixels, "longest_edge": max_pixels}
+        return Qwen3VLProcessor(
+            image_processor=Qwen2VLImageProcessor(size=size, patch_size=16, merge_size=2),
+            tokenizer=tokenizer,
+            video_processor=Qwen3VLVideoProcessor(size=size, patch_size=16, merge_size=2),
+            chat_template=QWEN2_VL_CHAT_TEMPLATE,
+        )
+    if family != "qwen2_5_vl":
+        raise ValueError(f"family must be one of {', '.join(FAMILIES)}, got {family!r}")
     image_processor = Qwen2VLImageProcessor(min_pixels=min_pixels, max_pixels=max_pixels)
     video_processor = Qwen2VLVideoProcessor(min_pixels=min_pixels, max_pixels=max_pixels)
     return Qwen2_5_VLProcessor(
@@ -352,6 +449,93 @@ def tiny_config(tokenizer):
     )
 
 
+def _smolvlm_seq_len(edge: int = SMOLVLM_TINY_EDGE, patch: int = 16, scale: int = 2) -> int:
+    return (edge // patch) ** 2 // scale**2
+
+
+def _text_sizes(vocab: int, ids: dict[str, int], bos: str, eos: str) -> dict:
+    return dict(
+        vocab_size=vocab,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32768,
+        bos_token_id=ids[bos],
+        eos_token_id=ids[eos],
+        pad_token_id=ids["<|endoftext|>"],
+        tie_word_embeddings=False,
+        dtype="float32",
+    )
+
+
+def tiny_qwen3_vl_config(tokenizer):
+    """The `Qwen3VLConfig` of the tiny Qwen3-VL; token ids are taken from `tokenizer`."""
+    from transformers import Qwen3VLConfig
+
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_SPECIAL_TOKENS}
+    text = _text_sizes(len(tokenizer), ids, "<|endoftext|>", "<|im_end|>")
+    text.update(
+        head_dim=64,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 1_000_000.0,
+            "mrope_section": [8, 12, 12],
+            "mrope_interleaved": True,
+        },
+    )
+    vision = dict(
+        depth=2,
+        hidden_size=128,
+        intermediate_size=256,
+        num_heads=2,
+        patch_size=16,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        out_hidden_size=256,
+        num_position_embeddings=256,
+        deepstack_visual_indexes=[0],
+    )
+    return Qwen3VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+        dtype="float32",
+    )
+
+
+def tiny_smolvlm_config(tokenizer, edge: int = SMOLVLM_TINY_EDGE):
+    """The `SmolVLMConfig` of the tiny SmolVLM; token ids are taken from `tokenizer`."""
+    from transformers import SmolVLMConfig
+
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SMOLVLM_SPECIAL_TOKENS}
+    text = _text_sizes(len(tokenizer), ids, "<|im_start|>", "<end_of_utterance>")
+    text.update(model_type="llama", head_dim=64, rope_parameters={"rope_type": "default",
+                                                                   "rope_theta": 100_000.0})
+    vision = dict(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=edge,
+        patch_size=16,
+    )
+    return SmolVLMConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids["<image>"],
+        scale_factor=2,
+        pad_token_id=ids["<|endoftext|>"],
+        tie_word_embeddings=False,
+        dtype="float32",
+    )
+
+
 def build_tiny_model(
     out: str | Path,
     seed: int = 0,
@@ -359,26 +543,35 @@ def build_tiny_model(
     min_pixels: int = TINY_MIN_PIXELS,
     max_pixels: int = TINY_MAX_PIXELS,
     init_std: float = 0.05,
+    family: str = "qwen2_5_vl",
 ) -> Path:
-    """Build the tiny Qwen2.5-VL with random weights and save model + processor to `out`.
+    """Build a tiny model of `family` (default Qwen2.5-VL) with random weights and save model
+    + processor to `out`.
 
     `init_std` is the standard deviation of the random weights; 0.05 (above
     Qwen's 0.02) makes the next-token distribution peaked enough that greedy
     decoding is not decided by float rounding, which parity tests need.
     """
     import torch
-    from transformers import GenerationConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers import AutoModelForImageTextToText, GenerationConfig
 
+    if family not in FAMILIES:
+        raise ValueError(f"family must be one of {', '.join(FAMILIES)}, got {family!r}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    processor = build_processor(min_pixels, max_pixels)
-    config = tiny_config(processor.tokenizer)
+    processor = build_processor(min_pixels, max_pixels, family)
+    make_config = {
+        "qwen2_5_vl": tiny_config,
+        "qwen3_vl": tiny_qwen3_vl_config,
+        "smolvlm": tiny_smolvlm_config,
+    }[family]
+    config = make_config(processor.tokenizer)
     config.text_config.initializer_range = init_std
     config.vision_config.initializer_range = init_std
     config.initializer_range = init_std
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen2_5_VLForConditionalGeneration(config).to(torch.float32).eval()
+        model = AutoModelForImageTextToText.from_config(config).to(torch.float32).eval()
     model.generation_config = GenerationConfig(
         bos_token_id=config.text_config.bos_token_id,
         eos_token_id=config.text_config.eos_token_id,
@@ -391,15 +584,21 @@ def build_tiny_model(
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="arpo-tiny-model", description="Build the tiny random Qwen2.5-VL into a folder."
+        prog="arpo-tiny-model",
+        description="Build a tiny random vision-language model (Qwen2.5-VL by default) into a folder.",
     )
     ap.add_argument("--out", required=True, help="folder to write the checkpoint to")
+    ap.add_argument("--family", default="qwen2_5_vl", choices=FAMILIES, help="model family")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     ap.add_argument("--min-pixels", type=int, default=TINY_MIN_PIXELS)
     ap.add_argument("--max-pixels", type=int, default=TINY_MAX_PIXELS)
     args = ap.parse_args(argv)
     path = build_tiny_model(
-        args.out, args.seed, min_pixels=args.min_pixels, max_pixels=args.max_pixels
+        args.out,
+        args.seed,
+        min_pixels=args.min_pixels,
+        max_pixels=args.max_pixels,
+        family=args.family,
     )
     print(path)
     return 0
