@@ -158,6 +158,12 @@ def model_problem(model: str) -> str | None:
     if p.is_dir():
         if not (p / "config.json").is_file():
             return f"{model!r} is a folder without config.json (not a Hugging Face model folder)"
+        from arpo.policy.family import check_folder
+
+        try:
+            check_folder(p)
+        except ValueError as e:
+            return str(e)
         return None
     if p.exists():
         return f"{model!r} is not a folder (give a Hugging Face model folder or a hub id)"
