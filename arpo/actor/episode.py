@@ -219,7 +219,11 @@ def _prompt_for(
     it, save the model with other bounds (`arpo-tiny-model --min-pixels/--max-pixels`, or
     edit the file); `play` logs the budget and the image tokens per screenshot once."""
     processor = getattr(policy, "processor", None)
-    if processor is None and not hasattr(policy, "image_rule") and not hasattr(policy, "min_pixels"):
+    if (
+        processor is None
+        and not hasattr(policy, "image_rule")
+        and not hasattr(policy, "min_pixels")
+    ):
         model = getattr(getattr(policy, "config", None), "model", "")
         if model:
             processor = _saved_processor(str(model))

@@ -163,7 +163,6 @@ class ScriptedPolicy:
     policy_version: int = 0
     stats: dict[str, float] = field(default_factory=lambda: {"batches": 0, "requests": 0})
 
-
     @property
     def image_rule(self) -> Any:
         """Qwen2.5-VL's image rule with this policy's budget (`min_pixels`, `max_pixels`)."""

@@ -176,21 +176,6 @@ def to_png(image: Any) -> bytes:
     return buf.getvalue()
 
 
-def collapse_image_pads(ids: Sequence[int], image_pad: int) -> list[int]:
-    """The ids with every run of <|image_pad|> reduced to one token.
-
-    vLLM expands each <|image_pad|> of a token prompt to the image's token count
-    itself (its prompt update is applied to token prompts too), so it gets the
-    placeholder form; the expanded length it reports is checked against ours.
-    """
-    out: list[int] = []
-    for t in ids:
-        if t == image_pad and out and out[-1] == image_pad:
-            continue
-        out.append(t)
-    return out
-
-
 def process_logits(
     logits: torch.Tensor,
     temperature: torch.Tensor,

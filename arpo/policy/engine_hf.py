@@ -285,9 +285,7 @@ class HFEngine(Engine):
             row_meta = [*(entry.meta[:m] if m else []), *meta[k : k + fresh]]
             k += fresh
             t_ids = torch.from_numpy(ids)[None]
-            positions = self.family.positions(
-                self.model, t_ids, torch.ones_like(t_ids), row_meta
-            )
+            positions = self.family.positions(self.model, t_ids, torch.ones_like(t_ids), row_meta)
             rows.append(_Row(ids, digests, reused, matched, entry, row_meta, positions[:, 0]))
         n = len(reqs)
         width_c = max(row.reused for row in rows)

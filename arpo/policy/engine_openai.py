@@ -54,9 +54,9 @@ from arpo.policy.engine import (
     Engine,
     EngineConfig,
     SamplingParams,
-    collapse_image_pads,
     to_png,
 )
+from arpo.policy.family import family_for_config
 from arpo.policy.prompt import FORBIDDEN_LOGIT_BIAS, forbidden_token_ids
 
 RETRIES = 4
@@ -201,8 +201,13 @@ class OpenAIEngine(Engine):
             timeout=aiohttp.ClientTimeout(total=self.config.request_timeout_s),
         )
         self._tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, self.config.model)
-        self._stop_default = (int(self._tokenizer.convert_tokens_to_ids("<|im_end|>")),)
-        self._image_pad = int(self._tokenizer.convert_tokens_to_ids("<|image_pad|>"))
+        try:
+            self._family = family_for_config(
+                await asyncio.to_thread(AutoConfig.from_pretrained, self.config.model)
+            )
+        except ValueError as e:
+            raise EngineError(str(e)) from None
+        self._stop_default = (self._family.chat(self._tokenizer).end,)
         self._forbidden = forbidden_token_ids(self._tokenizer)
         self._forbidden_set = frozenset(self._forbidden)
         # The ids the served model can sample are the rows of its output layer (the config's
@@ -285,7 +290,7 @@ class OpenAIEngine(Engine):
         if params.seed is not None:
             sp["seed"] = params.seed
         body: dict[str, Any] = {
-            "token_ids": collapse_image_pads(ids, self._image_pad) if images else ids,
+            "token_ids": self._family.placeholder_prompt(self._tokenizer, ids) if images else ids,
             "sampling_params": sp,
             "return_token_ids": True,
         }

@@ -38,9 +38,9 @@ from arpo.policy.engine import (
     Engine,
     EngineConfig,
     SamplingParams,
-    collapse_image_pads,
     to_pil,
 )
+from arpo.policy.family import family_for_config
 from arpo.policy.prompt import FORBIDDEN_LOGIT_BIAS, forbidden_token_ids
 
 
@@ -101,7 +101,7 @@ class VLLMEngine(Engine):
         if reason:
             raise EngineError(reason)
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.config.kv_cache_gib))
-        from transformers import AutoTokenizer
+        from transformers import AutoConfig, AutoTokenizer
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -118,8 +118,11 @@ class VLLMEngine(Engine):
         )
         self.llm = AsyncLLM.from_engine_args(args)
         self._tokenizer = AutoTokenizer.from_pretrained(self.config.model)
-        self._stop_default = (int(self._tokenizer.convert_tokens_to_ids("<|im_end|>")),)
-        self._image_pad = int(self._tokenizer.convert_tokens_to_ids("<|image_pad|>"))
+        try:
+            self._family = family_for_config(AutoConfig.from_pretrained(self.config.model))
+        except ValueError as e:
+            raise EngineError(str(e)) from None
+        self._stop_default = (self._family.chat(self._tokenizer).end,)
         self._forbidden = forbidden_token_ids(self._tokenizer)
         self._ensure_async()
 
@@ -134,7 +137,7 @@ class VLLMEngine(Engine):
     ) -> tuple[Sequence[int], Sequence[float]]:
         if self.llm is None:
             raise EngineError("the engine is not started (use `async with` or `await start()`)")
-        sent = collapse_image_pads(ids, self._image_pad) if images else ids
+        sent = self._family.placeholder_prompt(self._tokenizer, ids) if images else ids
         prompt: dict[str, Any] = {"prompt_token_ids": sent}
         if images:
             pil = await asyncio.to_thread(lambda: [to_pil(im) for im in images])

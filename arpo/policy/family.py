@@ -186,6 +186,35 @@ class Family:
             token_id(tokenizer, "<|vision_end|>"),
         ]
 
+    def placeholder_prompt(self, tokenizer: Any, ids: Sequence[int]) -> list[int]:
+        """The ids as a vLLM token prompt holds images: one placeholder per image, which
+        vLLM's own processor expands (Qwen: a run of <|image_pad|> becomes one; SmolVLM: a
+        whole block <fake_token_around_image><global-img><image>*n<fake_token_around_image>
+        becomes one <image>). The length vLLM reports back is checked against `ids`'."""
+        pad = token_id(tokenizer, self.image_token)
+        out: list[int] = []
+        if self.name != "smolvlm":
+            for t in ids:
+                if t == pad and out and out[-1] == pad:
+                    continue
+                out.append(t)
+            return out
+        fake = token_id(tokenizer, "<fake_token_around_image>")
+        glob = token_id(tokenizer, "<global-img>")
+        i, n = 0, len(ids)
+        while i < n:
+            if ids[i] == fake and i + 2 < n and ids[i + 1] == glob and ids[i + 2] == pad:
+                j = i + 2
+                while j < n and ids[j] == pad:
+                    j += 1
+                if j < n and ids[j] == fake:
+                    out.append(pad)
+                    i = j + 1
+                    continue
+            out.append(int(ids[i]))
+            i += 1
+        return out
+
     # -- images ------------------------------------------------------------------------
 
     def image_rule(self, processor: Any) -> ImageRule:
@@ -215,9 +244,13 @@ class Family:
                 f"the image processor has no min / max pixels or patch / merge size "
                 f"(not a {self.name} processor?)"
             )
-        return ImageRule("grid", factor=int(patch) * int(merge), min_pixels=int(lo), max_pixels=int(hi))
+        return ImageRule(
+            "grid", factor=int(patch) * int(merge), min_pixels=int(lo), max_pixels=int(hi)
+        )
 
-    def encode_images(self, processor: Any, images: Sequence[Any]) -> tuple[dict[str, Any], list[int], list[Any]]:
+    def encode_images(
+        self, processor: Any, images: Sequence[Any]
+    ) -> tuple[dict[str, Any], list[int], list[Any]]:
         """Pixels of `images` (PIL) for the model: (model kwargs on CPU, placeholder tokens per
         image, per-image position data for `positions`: Qwen's `image_grid_thw` rows, SmolVLM
         None). Kwargs of several calls concatenate along dim 0 (`concat_images`)."""
@@ -242,7 +275,9 @@ class Family:
         """Rows of position ids per token: 3 (t, h, w) for the Qwen families, 1 otherwise."""
         return 1 if self.name == "smolvlm" else 3
 
-    def positions(self, model: Any, ids: Any, attention_mask: Any, image_meta: Sequence[Any]) -> Any:
+    def positions(
+        self, model: Any, ids: Any, attention_mask: Any, image_meta: Sequence[Any]
+    ) -> Any:
         """Position ids [axes, B, T] of right-padded or unpadded `ids` [B, T] whose images'
         position data (`encode_images`' third value, in order over the batch) is `image_meta`."""
         import torch
@@ -310,7 +345,12 @@ def _get(size: Any, key: str) -> Any:
 def token_id(tokenizer: Any, name: str) -> int:
     """The id of an added token; EngineError when the tokenizer lacks it."""
     i = tokenizer.convert_tokens_to_ids(name)
-    if i is None or (not isinstance(i, int)) or i < 0 or i == getattr(tokenizer, "unk_token_id", -1):
+    if (
+        i is None
+        or (not isinstance(i, int))
+        or i < 0
+        or i == getattr(tokenizer, "unk_token_id", -1)
+    ):
         raise EngineError(f"the tokenizer has no {name} token (not the model's own tokenizer?)")
     return int(i)
 
@@ -384,8 +424,14 @@ def family_for_processor(processor: Any) -> Family:
             f"{name} is not the processor of a supported model family "
             f"({', '.join(FAMILIES)}); load the model folder's processor with AutoProcessor"
         )
-    if fam == "qwen2_5_vl" and int(getattr(processor, "patch_size", 0) or getattr(
-        getattr(processor, "image_processor", None), "patch_size", 14)) == 16:
+    if (
+        fam == "qwen2_5_vl"
+        and int(
+            getattr(processor, "patch_size", 0)
+            or getattr(getattr(processor, "image_processor", None), "patch_size", 14)
+        )
+        == 16
+    ):
         fam = "qwen3_vl"
     return FAMILIES[fam]
 

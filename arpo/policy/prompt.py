@@ -176,7 +176,9 @@ class EpisodePrompt:
         """The model family whose chat and image blocks the ids follow."""
         if rule is None:
             if min_pixels is None or max_pixels is None:
-                raise ValueError("give the image rule (rule=image_rule(processor)) or min / max pixels")
+                raise ValueError(
+                    "give the image rule (rule=image_rule(processor)) or min / max pixels"
+                )
             rule = ImageRule("grid", IMAGE_FACTOR, int(min_pixels), int(max_pixels))
         self.rule = rule
         """How a screenshot is shown (`arpo.policy.family.ImageRule`)."""

@@ -515,8 +515,11 @@ def tiny_smolvlm_config(tokenizer, edge: int = SMOLVLM_TINY_EDGE):
 
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SMOLVLM_SPECIAL_TOKENS}
     text = _text_sizes(len(tokenizer), ids, "<|im_start|>", "<end_of_utterance>")
-    text.update(model_type="llama", head_dim=64, rope_parameters={"rope_type": "default",
-                                                                   "rope_theta": 100_000.0})
+    text.update(
+        model_type="llama",
+        head_dim=64,
+        rope_parameters={"rope_type": "default", "rope_theta": 100_000.0},
+    )
     vision = dict(
         hidden_size=128,
         intermediate_size=256,
