@@ -68,7 +68,8 @@ class SamplingParams:
     seed: int | None = None
     """Seed of this request's sampler; None draws one (results then differ run to run)."""
     stop_token_ids: tuple[int, ...] = ()
-    """Token ids that end the response; empty means the model's <|im_end|>."""
+    """Token ids that end the response; empty means the model family's end-of-message token
+    (<|im_end|>, SmolVLM's <end_of_utterance>)."""
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0.0):

@@ -17,7 +17,7 @@ development routes (weight reload, cache reset):
 
 (`server_command()` builds this command.)
 
-- Image placeholders: as for the in-process engine, each <|image_pad|> run is
+- Image placeholders: as for the in-process engine, each image block is
   sent as one token and the server expands it; the expanded prompt length it
   reports (`return_token_ids`) is checked against ours.
 - Weights: a folder is loaded in place by `POST /collective_rpc`

