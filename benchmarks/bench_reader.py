@@ -95,11 +95,11 @@ def measure(folder: str, args: argparse.Namespace) -> dict:
             proc = engine.processor
             never = len(proc.tokenizer) + 10  # no stop token: exactly max_new_tokens
             prompts = []
-            for i in range(args.batch):
+            for _ in range(args.batch):
                 ep = EpisodePrompt.from_processor(proc, INSTRUCTION, observation="som")
                 ids = ep.add_observation(png, table)
                 prompts.append((ep, ids))
-            out["prompt_tokens"] = int(len(prompts[0][1]))
+            out["prompt_tokens"] = len(prompts[0][1])
 
             async def gen(i, n, seed):
                 ep, _ = prompts[i]
