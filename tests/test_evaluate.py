@@ -241,3 +241,24 @@ def test_a_timeout_writes_an_incomplete_report(pool: Path, tiny_dir: Path, tmp_p
     data = json.loads((out / "eval.json").read_text())
     assert data["complete"] is False and data["overall"]["episodes"] == 0
     assert "incomplete" in (out / "eval.md").read_text()
+
+
+def test_the_share_of_actions_that_did_not_parse_is_reported_per_turn() -> None:
+    from arpo.pool.evaluate import format_markdown, summarize
+    from arpo.pool.rollouts import EpisodeOutcome
+
+    counts = {"a": {"runs": 2, "successes": 1, "env_errors": 0, "unknown": 0},
+              "b": {"runs": 1, "successes": 0, "env_errors": 1, "unknown": 0}}  # fmt: skip
+    eps = [
+        EpisodeOutcome("1", "a", "ok", 1.0, 1.0, 3, 0, True, False, 0),
+        EpisodeOutcome("2", "a", "ok", 0.0, -0.5, 4, 1, False, False, 3),
+        EpisodeOutcome("3", "b", "ok", 0.0, -0.5, 1, 0, False, False, 1),
+        EpisodeOutcome("4", "b", "env_error", 0.0, 0.0, 5, 1, False, False, 5),  # not counted
+    ]
+    out = summarize(counts, eps, {"a": "d", "b": "d"})
+    assert out["tasks"]["a"]["parse_failure_rate"] == pytest.approx(3 / 7)
+    assert out["tasks"]["b"]["parse_failure_rate"] == 1.0
+    assert out["overall"]["parse_failure_rate"] == pytest.approx(4 / 8)
+    res = {**out, "policy": {"model": "m"}, "runs_per_task": 2, "success_score": 1.0,
+           "sampling": {"temperature": 1.0, "top_p": 1.0}}  # fmt: skip
+    assert "50.0% of actions did not parse" in format_markdown(res)

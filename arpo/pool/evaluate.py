@@ -87,7 +87,7 @@ class EvalConfig(PolicyPoolConfig):
 
 def _zero() -> dict[str, Any]:
     return {"runs": 0, "successes": 0, "env_errors": 0, "unknown": 0,
-            "score_sum": 0.0, "reward_sum": 0.0, "steps_sum": 0}  # fmt: skip
+            "score_sum": 0.0, "reward_sum": 0.0, "steps_sum": 0, "unparsed_sum": 0}  # fmt: skip
 
 
 def _finish(acc: Mapping[str, Any]) -> dict[str, Any]:
@@ -103,6 +103,9 @@ def _finish(acc: Mapping[str, Any]) -> dict[str, Any]:
         "mean_score": mean(acc["score_sum"]),
         "mean_reward": mean(acc["reward_sum"]),
         "mean_steps": mean(acc["steps_sum"]),
+        "parse_failure_rate": (
+            round(acc["unparsed_sum"] / acc["steps_sum"], 6) if acc["steps_sum"] else None
+        ),
         "env_errors": acc["env_errors"],
         "unknown": acc["unknown"],
     }
@@ -128,6 +131,7 @@ def summarize(
             a["score_sum"] += e.checker_score
             a["reward_sum"] += e.reward
             a["steps_sum"] += e.steps
+            a["unparsed_sum"] += e.unparsed
     by_domain: dict[str, dict[str, Any]] = {}
     n_tasks: dict[str, int] = {}
     for tid, a in acc.items():
@@ -154,6 +158,7 @@ def summarize(
             "mean_score": _finish(total)["mean_score"],
             "mean_reward": _finish(total)["mean_reward"],
             "mean_steps": _finish(total)["mean_steps"],
+            "parse_failure_rate": _finish(total)["parse_failure_rate"],
         },
         "domains": {d: {"tasks": n_tasks[d], **_finish(a)} for d, a in by_domain.items()},
         "tasks": tasks,
@@ -202,7 +207,8 @@ def format_markdown(result: Mapping[str, Any]) -> str:
         f"- overall: {ov['successes']} successes in {ov['episodes']} episodes of "
         f"{ov['tasks']} tasks: {_num(ov['success_rate_episodes'], pct=True)} of episodes, "
         f"{_num(ov['success_rate_tasks'], pct=True)} mean over tasks; "
-        f"{ov['env_errors']} environment errors, {ov['unknown']} unknown runs"
+        f"{ov['env_errors']} environment errors, {ov['unknown']} unknown runs; "
+        f"{_num(ov.get('parse_failure_rate'), pct=True)} of actions did not parse"
     )
     if not result.get("complete", True):
         lines.append("- **incomplete**: the run timed out before every run finished")

@@ -290,6 +290,8 @@ class EpisodeOutcome:
     success: bool
     abandoned: bool
     """An environment error that made its slot give up (counted unknown)."""
+    unparsed: int = 0
+    """Turns whose response did not parse as an action (`Turn.parsed` false)."""
 
 
 class PoolTally:
@@ -342,6 +344,7 @@ class PoolTally:
                     traj.slot,
                     success,
                     abandoned and not ok,
+                    sum(not t.parsed for t in traj.turns),
                 )
             )
         return fresh
