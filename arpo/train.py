@@ -50,7 +50,7 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from arpo_envs.procs import free_port
 
@@ -80,6 +80,9 @@ log = logging.getLogger("arpo.train")
 
 
 _SET_BY_TRAIN = SET_BY_TRAIN
+READER_SFT_LR = 5e-5
+"""The reader's warm-start learning rate (AdamW; the table-lookup probe's: it learned the
+lookup at 5e-5 and keeps the decoder's reading)."""
 
 
 def _default_learner() -> LearnerConfig:
@@ -137,7 +140,24 @@ class TrainConfig:
     """A training run on this machine (see the module docstring)."""
 
     run_dir: str = option("runs/train", "Folder of the run (everything it writes).")
-    model: str = option("", "Policy to start from ('' = the tiny model, warm-started).")
+    model: str = option("", "Policy to start from ('' = `base` built here, warm-started).")
+    base: Literal["tiny", "reader"] = option(
+        "tiny",
+        "With model '': the policy built into <run_dir>/<base> and warm-started: 'tiny' (a "
+        "random Qwen2.5-VL of 2 text layers, `arpo-tiny-model`) or 'reader' (SmolLM2-135M-"
+        "Instruct's pre-trained decoder in a SmolVLM, `arpo-reader`: it reads, at about 10 "
+        "times the tiny model's cost; benchmarks/results/reader-cost-*.md).",
+    )
+    reader_layers: int = option(
+        30,
+        "base=reader: the decoder's first layers kept (of 30); fewer are cheaper but read "
+        "worse (docs/guides/own-model.md, 'The reader').",
+    )
+    sft_lr: float = option(
+        0.0,
+        "Warm start's AdamW learning rate (0: the base's own: 1e-3 for the tiny model, which "
+        "starts from random weights; 5e-5 for the reader, which must keep what it knows).",
+    )
     tiny_max_pixels: int = option(
         0,
         "Image budget of the tiny model's processor (`max_pixels`, written into "
@@ -285,6 +305,21 @@ class TrainConfig:
             fail("vms", "must be >= 0")
         if self.seed < 0:
             fail("seed", "must be >= 0")
+        if self.base not in ("tiny", "reader"):
+            fail("base", f"must be 'tiny' or 'reader', got {self.base!r}")
+        if self.model and self.base != "tiny":
+            fail("base", f"builds the policy when model is ''; this run starts from {self.model}")
+        if not 1 <= self.reader_layers <= 30:
+            fail(
+                "reader_layers",
+                f"must be in [1, 30] (SmolLM2-135M has 30), got {self.reader_layers}",
+            )
+        if self.sft_lr < 0 or self.sft_lr != self.sft_lr:
+            fail("sft_lr", f"must be >= 0 (0: the base's own), got {self.sft_lr}")
+        if self.tiny_max_pixels and self.base != "tiny":
+            fail(
+                "tiny_max_pixels", "applies to base=tiny; the reader's image is a 256-pixel square"
+            )
         if self.tiny_max_pixels:
             from arpo.policy.tiny import TINY_MIN_PIXELS
 
@@ -551,7 +586,13 @@ class TrainRun:
 
         tiny = self.run_dir / "tiny"
         budget = cfg.tiny_max_pixels or TINY_MAX_PIXELS
-        if not (tiny / "config.json").exists():
+        if cfg.base == "reader":
+            from arpo.policy.reader import build_reader
+
+            tiny = self.run_dir / f"reader-{cfg.reader_layers}"
+            if not (tiny / "config.json").exists():
+                build_reader(tiny, layers=cfg.reader_layers, seed=cfg.seed)
+        elif not (tiny / "config.json").exists():
             build_tiny_model(tiny, seed=cfg.seed, max_pixels=budget)
         else:
             made = _tiny_max_pixels(tiny)
@@ -563,7 +604,7 @@ class TrainRun:
                 )
         if not cfg.warm_start:
             return str(tiny)
-        sft_dir = self.run_dir / "sft"
+        sft_dir = self.run_dir / ("sft" if cfg.base == "tiny" else f"sft-{tiny.name}")
         shown = cfg.actor.episode.observation_type
         if (sft_dir / "config.json").exists():
             made = _warm_start_observation(sft_dir)
@@ -593,6 +634,7 @@ class TrainRun:
                     max_steps=cfg.actor.episode.max_steps,
                     max_new_tokens=cfg.actor.episode.max_new_tokens,
                     observation_type=shown,
+                    lr=cfg.sft_lr or (1e-3 if cfg.base == "tiny" else READER_SFT_LR),
                 )
             )
         return str(sft_dir)
