@@ -145,11 +145,20 @@ def _config(args: argparse.Namespace, **fields):
     48-token responses, 16 tasks per family, this script's `--envs`) or `arpo train`'s
     defaults with 15-step episodes (`train`), with `fields` over it."""
     if args.recipe == "earlier":
-        return earlier_config(**{"sim_envs_per_actor": args.envs, **fields})
-    from arpo.config import load_config
-    from arpo.train import TrainConfig
+        cfg = earlier_config(**{"sim_envs_per_actor": args.envs, **fields})
+    else:
+        from arpo.config import load_config
+        from arpo.train import TrainConfig
 
-    return replace(load_config(TrainConfig, None, TRAIN_RECIPE), **fields)
+        cfg = replace(load_config(TrainConfig, None, TRAIN_RECIPE), **fields)
+    episode = replace(cfg.actor.episode, observation_type=args.observation)
+    return replace(
+        cfg,
+        base=args.base if not cfg.model else "tiny",
+        reader_layers=args.reader_layers,
+        sft_lr=args.sft_lr,
+        actor=replace(cfg.actor, episode=episode),
+    )
 
 
 def _actor_args(args: argparse.Namespace) -> list[str]:
@@ -195,6 +204,11 @@ def setup(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     if not heldout.exists():
         write_tasks(heldout, families, args.heldout_per_family, HELDOUT_TASK_SEED)
         (heldout / "test_all.json").unlink()
+    other = out / "other_family"
+    other_families = [f for f in args.other_families.split(",") if f]
+    if other_families and not other.exists():
+        write_tasks(other, other_families, args.heldout_per_family, HELDOUT_TASK_SEED)
+        (other / "test_all.json").unlink()
     cand = sorted(f.stem for f in pool.rglob("*.json"))
     held = sorted(f.stem for f in heldout.rglob("*.json"))
     if set(cand) & set(held):
@@ -220,10 +234,13 @@ def setup(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         raise SystemExit(f"{sel_path}: the warm start solved none of the candidates")
     train_pool = out / "train_tasks"
     eval_pool = out / "eval_tasks"
+    others = sorted(f.stem for f in other.rglob("*.json")) if other.exists() else []
     if not eval_pool.exists():
         _copy_tasks(train, pool, train_pool)
         _copy_tasks(train, pool, eval_pool / "train")
         _copy_tasks(held, heldout, eval_pool / "heldout")
+        if others:
+            _copy_tasks(others, other, eval_pool / "other")
     return {
         "model": model,
         "pool": str(pool),
@@ -234,6 +251,7 @@ def setup(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         "candidates": cand,
         "train": train,
         "heldout": held,
+        "other": others,
         "select_counts": {t: selection["tasks"][t]["successes"] for t in cand},
     }
 
@@ -266,7 +284,13 @@ def _eval(args: argparse.Namespace, policy: str, s: dict[str, Any], out: Path) -
         runs = sum(r["runs"] for r in rows)
         return sum(r["successes"] for r in rows) / runs if runs else math.nan
 
-    return {"train": rate(s["train"]), "heldout": rate(s["heldout"])}
+    out_ = {"train": rate(s["train"]), "heldout": rate(s["heldout"])}
+    if s.get("other"):
+        out_["other"] = rate(s["other"])
+    pf = ev.get("overall", {}).get("parse_failure_rate")
+    if pf is not None:
+        out_["parse_failure_rate"] = pf
+    return out_
 
 
 # ---------------------------------------------------------------------------- online
@@ -766,6 +790,32 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--offline-lr", type=float, default=1e-4, help="arpo offline lr (dpo, rft).")
     p.add_argument("--kto-lr", type=float, default=1e-5, help="arpo offline lr of kto.")
     p.add_argument("--offline-epochs", type=int, default=2, help="arpo offline epochs.")
+    p.add_argument(
+        "--base",
+        choices=("tiny", "reader"),
+        default="tiny",
+        help="The warm start's base: the tiny random model or the reader (arpo train base=).",
+    )
+    p.add_argument("--reader-layers", type=int, default=30, help="--base reader: text layers.")
+    p.add_argument("--sft-lr", type=float, default=0.0, help="Warm-start lr (0: the base's).")
+    p.add_argument(
+        "--observation",
+        default="screenshot",
+        choices=("screenshot", "a11y_tree", "screenshot_a11y_tree", "som"),
+        help="actor.episode.observation_type of every run, evaluation and demonstration.",
+    )
+    p.add_argument(
+        "--other-families",
+        default="",
+        help="Families no run trains on, evaluated beside the held-out tasks (what does not "
+        "transfer).",
+    )
+    p.add_argument(
+        "--transfer-json",
+        default="",
+        help="Also write benchmarks/results/<name>.json in the transfer format (seeds; per "
+        "method unseen_warm, unseen_trained, unseen_gain_ci, per_seed).",
+    )
     p.add_argument("--report-only", action="store_true", help="Tables and plot from results.")
     p.add_argument(
         "--save-as",
@@ -826,7 +876,53 @@ def main(argv: list[str] | None = None) -> int:
     print(report(out, results))
     print(plot(out, results))
     _save_as(out, args.save_as, results)
+    _transfer_json(args.transfer_json, results)
     return 0
+
+
+def transfer_summary(results: dict[str, Any]) -> dict[str, Any]:
+    """The transfer format: per method with runs, the unseen (held-out) success of the warm
+    start and of the trained policy (means over seeds, fractions), the per-seed paired gain's
+    95 % t-interval, and per seed the figures (train / other family too where evaluated)."""
+    warm = results.get("warm_start", {})
+    seeds = [str(s) for s in results.get("seeds", [])]
+    arms: dict[str, Any] = {}
+    for m, runs in results.get("methods", {}).items():
+        per = {s: runs[s]["eval"] for s in seeds if s in runs and "eval" in runs[s]}
+        if not per:
+            continue
+        gains = [e["heldout"] - warm["heldout"] for e in per.values()]
+        _, lo, hi = t_interval(gains)
+        arms[m] = {
+            "unseen_warm": warm.get("heldout"),
+            "unseen_trained": statistics.mean(e["heldout"] for e in per.values()),
+            "unseen_gain_ci": [lo, hi],
+            "per_seed": {
+                s: {
+                    "unseen_trained": e["heldout"],
+                    "unseen_gain": e["heldout"] - warm["heldout"],
+                    **{k: e[k] for k in ("train", "other", "parse_failure_rate") if k in e},
+                }
+                for s, e in per.items()
+            },  # fmt: skip
+        }
+    pairs = {}
+    for a, b in (("arpo", "grpo"), ("arpo", "rft")):
+        if a in arms and b in arms:
+            d = [arms[a]["per_seed"][s]["unseen_trained"] - arms[b]["per_seed"][s]["unseen_trained"]
+                 for s in arms[a]["per_seed"] if s in arms[b]["per_seed"]]  # fmt: skip
+            if d:
+                pairs[f"{a}-{b}"] = {"mean": statistics.mean(d), "ci": list(t_interval(d)[1:])}
+    return {"seeds": [int(s) for s in seeds], "warm_start": warm, "arms": arms,
+            "unseen_differences": pairs, "settings": results.get("settings", {})}  # fmt: skip
+
+
+def _transfer_json(name: str, results: dict[str, Any]) -> None:
+    if not name:
+        return
+    dest = Path(__file__).resolve().parent / "results" / f"{name}.json"
+    dest.write_text(json.dumps(transfer_summary(results), indent=2) + "\n")
+    log.info("transfer summary -> %s", dest)
 
 
 def _save_as(out: Path, name: str, results: dict[str, Any]) -> None:
