@@ -904,7 +904,7 @@ def transfer_summary(results: dict[str, Any]) -> dict[str, Any]:
                     **{k: e[k] for k in ("train", "other", "parse_failure_rate") if k in e},
                 }
                 for s, e in per.items()
-            },  # fmt: skip
+            },
         }
     pairs = {}
     for a, b in (("arpo", "grpo"), ("arpo", "rft")):
