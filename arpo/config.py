@@ -10,7 +10,9 @@ where the field is a string).
 Every error is a `ConfigError` that names the field by its dotted path and says
 how to fix it: an unknown name (with the closest known names), a value of the
 wrong type, an unparsable override, or an invalid combination reported by the
-dataclass's own `validate()` (call `fail(field, reason)` there).
+dataclass's own `validate()` (call `fail(field, reason)` there). A config whose checks need
+only its own fields also runs them when it is built (`__post_init__` calling
+`check_on_build`), so one made in code is refused as one loaded from a file.
 
     @dataclass
     class LearnerConfig:
@@ -73,6 +75,28 @@ class _FieldFailure(Exception):
 def fail(field: str, reason: str) -> typing.NoReturn:
     """Raise from a config's `validate()`: `field` is the field's name, `reason` the fix."""
     raise _FieldFailure(field, reason)
+
+
+class FieldError(ConfigError):
+    """A config that checks itself when it is built (`check_on_build`) has a bad field:
+    `field` is its name, `reason` the fix. `from_dict` puts the field's dotted path in front."""
+
+    def __init__(self, owner: str, field: str, reason: str):
+        super().__init__(f"{owner}.{field}: {reason}")
+        self.field = field
+        self.reason = reason
+
+
+def check_on_build(cfg: Any, check: Callable[[], None] | None = None) -> None:
+    """Run `cfg.validate()` (or `check`, which calls `fail`) from its `__post_init__`, so a
+    config built in code (an `Actor` made without `load_config`, `dataclasses.replace`) is
+    checked as one loaded from a file: a bad field raises `FieldError` (a `ValueError`)
+    naming it. For configs whose checks need nothing but their own fields and whose
+    defaults pass them."""
+    try:
+        (check or cfg.validate)()
+    except _FieldFailure as e:
+        raise FieldError(type(cfg).__name__, e.field, e.reason) from None
 
 
 # ---------------------------------------------------------------------------- range checks
@@ -301,6 +325,8 @@ def from_dict(cls: type[T], data: Mapping[str, Any], *, prefix: str = "") -> T:
         cfg = cls(**kwargs)
     except TypeError as e:  # a required field without a default
         raise ConfigError(f"{prefix.rstrip('.') or cls.__name__}: {e}") from None
+    except FieldError as e:  # a dataclass that checks itself in __post_init__
+        raise ConfigError(f"config field {prefix}{e.field}: {e.reason}") from None
     except ConfigError:
         raise
     except ValueError as e:  # a dataclass that checks itself in __post_init__

@@ -99,6 +99,13 @@ class FileCacheMiss(EnvError, LookupError):
     """A task needs a file (by URL) that is not in the local file cache; the message says how to add it."""
 
 
+class BlobCacheError(EnvError):
+    """The actor host's cache of task files (`arpo.env.taskfiles.BlobCache`, the actor's
+    `file_cache_dir`) holds at a file's place something it cannot remove or use (a folder
+    with files in it), or cannot be written. The host's fault, never the task's: the episode
+    ends as env_error and the task stays in the run. The message names the path and the fix."""
+
+
 class TaskError(ArpoError, ValueError):
     """A task file is malformed or uses an unknown step type; the message names the task and the step."""
 

@@ -1,7 +1,7 @@
 """The trajectory record: one episode of one task, token-in / token-out.
 
 Everything needed to rebuild the exact training sequence without tokenising text
-again (DESIGN section 3):
+again (docs/reference/record.md, 'Token-in, token-out'):
 
 - per turn: the prompt token ids added at this turn (the user message with its
   image placeholder tokens), the PNG bytes of the screenshot shown, the sampled

@@ -48,6 +48,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -74,6 +75,7 @@ from arpo.errors import EXIT_STALLED, ArpoError, RunStalled
 from arpo.learner.checkpoint import latest_checkpoint
 from arpo.learner.learner import LearnerConfig
 from arpo.learner.metrics import read_metrics
+from arpo.markdown import md_cell
 from arpo.policy.engine import EngineConfig
 
 log = logging.getLogger("arpo.train")
@@ -90,7 +92,7 @@ def _default_learner() -> LearnerConfig:
     90 iterations (the learning rate decays linearly to 0 over them: `decay_lr`).
 
     Two settings differ from the reference's, both measured on the tiny model
-    (`benchmarks/ablate_learning.py`, README "Diagnosing online learning"): group
+    (`benchmarks/ablate_learning.py`, docs/results/diagnosing.md): group
     advantages without the division by the group's std (Dr. GRPO: a group of failures
     whose only difference is one unparseable response otherwise gets advantages as
     large as a group with a success, and pushes its parseable wrong clicks up), and
@@ -238,6 +240,12 @@ class TrainConfig:
     preflight_fatal: bool = option(
         False, "Stop before training (exit code 3) when the preflight leaves out any task."
     )
+    preflight_task_timeout_s: float = option(
+        300.0,
+        "The preflight's bound on one task, its revert or reset and its setup: a task not "
+        "set up within it is left out with 'timeout' as its reason. (A signal stops the "
+        "preflight at once, whatever this is.)",
+    )
     eval_runs_per_task: int = option(
         16,
         "Episodes per task in the final evaluation, and in the starting policy's (0: none).",
@@ -372,6 +380,11 @@ class TrainConfig:
         check_range("max_restarts", self.max_restarts, 0, 1000, "restarts per process")
         check_range("sft_epochs", self.sft_epochs, 1, LIMITS["sft_epochs"][0], "warm-start epochs")
         check_seconds("progress_s", self.progress_s, "between progress lines", zero="0: none")
+        check_seconds(
+            "preflight_task_timeout_s",
+            self.preflight_task_timeout_s,
+            "the preflight's revert + setup of one task",
+        )
         check_range("eval_temperature", self.eval_temperature, 0, MAX_TEMPERATURE, "0: greedy")
         check_range(
             "sft_target_nll",
@@ -510,15 +523,50 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def _learner_error(log_path: Path) -> str:
-    """The learner's last 'arpo-learner: ...' line (why it stopped), from its log."""
+    """Why the learner stopped: its last 'arpo-learner: ...' line, from its log, without
+    the "the run cannot go on: " its message starts with (the caller says that once)."""
     try:
         lines = log_path.read_text(encoding="utf-8", errors="replace").splitlines()
     except OSError:
         return f"see {log_path}"
     for line in reversed(lines):
         if line.startswith("arpo-learner: "):
-            return line[len("arpo-learner: ") :]
+            return line[len("arpo-learner: ") :].removeprefix("the run cannot go on: ")
     return f"see {log_path}"
+
+
+class RunInterrupted(ArpoError):
+    """A signal stopped `arpo train` before training (or in its final evaluation): what
+    the phase had started is stopped; `main` exits 128 + the signal."""
+
+    def __init__(self, signum: int, phase: str) -> None:
+        name = signal.Signals(signum).name
+        done = (
+            "training had finished; the evaluation did not"
+            if phase == "the final evaluation"
+            else "nothing was trained"
+        )
+        super().__init__(
+            f"stopped by {name} during {phase}: every process the run had started is "
+            f"stopped; {done}"
+        )
+        self.signum, self.phase = signum, phase
+
+
+def _say(line: str) -> None:
+    """`line` to stderr from a signal handler: one write(2), never `print` (the main thread
+    may be inside a write to stderr, which `print` would re-enter)."""
+    with contextlib.suppress(OSError):
+        os.write(2, (line + "\n").encode("utf-8", "replace"))
+
+
+def _running(pid: int) -> bool:
+    """`pid` exists and is not a zombie."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
 
 
 def _descendants(pid: int) -> list[int]:
@@ -738,13 +786,52 @@ class TrainRun:
     # ---- the run -----------------------------------------------------------------------
 
     def run(self) -> dict[str, Any]:
+        """The whole run (module docstring). Signals are handled from its first line: the
+        first SIGTERM / SIGINT before training (policy, evaluation, pre-fill, desktops,
+        preflight, starting the processes) or in the final evaluation raises
+        `RunInterrupted` where the run is, which stops what that phase started, then every
+        process of the run (`_stop_descendants`); during training it stops the learner and
+        the actors and evaluates the last checkpoint. A second signal kills everything."""
+        stop = {"flag": False}
+
+        def on_signal(signum: int, frame: Any) -> None:
+            name = signal.Signals(signum).name
+            if stop["flag"]:
+                _say(f"arpo train: {name} again: stopping now")
+                self._kill_everything()
+                os._exit(128 + signum)
+            stop["flag"] = True
+            self.signalled = signum
+            if self._phase is not None:
+                _say(f"arpo train: {name}: stopping {self._phase} and everything it started; "
+                     f"{name} again stops now")  # fmt: skip
+                raise RunInterrupted(signum, self._phase)
+            _say("arpo train: stopping: evaluating the last checkpoint; Ctrl-C again stops now")
+            log.info("signal %d: stopping the run", signum)
+
+        self._phase = "building the starting policy"
+        old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            return self._run(stop)
+        except RunInterrupted:
+            self._phase = None
+            self._stop_descendants(grace_s=30.0)
+            raise
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+
+    def _run(self, stop: dict[str, bool]) -> dict[str, Any]:
         cfg = self.config
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        model = self.policy()
+        model = self.policy()  # phase "building the starting policy", set by `run`
+        self._phase = "writing the task pool"
         tasks = self.task_pool()
         if cfg.eval_warm_start and cfg.eval_runs_per_task and cfg.sim_envs_per_actor:
+            self._phase = "the starting policy's evaluation"
             log.info("evaluating the starting policy (the same protocol as the final one)")
             self.warm_eval = self._evaluate(tasks, {"model": model}, self.run_dir / "eval_warm")
+        self._phase = "the replay pre-fill"
         if cfg.learner.assemble.replay.prefill:
             log.info(
                 "replay pre-fill: the successes in %s (learner.assemble.replay.prefill); no "
@@ -760,55 +847,60 @@ class TrainRun:
             self.prefill = self._prefill_demos(model, self.prefill, tasks)
         data = f"tcp://127.0.0.1:{free_port()}"
         control = f"tcp://127.0.0.1:{free_port()}"
-        stop = {"flag": False}
-
-        def on_signal(signum: int, frame: Any) -> None:
-            if stop["flag"]:
-                print(f"arpo train: signal {signum} again: stopping now", file=sys.stderr)
-                self._kill_everything()
-                os._exit(128 + signum)
-            stop["flag"] = True
-            self.signalled = signum
-            print("arpo train: stopping: evaluating the last checkpoint; Ctrl-C again stops "
-                  "now", file=sys.stderr, flush=True)  # fmt: skip
-            log.info("signal %d: stopping the run", signum)
-
-        old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
-            try:
-                desktops = self._desktops() if cfg.local_desktops else None
-                fleet = self._vm_fleet() if cfg.vms else cfg.vm_fleet
-                left_out = self._preflight(tasks, desktops, fleet) if cfg.preflight else {}
-                self.learner = self._learner_proc(model, tasks, data, control, left_out)
-                for i in range(cfg.actors):
-                    if cfg.sim_envs_per_actor:
-                        self.procs.append(self._actor_proc(i, model, data, control, envs=[],
-                                          sim_envs=cfg.sim_envs_per_actor))  # fmt: skip
-                if desktops is not None:
-                    urls, tokens = desktops
-                    self.procs.append(self._actor_proc(len(self.procs), model, data, control,
-                                                       envs=urls, env_tokens=tokens,
-                                                       sim_envs=0))  # fmt: skip
-                if fleet:
-                    self.procs.append(self._actor_proc(len(self.procs), model, data, control,
-                                                       envs=[], sim_envs=0, vm_fleet=fleet,
-                                                       vm_pool=cfg.vm_pool))  # fmt: skip
-                if cfg.env_urls:
-                    self.procs.append(self._actor_proc(len(self.procs), model, data, control,
-                                                       envs=list(cfg.env_urls), sim_envs=0,
-                                                       env_pool=cfg.env_urls_pool))  # fmt: skip
-                if not stop["flag"]:
-                    self.learner.start()
-                    for p in self.procs:
-                        p.start()
-                    self._supervise(stop)
-            finally:
-                self._shutdown()
-            return self._results(tasks)
+            self._phase = "starting the local desktops"
+            desktops = self._desktops() if cfg.local_desktops else None
+            self._phase = "starting the VMs"
+            fleet = self._vm_fleet() if cfg.vms else cfg.vm_fleet
+            self._phase = "the preflight"
+            left_out = self._preflight(tasks, desktops, fleet) if cfg.preflight else {}
+            self._phase = "starting the learner and the actors"
+            self.learner = self._learner_proc(model, tasks, data, control, left_out)
+            for i in range(cfg.actors):
+                if cfg.sim_envs_per_actor:
+                    self.procs.append(self._actor_proc(i, model, data, control, envs=[],
+                                      sim_envs=cfg.sim_envs_per_actor))  # fmt: skip
+            if desktops is not None:
+                urls, tokens = desktops
+                self.procs.append(self._actor_proc(len(self.procs), model, data, control,
+                                                   envs=urls, env_tokens=tokens,
+                                                   sim_envs=0))  # fmt: skip
+            if fleet:
+                self.procs.append(self._actor_proc(len(self.procs), model, data, control,
+                                                   envs=[], sim_envs=0, vm_fleet=fleet,
+                                                   vm_pool=cfg.vm_pool))  # fmt: skip
+            if cfg.env_urls:
+                self.procs.append(self._actor_proc(len(self.procs), model, data, control,
+                                                   envs=list(cfg.env_urls), sim_envs=0,
+                                                   env_pool=cfg.env_urls_pool))  # fmt: skip
+            self.learner.start()
+            for p in self.procs:
+                p.start()
+            self._phase = None  # training: a signal stops it and the last checkpoint is evaluated
+            self._supervise(stop)
         finally:
-            for s, h in old.items():
-                signal.signal(s, h)
+            self._shutdown()
+        return self._results(tasks)
 
+    def _stop_descendants(self, grace_s: float) -> None:
+        """Every process of the run still running after an interrupted phase cleaned up
+        (what it did not know it had started): SIGTERM, then SIGKILL after `grace_s`."""
+        left = _descendants(os.getpid())
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGTERM)
+        end = time.monotonic() + grace_s
+        while left and time.monotonic() < end:
+            time.sleep(0.2)
+            left = [p for p in left if _running(p)]
+        for pid in left:
+            log.warning("pid %d did not stop within %.0f s of SIGTERM: SIGKILL", pid, grace_s)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+
+    _phase: str | None = None
+    """What the run is doing when it is not training (a signal then raises RunInterrupted
+    there); None while it trains."""
     signalled: int | None = None
     """The signal that stopped the run (None: it was not stopped by one)."""
     preflight_report: dict[str, Any] | None = None
@@ -824,9 +916,11 @@ class TrainRun:
             if p.popen is not None and p.popen.poll() is None:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(p.popen.pid, signal.SIGKILL)
+        own = os.getpgrp()  # a pool run's actor is in this process's group: not the group
         for pid in _descendants(os.getpid()):
             with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(os.getpgid(pid), signal.SIGKILL)
+                if (group := os.getpgid(pid)) != own:
+                    os.killpg(group, signal.SIGKILL)
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
         with contextlib.suppress(Exception):
@@ -885,7 +979,8 @@ class TrainRun:
                 )
             try:
                 source = FileSource.local(index, BlobCache(self.run_dir / "preflight-files"))
-                return await audit_tasks(pool, specs, source, checks=False)
+                return await audit_tasks(pool, specs, source, checks=False,
+                                         task_timeout_s=cfg.preflight_task_timeout_s)  # fmt: skip
             finally:
                 for r in runners:
                     await r.cleanup()
@@ -901,12 +996,7 @@ class TrainRun:
             "tasks": [a.to_dict() for a in audits],
         }
         (self.run_dir / "preflight.json").write_text(json.dumps(report, indent=1))
-        lines = [f"# Preflight: {len(audits)} tasks set up once, {len(left_out)} left out "
-                 f"({report['seconds']} s)", "", "| task | pool | setup s | reason |",
-                 "|---|---|---|---|"]  # fmt: skip
-        lines += [f"| {a.task_id} | {a.pool} | {a.setup_s:.1f} | "
-                  f"{a.reason.replace('|', '/')[:300] or 'ok'} |" for a in audits]  # fmt: skip
-        (self.run_dir / "preflight.md").write_text("\n".join(lines) + "\n")
+        (self.run_dir / "preflight.md").write_text(preflight_markdown(audits, report["seconds"]))
         self.preflight_report = {
             "tasks": len(audits),
             "left_out": left_out,
@@ -1220,7 +1310,11 @@ class TrainRun:
         if self.stalled is not None:
             log.info("no final evaluation: the run stopped before its end (%s)", self.stalled)
         elif ckpt is not None and cfg.eval_runs_per_task and cfg.sim_envs_per_actor:
+            # After a signal stopped training a second one kills everything; else the
+            # first one stops this evaluation (RunInterrupted).
+            self._phase = "the final evaluation" if self.signalled is None else None
             ev = self._evaluate(tasks, {"checkpoint": str(ckpt)}, self.run_dir / "eval")
+            self._phase = None
             out["eval"] = str(self.run_dir / "eval" / "eval.md")
             out["eval_success_rate"] = ev["success_rate"]
             out["eval_trained"] = ev
@@ -1448,7 +1542,8 @@ def comparison(out: dict[str, Any]) -> str:
             a, b = wt.get(task), tt.get(task)
             cells = [f"{x['successes']}/{x['runs']}" if x else "-" for x in (a, b)]
             d = b["successes"] - a["successes"] if a and b and a["runs"] == b["runs"] else None
-            line = f"| {task} | {cells[0]} | {cells[1]} | {'' if d is None else f'{d:+d}'} |"
+            line = (f"| {md_cell(task)} | {cells[0]} | {cells[1]} | "
+                    f"{'' if d is None else f'{d:+d}'} |")  # fmt: skip
             if pre is not None:
                 line += f" {pre.get(task, '-')} |"
             rows.append(line)
@@ -1464,6 +1559,9 @@ def main(cfg: TrainConfig) -> int:
     except RunStalled as e:
         print(f"arpo train: {e}", file=sys.stderr)
         return EXIT_STALLED
+    except RunInterrupted as e:
+        print(f"arpo train: {e}", file=sys.stderr)
+        return 128 + e.signum
     print(json.dumps(out, indent=2))
     if out.get("eval"):
         print(Path(out["eval"]).read_text())
@@ -1472,9 +1570,10 @@ def main(cfg: TrainConfig) -> int:
     if out.get("tasks_out"):
         print(tasks_out_table(out["tasks_out"]))
     if out.get("stalled"):
-        print(f"arpo train: stopped before its end: {out['stalled']} (details: "
-              f"{cfg.run_dir}/learner/tasks_out.json; the last checkpoint: "
-              f"{out.get('checkpoint')})", file=sys.stderr)  # fmt: skip
+        # Why was said when the learner stopped (`_supervise`), once.
+        print(f"arpo train: stopped before its end (details: {cfg.run_dir}/learner/"
+              f"tasks_out.json; the last checkpoint: {out.get('checkpoint')})",
+              file=sys.stderr)  # fmt: skip
         return EXIT_STALLED
     if out.get("signal") is not None and not out.get("finished"):
         return 128 + int(out["signal"])
@@ -1487,7 +1586,18 @@ def tasks_out_table(tasks_out: dict[str, Any]) -> str:
     lines = [f"{len(tasks_out)} task(s) out of the run:", "", "| task | failures | envs | "
              "dropped | reason |", "|---|---|---|---|---|"]  # fmt: skip
     for tid, r in sorted(tasks_out.items()):
-        reason = str(r.get("reason", "")).replace("|", "/").replace("\n", " ")[:300]
-        lines.append(f"| {tid} | {r.get('failures', 0)} | {r.get('envs', 0)} | "
+        reason = md_cell(r.get("reason", ""), 300)
+        lines.append(f"| {md_cell(tid)} | {r.get('failures', 0)} | {r.get('envs', 0)} | "
                      f"{r.get('dropped', 0)} | {reason} |")  # fmt: skip
     return "\n".join(lines)
+
+
+def preflight_markdown(audits: Sequence[Any], seconds: float) -> str:
+    """`<run_dir>/preflight.md`: a line per task of the preflight (`TaskAudit`s), its pool,
+    its setup's seconds and why it was left out ("ok" when it was not)."""
+    left_out = sum(a.verdict != "ok" for a in audits)
+    lines = [f"# Preflight: {len(audits)} tasks set up once, {left_out} left out ({seconds} s)",
+             "", "| task | pool | setup s | reason |", "|---|---|---|---|"]  # fmt: skip
+    lines += [f"| {md_cell(a.task_id)} | {md_cell(a.pool)} | {a.setup_s:.1f} | "
+              f"{md_cell(a.reason, 300) or 'ok'} |" for a in audits]  # fmt: skip
+    return "\n".join(lines) + "\n"

@@ -54,6 +54,9 @@ log = logging.getLogger("arpo.transport")
 
 Frames = Sequence[Any]
 
+MIN_QUEUED_FILE_BYTES = 4 << 20
+"""The least `max_queued_file_bytes`: one chunk of a task file (arpo.env.taskfiles.CHUNK_BYTES)."""
+
 
 @dataclass
 class TransportConfig:
@@ -82,6 +85,13 @@ class TransportConfig:
         256 << 20,
         "Largest trajectory message ingest accepts (all frames); larger ones are "
         "counted as oversized and dropped.",
+    )
+    max_queued_file_bytes: int = option(
+        256 << 20,
+        "Learner: most bytes of task-file chunks (FileChunk replies) queued on the control "
+        "link for all actors together, not yet sent on; a FileRequest beyond it is answered "
+        "'busy' (counted as file_busy) and the actor asks again a little later. At least "
+        "4 MiB, one chunk.",
     )
     send_timeout_s: float = option(10.0, "Longest wait for room in a send queue.")
     request_timeout_s: float = option(10.0, "Longest wait for the answer to a control request.")
@@ -112,6 +122,12 @@ class TransportConfig:
         for name in ("sndhwm", "rcvhwm", "max_message_bytes", "max_trajectory_bytes"):
             if getattr(self, name) < 1:
                 fail(name, "must be >= 1")
+        if self.max_queued_file_bytes < MIN_QUEUED_FILE_BYTES:
+            fail(
+                "max_queued_file_bytes",
+                f"is {self.max_queued_file_bytes}; must be at least {MIN_QUEUED_FILE_BYTES} "
+                "(one task-file chunk), or no large task file could ever be served",
+            )
         for name in (
             "send_timeout_s",
             "request_timeout_s",

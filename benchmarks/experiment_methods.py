@@ -22,9 +22,9 @@ nothing else should run on the machine.
    candidate pool (default: 16 `click_button` tasks, the pool of the earlier experiment
    and of the learning ablation; multi-step families did not learn at this scale:
    `arpo train` on 16 `menu_pick` / `dialog_confirm` tasks, seed 99, went from 14.1 % to
-   10.9 % in 24 iterations, README). The same families x `--heldout-per-family` tasks
-   with task seed 1000: held-out tasks, never in the warm start's demonstrations and
-   never trained on (ids checked disjoint).
+   10.9 % in 24 iterations, docs/results/experiment.md). The same families x
+   `--heldout-per-family` tasks with task seed 1000: held-out tasks, never in the warm
+   start's demonstrations and never trained on (ids checked disjoint).
 2. **Warm start.** The tiny Qwen2.5-VL (`arpo-tiny-model`, seed 0) after `arpo sft` on
    the candidate pool's oracle demonstrations for `--sft-epochs` epochs (17, `arpo
    train`'s default: sparse success), or until their mean NLL is `--sft-target-nll`.
@@ -35,7 +35,7 @@ nothing else should run on the machine.
 4. **Per seed** (paired: one warm start, one selection, one evaluation pool; the seed
    sets the learner's and the actors' random streams), `arpo train` on the training
    tasks with its embedded learner defaults (Dr. GRPO advantages, replay weight floor 1;
-   README "Diagnosing online learning"), `--iterations` iterations of `--groups` groups
+   docs/results/diagnosing.md), `--iterations` iterations of `--groups` groups
    x 4 episodes, reward = checker score + `--format-weight` x format reward (0.5, the
    reference's), up to `--staleness` policy versions in flight with `--envs` simulated
    desktops (4: heavy staleness for this learner):

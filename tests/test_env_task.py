@@ -135,7 +135,8 @@ AUTO_UNSUPPORTED = {
         )
     },
 }
-"""The task files neither evaluator can run here, with the reason (README lists them too)."""
+"""The task files neither evaluator can run here, with the reason (also listed in
+docs/guides/environments.md)."""
 
 
 def _task(**over):

@@ -22,6 +22,7 @@ from arpo.env.task import load_pool, task_domain
 from arpo.errors import ArpoError, ConfigError
 from arpo.learner.batch import build_sequence, collate, token_logprobs
 from arpo.learner.checkpoint import save_checkpoint
+from arpo.markdown import md_cell
 from arpo.policy.prompt import forbidden_token_ids
 from arpo.policy.tiny import build_tiny_model
 from arpo.pool.evaluate import EvalConfig, run_eval
@@ -111,7 +112,8 @@ def test_scripted_eval_counts_match_ingest_and_domains_sum_their_tasks(
 
     assert json.loads((out / "eval.json").read_text()) == result
     md = (out / "eval.md").read_text()
-    assert all(tid in md for tid in ids) and all(f"| {f} | 2 |" in md for f in FAMILIES)
+    assert all(md_cell(tid) in md for tid in ids)
+    assert all(f"| {md_cell(f)} | 2 |" in md for f in FAMILIES)  # click\_button: escaped
     assert md.index("## By domain") < md.index("## By task")
     assert sorted(p.name for p in out.iterdir()) == ["actor.log", "eval.json", "eval.md"]
 

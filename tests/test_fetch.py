@@ -935,3 +935,41 @@ def test_an_index_names_only_plain_task_files(server: Server, tmp_path: Path) ->
     assert sum("must be plain names" in r for r in left) == 2
     assert sum("leads out of" in r for r in left) == 1
     assert [r.name for r in server.requests] == ["a.txt"]
+
+
+# ---------------------------------------------------------------------------- one task loader
+
+
+def test_fetch_refuses_the_task_sets_arpo_train_refuses(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """A task given twice (in one list, in two files of a folder, on two lines of a .jsonl)
+    and a list holding no task are refused by `arpo fetch` as by `arpo train`: exit 2 before
+    anything is downloaded, with the message train's config check gives (naming the id and
+    both places); the cache is not touched."""
+    from arpo.env.task import pool_problem
+
+    one = {"id": "dup", "instruction": "x", "evaluator": {"func": "infeasible"}}
+    other = {"id": "other", "instruction": "y", "evaluator": {"func": "infeasible"}}
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "a.json").write_text(json.dumps(one))
+    (folder / "b.json").write_text(json.dumps([other, one]))
+    sets = {
+        "list": (tmp_path / "list.json", json.dumps([one, other, one])),
+        "jsonl": (tmp_path / "lines.jsonl", "\n".join(json.dumps(t) for t in (one, other, one))),
+        "empty": (tmp_path / "empty.json", "[]"),
+        "empty-tasks": (tmp_path / "empty-tasks.json", '{"tasks": []}'),
+        "folder": (folder, None),
+    }
+    for name, (path, text) in sets.items():
+        if text is not None:
+            path.write_text(text)
+        cache = tmp_path / f"cache-{name}"
+        code = F.main(["--tasks", str(path), "--cache", str(cache), "--dry-run"])
+        err = capsys.readouterr().err
+        train = pool_problem(path)
+        assert train is not None, name
+        assert (code, err) == (2, f"fetch: {train}\n"), name
+        assert ("task id dup is also in" in err) == (not name.startswith("empty")), err
+        assert not cache.exists()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import io
 import json
 import shutil
 from pathlib import Path
@@ -312,6 +313,107 @@ def test_a_quarantined_task_is_a_typed_answer_the_provider_raises(control: Any) 
         finally:
             await provider.stop()
             await client.close()
+            await runner.cleanup()
+            await fleet.stop()
+
+    asyncio.run(main())
+
+
+# ---- decode raises its own error for any input -----------------------------------------------
+
+
+def _deep(n: int, leaf: Any = 1) -> Any:
+    v = leaf
+    for _ in range(n):
+        v = [v]
+    return v
+
+
+class _Unshowable:
+    def __repr__(self) -> str:
+        raise RuntimeError("no repr")
+
+
+HOSTILE = [
+    10**5000,  # repr() refuses ints of more than 4300 digits
+    -(10**5000),
+    _deep(5000),  # repr() of it recurses past the interpreter's limit
+    {"a": _deep(5000)},
+    float("nan"),
+    _Unshowable(),
+    (1, 2),
+    b"bytes",
+]
+
+
+def test_decode_raises_only_fleet_record_errors_for_any_value() -> None:
+    """Every field of every record, and `version`, given each hostile value (as a direct
+    caller could: `decode` takes Python data, not only what `json.loads` makes), and the
+    hostile value as the whole record: `FleetRecordError` and nothing else."""
+    cases: list[tuple[Any, tuple[type, ...]]] = []
+    for rec in EXAMPLES:
+        cls = type(rec)
+        good = fr.encode(rec)
+        for name in [*fr.hints(cls), "record", 10**5000]:
+            for bad in HOSTILE:
+                cases.append(({**good, name: bad}, (cls,)))
+    cases += [(bad, ()) for bad in HOSTILE]
+    cases += [({10**5000: 1, "record": "revert_request", "version": 1}, ())]
+    for data, expected in cases:
+        try:
+            fr.decode(data, *expected)
+        except fr.FleetRecordError as e:
+            assert len(str(e)) < 1000, str(e)[:200]
+        except BaseException as e:  # pragma: no cover - the failure this test is about
+            raise AssertionError(f"decode raised {type(e).__name__}: {str(e)[:200]}") from e
+    with pytest.raises(
+        fr.FleetRecordError, match=r"vm_fleet_state\.version: an int of 5001 digits"
+    ):
+        fr.decode({**fr.encode(EXAMPLES[2]), "version": 10**5000}, fr.VMFleetState)
+    with pytest.raises(fr.FleetRecordError, match=r"revert_request.version: a list, but"):
+        fr.decode({**fr.encode(fr.RevertRequest()), "version": _deep(5000)})
+    with pytest.raises(fr.FleetRecordError, match=r"revert_request.task_id: expected str, got an"):
+        fr.decode({**fr.encode(fr.RevertRequest()), "task_id": 10**5000})
+
+
+# ---- every answer of the control API is a record ---------------------------------------------
+
+
+def test_the_control_apps_own_refusals_are_failure_records(control: Any) -> None:
+    """A body over the app's bound (413), a route it does not have (404), a method a route
+    does not take (405, its Allow header kept) are `Failure` records too, with the status
+    and the reason; a wrong token on an unknown route is still 401."""
+    fleet, app = control
+
+    async def main() -> None:
+        runner, url = await _serve(app)
+        auth = {"Authorization": f"Bearer {fleet.token}"}
+        try:
+            async with aiohttp.ClientSession(headers=auth) as s:
+                big = json.dumps({**fr.encode(fr.RevertRequest()), "task_id": "x" * (2 << 20)})
+                cases = [
+                    ("POST", "/vms/vm-0/revert", io.BytesIO(big.encode()), 413, "too large"),
+                    ("GET", "/no/such/route", None, 404, "/no/such/route"),
+                    ("POST", "/fleet", b"{}", 405, "POST"),
+                    ("GET", "/vms/vm-0/revert", None, 405, "GET"),
+                ]
+                for method, path, data, status, says in cases:
+                    async with s.request(method, url + path, data=data) as r:
+                        text = await r.text()
+                        assert r.status == status, (path, r.status, text[:200])
+                        assert r.content_type == "application/json", (path, text[:200])
+                        failure = fr.loads(text, fr.Failure)
+                        assert says in failure.error, (path, failure)
+                        if status == 405:
+                            assert r.headers["Allow"], path
+                async with s.get(url + "/fleet") as r:  # it keeps serving
+                    assert r.status == 200
+            async with (
+                aiohttp.ClientSession() as s,
+                s.get(url + "/no/such/route", headers={"Authorization": "Bearer no"}) as r,
+            ):
+                assert r.status == 401 and "token" in fr.decode(await r.json(), fr.Failure).error
+        finally:
             await runner.cleanup()
             await fleet.stop()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 
 import pytest
@@ -122,6 +123,39 @@ def test_a_setup_that_goes_through_resets_the_streak() -> None:
         (g,) = book.request("a", 1)
         book.complete(_done(g, Status.ENV_ERROR))  # set up, then a screenshot failed
     assert not book.retired
+
+
+def _eval_error(g: wire.Grant, error: str = "metric 0 (exact_match): KeyError: 'x'") -> Trajectory:
+    return Trajectory(task_id=g.task_id, turns=(), checker_score=0.0, status=Status.EVAL_ERROR,
+                      group_id=g.group, slot=g.slot, actor_id="a", env="http://e", error=error)  # fmt: skip
+
+
+def test_a_task_whose_checker_keeps_raising_leaves_the_run_naming_the_error() -> None:
+    """`retire_after_eval_errors` eval_errors in a row retire the task with its checker's
+    first error; an episode of it that was scored resets the count; 0 never retires."""
+    cfg = GrantConfig(group_size=1, groups_per_step=100, retire_after_eval_errors=3,
+                      max_attempts=99, shuffle=False)  # fmt: skip
+    book = GrantBook(TASKS[:1], cfg)
+    for _ in range(2):
+        (g,) = book.request("a", 1)
+        book.complete(_eval_error(g))
+    (g,) = book.request("a", 1)
+    book.complete(_done(g))  # scored: the checker ran
+    for i in range(3):
+        assert not book.retired
+        (g,) = book.request("a", 1)
+        book.complete(_eval_error(g, f"KeyError: {i}"))
+    reason = book.retired["t0"]["reason"]
+    assert reason.startswith("its checker could not run 3 time(s) in a row")
+    assert "first: metric 0 (exact_match): KeyError: 'x'" in reason  # the task's first
+    assert reason.endswith("last: KeyError: 2")
+    assert book.exhausted and book.checker_failures()["t0"]["count"] == 5
+
+    never = GrantBook(TASKS[:1], dataclasses.replace(cfg, retire_after_eval_errors=0))
+    for _ in range(10):
+        (g,) = never.request("a", 1)
+        never.complete(_eval_error(g))
+    assert not never.retired and never.checker_failures()["t0"]["first"].endswith("'x'")
 
 
 def test_unknown_group_is_accepted() -> None:

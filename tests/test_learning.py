@@ -14,7 +14,7 @@ temperature 0.6). The trained policy must beat the warm start by at least `MARGI
 points.
 
 Measured: the same pipeline is the learning experiment's `arpo` method
-(benchmarks/experiment_methods.py, README "The learning experiment"), whose selection
+(benchmarks/experiment_methods.py, docs/results/experiment.md), whose selection
 kept 6 tasks (warm start 22.2 %): the trained policies read 81.9, 79.2, 77.8, 80.6 and
 65.3 % on seeds 1-5, plain GRPO 12.5-56.9 %. This test's first run kept 6 other tasks (the
 selection samples): 28.1 % -> 58.3 % (+30.2, standard error 6.8); its second, in a full

@@ -178,3 +178,43 @@ def test_a_preflight_that_sets_up_no_task_stops_before_training(
     err = capsys.readouterr().err
     assert "no task could be set up" in err and "broken-1" in err
     assert not (Path(cfg.run_dir) / "learner" / "metrics.jsonl").exists()
+
+
+def _checker_raises(root: Path, n: int) -> list[str]:
+    """`n` simulated tasks whose checker raises KeyError (its rules lack 'expected'): every
+    episode of them ends in eval_error."""
+    from arpo_envs.sim.tasks import generate_tasks
+
+    ids = []
+    for i, t in enumerate(generate_tasks("click_button", n, seed=5)):
+        t["id"] = f"raises-{i}"
+        rules = t["evaluator"]["expected"]["rules"]
+        rules["wanted"] = rules.pop("expected")
+        (root / "click_button").mkdir(parents=True, exist_ok=True)
+        (root / "click_button" / f"{t['id']}.json").write_text(json.dumps(t))
+        ids.append(t["id"])
+    return ids
+
+
+def test_tasks_whose_checker_raises_leave_the_run_and_the_stop_names_them(
+    tmp_path: Path, tiny: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every checker raises: each task leaves the run after `retire_after_eval_errors`
+    eval_errors in a row, as a task whose setup keeps failing does, and the run stops
+    (exit 3) at once, naming every task and its checker's error, saying "cannot go on"
+    once; not after stall_s with "Tasks out of the run (0): none"."""
+    ids = _checker_raises(tmp_path / "tasks", 2)
+    cfg = _config(tmp_path, tiny, iterations=50, preflight=False)
+    t0 = time.monotonic()
+    assert main(cfg) == EXIT_STALLED
+    took = time.monotonic() - t0
+    err = capsys.readouterr().err
+    assert err.count("the run cannot go on") == 1, err[-3000:]
+    assert "every one of the 2 tasks has left the run" in err, err[-3000:]
+    for tid in ids:
+        assert f"{tid}: its checker could not run 4 time(s) in a row" in err, err[-3000:]
+    assert "KeyError" in err and "'expected'" in err
+    assert took < cfg.learner.stall_s + 60, took  # not the stall timer: at once, named
+    summary = json.loads((Path(cfg.run_dir) / "summary.json").read_text())
+    assert sorted(summary["tasks_out"]) == ids
+    assert all("KeyError" in r["reason"] for r in summary["tasks_out"].values())

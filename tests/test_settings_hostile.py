@@ -21,6 +21,7 @@ from arpo.config import MAX_SECONDS, load_config
 from arpo.errors import ConfigError
 from arpo.learner.learner import MIN_STORE_BYTES, LearnerConfig
 from arpo.pool.evaluate import EvalConfig
+from arpo.service.grants import GrantBook, GrantConfig
 from arpo.train import TrainConfig
 
 
@@ -39,9 +40,10 @@ def pool(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A folder that looks like a Hugging Face model to a config check (never loaded)."""
+    """A folder that looks like a Hugging Face model of a supported family to a config check
+    (never loaded)."""
     d = tmp_path_factory.mktemp("model")
-    (d / "config.json").write_text("{}")
+    (d / "config.json").write_text('{"model_type": "qwen2_5_vl"}')
     return d
 
 
@@ -335,3 +337,61 @@ LEARNER_BEYOND = [
 def test_the_learners_parts_bound_their_fields(override: str, pool: Path, model: Path) -> None:
     message = refusal(LearnerConfig, [*learner_args(pool, model), override])
     assert message.startswith(f"config field {override.split('=')[0]}: "), message
+
+
+# ---- tree grants are checked against the group the learner assembles ----------------------
+
+
+def test_tree_slots_are_checked_against_the_assembled_group_size() -> None:
+    """`learner.grants.group_size` is taken from `learner.assemble.group_size`, so a tree of
+    more slots than the configured group is refused, and one as large as it is accepted
+    (whatever `GrantConfig.group_size`'s own default is)."""
+    message = refusal(TrainConfig, ["learner.assemble.group_size=2", "learner.grants.tree_slots=4"])
+    assert message.startswith("config field learner.grants.tree_slots: is 4; "), message
+    assert "[0, 2]" in message and "assemble.group_size" in message, message
+    cfg = load_config(
+        TrainConfig,
+        None,
+        ["learner.assemble.group_size=16", "learner.assemble.groups_per_step=2",
+         "learner.grants.tree_slots=16"],
+    )  # fmt: skip
+    assert cfg.learner.grants.tree_slots == 16
+
+
+# ---- a config built in code checks itself -------------------------------------------------
+
+
+def test_configs_built_in_code_check_themselves_naming_the_field() -> None:
+    """An `Actor` built in code gets its settings from config objects made without
+    `load_config`: they refuse a bad value when they are built."""
+    from arpo.actor.episode import EpisodeConfig
+    from arpo.env.environment import EnvironmentConfig
+
+    with pytest.raises(ValueError, match=r"reset_backoff_s: is 1e\+300; must be in \[0, 30\]"):
+        EnvironmentConfig(reset_backoff_s=1e300)
+    with pytest.raises(ValueError, match=r"reset_retries"):
+        EnvironmentConfig(reset_retries=0)
+    with pytest.raises(ValueError, match=r"step_timeout_s"):
+        EpisodeConfig(step_timeout_s=float("inf"))
+    with pytest.raises(ValueError, match=r"ActorConfig.shutdown_deadline_s: is 1e\+300"):
+        ActorConfig(shutdown_deadline_s=1e300)
+    with pytest.raises(ValueError, match=r"ActorConfig.scripted_quit_prob"):
+        ActorConfig(sim_envs=1, policy="scripted", scripted_quit_prob=2.0)
+    with pytest.raises(ValueError, match=r"GrantConfig.tree_slots: is 100; must be in \[0, 64\]"):
+        GrantConfig(tree_slots=100)
+    with pytest.raises(ValueError, match=r"tree_slots: is 4; must be in \[0, 2\]"):
+        GrantBook([{"id": "t"}], GrantConfig(group_size=2, tree_slots=4))
+    assert EnvironmentConfig(reset_backoff_s=30).reset_backoff_s == 30
+    assert GrantConfig(group_size=16, tree_slots=16).tree_slots == 16
+
+
+def test_the_first_reset_delay_is_capped_too() -> None:
+    """The delays between tries of reset + setup double from `reset_backoff_s`, each at most
+    RESET_BACKOFF_CAP_S: the first as well as the doubled ones, so a first delay set past the
+    cap (after the config was built) cannot hold a grant for the episode's deadline."""
+    from arpo.env.environment import RESET_BACKOFF_CAP_S, reset_delays
+
+    assert list(reset_delays(1.0, 4)) == [1.0, 2.0, 4.0]
+    assert list(reset_delays(20.0, 3)) == [20.0, RESET_BACKOFF_CAP_S]
+    assert list(reset_delays(1e300, 3)) == [RESET_BACKOFF_CAP_S, RESET_BACKOFF_CAP_S]
+    assert list(reset_delays(0.0, 3)) == [0.0, 0.0]

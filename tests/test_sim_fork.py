@@ -260,6 +260,58 @@ def test_the_process_wide_bound_counts_every_level(monkeypatch) -> None:
     run(body())
 
 
+def test_concurrent_forks_of_several_desktops_never_pass_the_process_bound(monkeypatch) -> None:
+    """Forks on two desktops at once, with the process near its bound (the probe: 240 of
+    256 live, 16 + 15 more asked at once, 271 live): each fork reserves its whole count
+    before it starts a child, so the live count never passes the bound, whichever fork
+    wins; the other is refused 429 and leaves no child. Small numbers, the same race: 6 of
+    8 live, forks of 2 and 1 at once, many times over (each try interleaves them anew)."""
+    bound, base = 8, 6
+    monkeypatch.setattr(sim_server, "MAX_CLONES", bound)
+    peak = 0
+
+    async def watch(stop: asyncio.Event) -> None:
+        nonlocal peak
+        while not stop.is_set():
+            peak = max(peak, sim_server._Clones.live)
+            await asyncio.sleep(0)
+
+    async def body() -> None:
+        cfgs = [SimConfig(port=0) for _ in range(3)]
+        async with (
+            running(cfgs) as urls,
+            contextlib.AsyncExitStack() as stack,
+        ):
+            envs = [
+                await stack.enter_async_context(EnvClient(ClientConfig(base_url=u, max_retries=0)))
+                for u in urls
+            ]
+            filler, b, c = (DesktopProvider(e) for e in envs)
+            await filler.fork(await filler.snapshot(), base)
+            assert sim_server._Clones.live == base
+            stop = asyncio.Event()
+            watcher = asyncio.create_task(watch(stop))
+            refused = 0
+            for _ in range(25):
+                hb, hc = await b.snapshot(), await c.snapshot()
+                got = await asyncio.gather(b.fork(hb, 2), c.fork(hc, 1), return_exceptions=True)
+                for r in got:
+                    if isinstance(r, BaseException):
+                        assert isinstance(r, EnvHTTPError) and r.status == 429, repr(r)
+                        refused += 1
+                made = sum(len(r) for r in got if not isinstance(r, BaseException))
+                assert sim_server._Clones.live == base + made <= bound, got
+                await b.release(hb)
+                await c.release(hc)
+                assert sim_server._Clones.live == base
+            stop.set()
+            await watcher
+            assert peak <= bound, f"{peak} forked desktops live; the bound is {bound}"
+            assert refused >= 25  # one of the two forks at least, every time
+
+    run(body())
+
+
 def test_children_keep_their_parents_token() -> None:
     token = "fork-token-0123456789"
 

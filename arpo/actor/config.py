@@ -10,7 +10,15 @@ from pathlib import Path
 from typing import Literal
 
 from arpo.actor.episode import EpisodeConfig
-from arpo.config import check_range, check_seconds, fail, folder_problem, option, url_problem
+from arpo.config import (
+    check_on_build,
+    check_range,
+    check_seconds,
+    fail,
+    folder_problem,
+    option,
+    url_problem,
+)
 from arpo.env.environment import EnvironmentConfig
 from arpo.env.osworld.client import EvaluatorConfig, find_python
 from arpo.env.runner import RunnerConfig
@@ -209,74 +217,24 @@ class ActorConfig:
         "for tests of the staleness control; 0 in real runs).",
     )
 
-    def validate(self) -> None:
-        if self.actor_id:
-            if len(self.actor_id.encode("utf-8", "surrogatepass")) > MAX_ID_BYTES:
-                fail(
-                    "actor_id",
-                    f"is {len(self.actor_id)} characters; give at most "
-                    f"{MAX_ID_BYTES} bytes (it names every trajectory of this actor)",
-                )
-            if why := ident_problem(self.actor_id):
-                fail("actor_id", f"{why} (it is written into ledgers, one id a line)")
-        if not self.envs and self.sim_envs < 1 and not self.vm_fleet:
-            fail(
-                "envs",
-                "give environment URLs, vm_fleet=<fleet.json>, or sim_envs=N to start "
-                "simulated desktops",
-            )
-        if self.vm_fleet and (problem := fleet_problem(self.vm_fleet)):
-            fail("vm_fleet", problem)
-        check_range("vm_count", self.vm_count, 0, MAX_ENVS, "0: every VM of the fleet")
-        if len(self.envs) > MAX_ENVS:
-            fail("envs", f"lists {len(self.envs)} URLs; one actor drives at most {MAX_ENVS}")
-        for u in self.envs:
-            if problem := url_problem(u):
-                fail("envs", problem)
-        if self.env_tokens and len(self.env_tokens) != len(self.envs):
-            fail(
-                "env_tokens",
-                f"{len(self.env_tokens)} tokens for {len(self.envs)} `envs` URLs: "
-                "give one per URL, in the same order, or none",
-            )
-        for name, tokens in (("env_token", [self.env_token]), ("env_tokens", self.env_tokens)):
-            for t in tokens:
-                if problem := token_problem(t):
-                    fail(name, problem)
+    def __post_init__(self) -> None:
+        # Built in code (an `Actor(ActorConfig(...))` of a test or an embedding program),
+        # the fields that need nothing but themselves are checked at once; `validate` (run
+        # by `load_config` and `arpo.config.validate`) checks the rest too: the
+        # environments, URLs, tokens, folders and the engine's model.
+        check_on_build(self, self._check_values)
+
+    def _check_values(self) -> None:
+        """The checks of the numbers, durations and probabilities (their defaults pass)."""
         check_range(
             "sim_envs", self.sim_envs, 0, MAX_SIM_ENVS, "simulated desktops started in this process"
         )
-        if self.sim_envs:
-            from arpo_envs.sim.latency import LatencyConfig
-
-            try:
-                LatencyConfig.parse(self.sim_latency)
-            except ValueError as e:
-                fail("sim_latency", str(e))
-        if self.sim_slow_env != -1:
-            check_range(
-                "sim_slow_env",
-                self.sim_slow_env,
-                0,
-                max(0, self.sim_envs - 1),
-                "index of a simulated desktop of this actor; -1: none",
-            )
+        check_range("vm_count", self.vm_count, 0, MAX_ENVS, "0: every VM of the fleet")
         check_range(
             "sim_slow_factor", self.sim_slow_factor, 0, 1000, "latency multiplier", lo_open=True
         )
-        for name in ("env_pool", "sim_pool", "vm_pool"):
-            pool = getattr(self, name)
-            if not pool or len(pool) > 1024:
-                fail(name, "must be a pool name of 1..1024 characters (e.g. 'desktop', 'sim')")
-        if self.policy == "engine" and self.engine.model in ("", "-"):
-            fail("engine.model", "is required with policy='engine' (or use policy='scripted')")
         for name in ("scripted_quit_prob", "scripted_garbage_prob", "scripted_error_prob"):
             check_range(name, getattr(self, name), 0, 1, "a probability")
-        if not self.spool_dir:
-            fail("spool_dir", "must name a folder (trajectories not yet acknowledged)")
-        for name in ("spool_dir", "file_cache_dir", "weights_dir"):
-            if problem := folder_problem(getattr(self, name)):
-                fail(name, problem)
         if self.spool_max_bytes < 1:
             fail("spool_max_bytes", "must be >= 1")
         check_seconds(
@@ -298,6 +256,67 @@ class ActorConfig:
         if self.max_episodes < 0:
             fail("max_episodes", f"is {self.max_episodes}; must be >= 0 (0: run until stopped)")
         check_seconds("progress_s", self.progress_s, "between progress lines", zero="0: none")
+
+    def validate(self) -> None:
+        if self.actor_id:
+            if len(self.actor_id.encode("utf-8", "surrogatepass")) > MAX_ID_BYTES:
+                fail(
+                    "actor_id",
+                    f"is {len(self.actor_id)} characters; give at most "
+                    f"{MAX_ID_BYTES} bytes (it names every trajectory of this actor)",
+                )
+            if why := ident_problem(self.actor_id):
+                fail("actor_id", f"{why} (it is written into ledgers, one id a line)")
+        if not self.envs and self.sim_envs < 1 and not self.vm_fleet:
+            fail(
+                "envs",
+                "give environment URLs, vm_fleet=<fleet.json>, or sim_envs=N to start "
+                "simulated desktops",
+            )
+        if self.vm_fleet and (problem := fleet_problem(self.vm_fleet)):
+            fail("vm_fleet", problem)
+        if len(self.envs) > MAX_ENVS:
+            fail("envs", f"lists {len(self.envs)} URLs; one actor drives at most {MAX_ENVS}")
+        for u in self.envs:
+            if problem := url_problem(u):
+                fail("envs", problem)
+        if self.env_tokens and len(self.env_tokens) != len(self.envs):
+            fail(
+                "env_tokens",
+                f"{len(self.env_tokens)} tokens for {len(self.envs)} `envs` URLs: "
+                "give one per URL, in the same order, or none",
+            )
+        for name, tokens in (("env_token", [self.env_token]), ("env_tokens", self.env_tokens)):
+            for t in tokens:
+                if problem := token_problem(t):
+                    fail(name, problem)
+        if self.sim_envs:
+            from arpo_envs.sim.latency import LatencyConfig
+
+            try:
+                LatencyConfig.parse(self.sim_latency)
+            except ValueError as e:
+                fail("sim_latency", str(e))
+        if self.sim_slow_env != -1:
+            check_range(
+                "sim_slow_env",
+                self.sim_slow_env,
+                0,
+                max(0, self.sim_envs - 1),
+                "index of a simulated desktop of this actor; -1: none",
+            )
+        for name in ("env_pool", "sim_pool", "vm_pool"):
+            pool = getattr(self, name)
+            if not pool or len(pool) > 1024:
+                fail(name, "must be a pool name of 1..1024 characters (e.g. 'desktop', 'sim')")
+        if self.policy == "engine" and self.engine.model in ("", "-"):
+            fail("engine.model", "is required with policy='engine' (or use policy='scripted')")
+        if not self.spool_dir:
+            fail("spool_dir", "must name a folder (trajectories not yet acknowledged)")
+        for name in ("spool_dir", "file_cache_dir", "weights_dir"):
+            if problem := folder_problem(getattr(self, name)):
+                fail(name, problem)
+        self._check_values()
 
 
 MAX_ENVS = 1024

@@ -47,7 +47,14 @@ from typing import Any, Literal, Protocol
 import numpy as np
 
 from arpo import wire
-from arpo.config import MAX_TEMPERATURE, check_range, check_seconds, fail, option
+from arpo.config import (
+    MAX_TEMPERATURE,
+    check_on_build,
+    check_range,
+    check_seconds,
+    fail,
+    option,
+)
 from arpo.env import a11y
 from arpo.env.environment import Environment
 from arpo.env.task import Task
@@ -127,6 +134,9 @@ class EpisodeConfig:
     step_timeout_s: float = option(
         600.0, "Longest policy call plus action of one turn (> 0, at most a week)."
     )
+
+    def __post_init__(self) -> None:
+        check_on_build(self)
 
     def validate(self) -> None:
         if not 0 <= self.max_steps <= MAX_STEPS_LIMIT:

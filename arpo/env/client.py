@@ -1,6 +1,6 @@
 """Async HTTP client for an OSWorld environment server (a VM on port 5000 or the local desktop).
 
-It speaks the protocol of DESIGN.md section 5 (the endpoints of OSWorld's `desktop_env/server`),
+It speaks the protocol of docs/concepts/environments.md, 'The protocol' (OSWorld's VM server),
 plus the local desktop's `POST /reset` and the simulated desktop's `/sim/scene` and `/sim/state`.
 
     async with EnvClient(ClientConfig(base_url="http://127.0.0.1:5000")) as env:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from arpo.env.runner import EVALUATORS, unsupported
 from arpo.env.task import Task, load_tasks
+from arpo.markdown import md_cell
 
 
 def coverage(
@@ -41,7 +42,7 @@ def coverage(
 def report(per_domain: dict[str, tuple[int, int]]) -> str:
     """A markdown table: domain, supported, total, and the sum."""
     lines = ["| domain | supported | tasks |", "|---|---:|---:|"]
-    lines += [f"| {d} | {ok} | {n} |" for d, (ok, n) in per_domain.items()]
+    lines += [f"| {md_cell(d)} | {ok} | {n} |" for d, (ok, n) in per_domain.items()]
     ok_all = sum(ok for ok, _ in per_domain.values())
     n_all = sum(n for _, n in per_domain.values())
     lines.append(f"| **all** | **{ok_all}** | **{n_all}** |")

@@ -33,18 +33,18 @@ import dataclasses
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from arpo.config import check_range, option
+from arpo.config import check_on_build, check_range, option
 from arpo.env.client import ClientConfig, EnvAuthError, EnvClient, auth_failure
 from arpo.env.osworld.client import OSWorldEvaluator
 from arpo.env.provider import DesktopProvider, Provider, StaticProvider, TaskQuarantined
 from arpo.env.runner import EvalResult, RunnerConfig, TaskRunner
 from arpo.env.task import Task
 from arpo.env.taskfiles import FileSource
-from arpo.errors import EnvError, ResetError, TaskError
+from arpo.errors import BlobCacheError, EnvError, ResetError, TaskError
 from arpo.record import Status
 
 log = logging.getLogger("arpo.env.environment")
@@ -73,6 +73,9 @@ class EnvironmentConfig:
         "bounds it too (0: none).",
     )
 
+    def __post_init__(self) -> None:
+        check_on_build(self)
+
     def validate(self) -> None:
         check_range(
             "reset_retries", self.reset_retries, 1, MAX_RESET_RETRIES, "tries of reset + setup"
@@ -84,6 +87,16 @@ class EnvironmentConfig:
             RESET_BACKOFF_CAP_S,
             "seconds; the delay doubles up to this cap",
         )
+
+
+def reset_delays(first_s: float, tries: int) -> Iterator[float]:
+    """The delays before the 2nd..`tries`th try of reset + setup: `first_s`, doubling, each
+    at most RESET_BACKOFF_CAP_S (the first too: its config is checked, but a field can be
+    set after the config was built)."""
+    delay = min(RESET_BACKOFF_CAP_S, max(0.0, first_s))
+    for _ in range(tries - 1):
+        yield delay
+        delay = min(RESET_BACKOFF_CAP_S, delay * 2)
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,6 +246,10 @@ class Environment:
           backoff; after `config.reset_retries` tries an environment nobody replaces is
           marked unhealthy (the actor rechecks it), a fleet VM waits for its replacement;
           env_error.
+        - this actor host's cache of task files is at fault (BlobCacheError: something it
+          cannot remove sits at a file's place, or it cannot be written; faults it can
+          remove are repaired on the way): not retried, not reported as the task's; env_error,
+          so the task stays in the run.
         - the task is broken (TaskError: an unknown step, bad parameters, a refused path, a
           task file whose bytes do not match its hash, or the fleet quarantined it; or any
           other exception of its setup code): quarantined on this actor, setup_error at once.
@@ -244,14 +261,13 @@ class Environment:
             return SetupFailure(
                 Status.SETUP_ERROR, f"quarantined on this actor: {self.quarantined[task.id]}"
             )
-        delay = self.config.reset_backoff_s
+        delays = reset_delays(self.config.reset_backoff_s, self.config.reset_retries)
         err = ""
         reset_failed = False
         provider = self.provider
         for attempt in range(self.config.reset_retries):
             if attempt:
-                await asyncio.sleep(delay * (0.5 + random.random() / 2))
-                delay = min(RESET_BACKOFF_CAP_S, delay * 2)
+                await asyncio.sleep(next(delays) * (0.5 + random.random() / 2))
                 if self.replaceable and not await self.wait_healthy():
                     self.healthy = False  # the fleet gave the VM up, or is gone
                     return SetupFailure(Status.ENV_ERROR, err or "the VM is not serving")
@@ -263,6 +279,9 @@ class Environment:
                 self.quarantined[task.id] = str(e)
                 log.error("env %d: %s; its grants end as setup_error", self.index, e)
                 return SetupFailure(Status.SETUP_ERROR, str(e))
+            except BlobCacheError as e:  # this host's cache of task files: not the task's
+                log.error("env %d: setup of task %s: %s", self.index, task.id, e)
+                return SetupFailure(Status.ENV_ERROR, f"setup: {type(e).__name__}: {e}")
             except EnvError as e:
                 refused = auth_failure(e)
                 if refused is not None:

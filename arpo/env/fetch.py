@@ -67,7 +67,10 @@ files are opened (a FIFO named `*.json` is left out, not waited on), each at mos
 `TASK_FILE_MAX_BYTES`, folders are searched at most `TASK_FOLDER_DEPTH` deep without
 following links to folders, and an index's domains and ids must be plain names (no `/`,
 `..` or NUL), so that no file outside the examples folder is read. A task file that cannot be read, parsed (nesting too deep
-included) or understood as a task is left out with its reason; the others go on.
+included) or understood as a task is left out with its reason; the others go on. A file of a
+folder holds a task, a list of tasks or {"tasks": [...]}, as in `arpo train`'s pools
+(`arpo.env.task.folder_tasks`), and a task set `arpo train` refuses as a whole, a task id
+given twice or no task at all, is refused with its message (exit 2).
 
 One fetch per cache folder at a time (`<cache>/.fetch.lock`, advisory). The cache has
 nothing but OSWorld's names: `index.json` (FileCache's first lookup) is neither read nor
@@ -98,7 +101,16 @@ from urllib.parse import urlparse
 import aiohttp
 
 from arpo.env.cache import cache_name
-from arpo.env.task import Task, file_kind, parse_task_json, read_task_file, task_domain
+from arpo.env.task import (
+    PoolIds,
+    Task,
+    file_kind,
+    folder_tasks,
+    no_tasks,
+    parse_task_json,
+    read_task_file,
+    task_domain,
+)
 from arpo.errors import TaskError
 
 log = logging.getLogger("arpo.env.fetch")
@@ -416,19 +428,24 @@ def load_fetch_tasks(
     A task file (or a task of a list) that cannot be read or understood is appended to
     `left_out` with its reason and the others are returned; with `left_out` None it raises
     TaskError instead. TaskError in any case for a `--tasks` or `--index` that cannot be
-    read at all.
+    read at all, and for a task set `arpo train` refuses as a whole (`load_pool`'s checks
+    and messages): a task id given twice, a set that holds no task.
     """
     strict = left_out is None
     skipped: list[LeftOut] = [] if left_out is None else left_out
     tasks: list[Task] = []
+    ids = PoolIds()
 
     def one(raw: Any, where: str, domain: str) -> None:
         try:
-            tasks.append(_task(raw, where, domain))
+            task = _task(raw, where, domain)
         except TaskError as e:
             if strict:
                 raise
             skipped.append(LeftOut(where, _reason(e, where)))
+            return
+        ids.add(task.id, where)
+        tasks.append(task)
 
     p = Path(path)
     try:
@@ -457,13 +474,12 @@ def load_fetch_tasks(
                     raise
                 skipped.append(LeftOut(str(f), _reason(e, str(f))))
                 continue
-            # A task has an id and an evaluator; index files and the like are skipped.
-            if isinstance(raw, dict) and "id" in raw and "evaluator" in raw:
-                one(raw, str(f), task_domain(raw, f.parent.name))
+            # As in a folder pool of `arpo train`: a task, a list of tasks or {"tasks": [...]};
+            # files that hold none (index files and the like) are skipped.
+            for t, where in folder_tasks(raw, str(f)):
+                one(t, where, task_domain(t, f.parent.name) if isinstance(t, dict) else "")
         if strict and skipped:
             raise TaskError(f"{skipped[0].where}: {skipped[0].reason}")
-        if not tasks and not skipped:
-            raise TaskError(f"{p}: holds no tasks (JSON objects with 'id' and 'evaluator')")
     else:
         text = read_task_file(p, max_bytes=TASK_FILE_MAX_BYTES)
         if p.suffix == ".jsonl":
@@ -485,6 +501,8 @@ def load_fetch_tasks(
             for i, t in enumerate(raw if isinstance(raw, list) else [raw]):
                 where = f"{p}[{i}]" if isinstance(raw, list) else str(p)
                 one(t, where, task_domain(t) if isinstance(t, dict) else "")
+    if not tasks and not skipped:
+        raise no_tasks(p)
     return tasks
 
 

@@ -437,7 +437,7 @@ def _is_task(raw: Any) -> bool:
     return isinstance(raw, dict) and ("evaluator" in raw or ("id" in raw and "instruction" in raw))
 
 
-def _folder_tasks(raw: Any, where: str) -> list[tuple[Any, str]]:
+def folder_tasks(raw: Any, where: str) -> list[tuple[Any, str]]:
     """The tasks of one JSON file of a folder pool, each with where it is (the file, and
     `[i]` for the i-th of a list): a task, a list of tasks, or an object whose "tasks" is
     one; none for a file that holds no task object (an index such as test_all.json, a list
@@ -482,7 +482,7 @@ def load_pool(path: str | Path, files: TaskFiles | None = None) -> list[PoolTask
             if f.is_dir():
                 continue  # a folder named *.json: rglob lists what is inside it
             raw = parse_task_json(read_task_file(f), str(f))
-            found += [(t, w, f.parent.name, f) for t, w in _folder_tasks(raw, str(f))]
+            found += [(t, w, f.parent.name, f) for t, w in folder_tasks(raw, str(f))]
     elif p.exists():
         text = read_task_file(p)
         if p.suffix == ".jsonl":
@@ -508,7 +508,7 @@ def load_pool(path: str | Path, files: TaskFiles | None = None) -> list[PoolTask
         )
     root = p if p.is_dir() else p.parent
     pool: list[PoolTask] = []
-    where_of: dict[str, str] = {}
+    ids = PoolIds()
     for raw, where, folder, src in found:
         if (depth := _depth(raw)) > MAX_TASK_DEPTH:
             tid = raw.get("id") if isinstance(raw, dict) else None
@@ -531,13 +531,31 @@ def load_pool(path: str | Path, files: TaskFiles | None = None) -> list[PoolTask
                 "its upload_file steps send"
             )
         check_steps(task, where)
-        if task.id in where_of:
-            raise TaskError(f"{where}: task id {task.id} is also in {where_of[task.id]}")
-        where_of[task.id] = where
+        ids.add(task.id, where)
         pool.append(PoolTask(raw, where, task_domain(raw, folder)))
     if not pool:
-        raise TaskError(f"{p}: holds no tasks (JSON objects with 'id' and 'evaluator')")
+        raise no_tasks(p)
     return pool
+
+
+class PoolIds:
+    """The task ids of a pool being loaded, each with where it is: a second task of one id
+    is refused (`load_pool` and `arpo fetch` alike)."""
+
+    def __init__(self) -> None:
+        self.where_of: dict[str, str] = {}
+
+    def add(self, task_id: str, where: str) -> None:
+        """Note the task `task_id` found at `where`; TaskError naming both places when the
+        pool already has a task of that id."""
+        if task_id in self.where_of:
+            raise TaskError(f"{where}: task id {task_id} is also in {self.where_of[task_id]}")
+        self.where_of[task_id] = where
+
+
+def no_tasks(path: str | Path) -> TaskError:
+    """The error of a pool that holds no task (`[]`, an empty folder)."""
+    return TaskError(f"{path}: holds no tasks (JSON objects with 'id' and 'evaluator')")
 
 
 def pool_problem(path: str | Path) -> str | None:

@@ -3,7 +3,7 @@
     seqs = [build_sequence(item, processor, image_token_id) for item in items]
     inputs = collate(seqs[i : i + micro], model, pad_id)   # -> model(**inputs.model_kwargs)
 
-Token-in, token-out (DESIGN section 3): the store item's `tokens` are the training
+Token-in, token-out (docs/reference/record.md): the store item's `tokens` are the training
 sequence itself (prompt_0 + response_0 + prompt_1 + ...), its `offsets` the per-turn
 lengths, its `logprobs` the behaviour log-probs of the response tokens in order; nothing
 is decoded or tokenised again. The loss positions are the response tokens; the logits

@@ -1,6 +1,6 @@
 """GRPO groups and ARPO's replay of successes.
 
-Group advantage (DESIGN section 4): A_i = (R_i - mean_g R) / (std_g R + eps), with
+Group advantage (docs/concepts/method.md): A_i = (R_i - mean_g R) / (std_g R + eps), with
 eps = 1e-6 and the sample standard deviation (Bessel-corrected, as `torch.std` in
 the reference's verl code; 0 for a group of one); `norm_std=False` drops the
 division (Dr. GRPO).

@@ -247,6 +247,10 @@ class LearnerConfig:
             1 << 24,
             "fresh trajectories kept per task",
         )
+        if self.grants.tree_slots:
+            self.grants.check_tree_slots(
+                self.assemble.group_size, "assemble.group_size", "grants.tree_slots"
+            )
         default = GrantConfig()
         for name, owner in (
             ("group_size", "assemble"),
@@ -948,10 +952,25 @@ class Learner:
                 self._write_tasks_out()
             names = "; ".join(f"{t}: {r['reason']}" for t, r in list(book.retired.items())[:20])
             more = len(book.retired) - 20
+            # Checkers that raised, of tasks still in the run (a task that left for it says
+            # so above): an eval_error fills no slot, so they can be why nothing progresses.
+            raised = {t: f for t, f in book.checker_failures().items() if t not in book.retired}
+            checkers = "; ".join(
+                f"{t}: {f['count']} eval_error(s), first: {f['first']}"
+                + (f", last: {f['last']}" if f["last"] != f["first"] else "")
+                for t, f in list(raised.items())[:20]
+            )
+            if len(raised) > 20:
+                checkers += f"; and {len(raised) - 20} more"
             raise RunStalled(
                 f"the run cannot go on: {why}. Tasks out of the run ({len(book.retired)}): "
                 + (names or "none")
                 + (f"; and {more} more (tasks_out.json)" if more > 0 else "")
+                + (
+                    f". Tasks whose checker could not run ({len(raised)}): {checkers}"
+                    if raised
+                    else ""
+                )
                 + f". Given-up groups: {book.given_up_groups}. Grants: {book.stats()}"
             )
 

@@ -1,7 +1,7 @@
 """The ARPO policy loss: decoupled clipped PPO with truncated importance weights.
 
 Inputs are padded [B, T] tensors over the sampled response tokens of B trajectories
-(DESIGN section 4). For token t of trajectory i, with mu = the behaviour log-prob
+(docs/concepts/learner.md). For token t of trajectory i, with mu = the behaviour log-prob
 stored in the record, pi_prox = the log-prob under the weights before this
 optimisation step and pi_theta = the live policy:
 

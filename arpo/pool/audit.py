@@ -94,6 +94,7 @@ from arpo.env.task import PoolTask, Task, load_pool, pool_problem, task_domain, 
 from arpo.env.taskfiles import BlobCache, FileSource, TaskFiles
 from arpo.errors import ArpoError, EnvError, ResetError
 from arpo.files import write_atomic, write_json_atomic
+from arpo.markdown import md_cell
 
 log = logging.getLogger("arpo.pool.audit")
 
@@ -811,13 +812,6 @@ def _score(x: float | None) -> str:
     return "-" if x is None else f"{x:g}"
 
 
-def _cell(text: str, limit: int = 400) -> str:
-    text = " ".join(str(text).split())
-    if len(text) > limit:
-        text = text[: limit - 3] + "..."
-    return text.replace("|", "\\|")
-
-
 def format_markdown(report: Mapping[str, Any]) -> str:
     """The report as Markdown: the command, the run, counts by verdict, then every task."""
     s = report["summary"]
@@ -825,14 +819,14 @@ def format_markdown(report: Mapping[str, Any]) -> str:
     if report.get("note"):
         lines += [report["note"], ""]
     envs = "; ".join(
-        f"pool {p}: " + ", ".join(f"{n} {k}" for k, n in c.items())
+        f"pool {md_cell(p)}: " + ", ".join(f"{n} {k}" for k, n in c.items())
         for p, c in report["environments"].items()
     )
     f = report["files"]
     checks = "revert + setup, do-nothing score, oracle score" if report["checks"] else (
         "revert + setup only")  # fmt: skip
     lines += [
-        f"- tasks: `{report['tasks_source']}`, {s['tasks']} tasks; checks: {checks}",
+        f"- tasks: {md_cell(report['tasks_source'])}, {s['tasks']} tasks; checks: {checks}",
         f"- environments: {envs or 'none'}",
         f"- created {report['created']}, wall time {report['elapsed_s']:.1f} s; commit "
         f"{report['commit'] or 'unknown'}; {report['machine']}",
@@ -851,10 +845,10 @@ def format_markdown(report: Mapping[str, Any]) -> str:
     ]
     for t in report["tasks"]:
         lines.append(
-            f"| {t['task_id']} | {t['domain']} | {t['pool']} | "
+            f"| {md_cell(t['task_id'])} | {md_cell(t['domain'])} | {md_cell(t['pool'])} | "
             f"{'ok' if t['setup_ok'] else 'failed'} | {t['setup_s']:.1f} | "
             f"{_score(t['do_nothing_score'])} | {_score(t['oracle_score'])} | "
-            f"{t['seconds']:.1f} | {t['verdict']} | {_cell(t['reason'])} |"
+            f"{t['seconds']:.1f} | {t['verdict']} | {md_cell(t['reason'], 400)} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -2,7 +2,7 @@
 
 The data of offline methods (rejection sampling, DPO/KTO pairs) and of analysis. The
 episodes go through the real rollout path (`arpo.pool.rollouts.run_pool`), with the
-rollout sampling (DESIGN: temperature 1.0, top_p 1.0):
+rollout sampling (temperature 1.0, top_p 1.0: docs/concepts/method.md, 'Reference settings'):
 
     arpo collect model=runs/tiny tasks=runs/task_pool runs_per_task=8 out=runs/collect-base \\
         'local_actor_args=["sim_envs=4"]'

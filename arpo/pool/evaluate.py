@@ -2,7 +2,7 @@
 
 The episodes go through the real rollout path (`arpo.pool.rollouts.run_pool`: the same
 grant server, ingest, `arpo-actor` processes, environments and policy engine as
-training), with the evaluation sampling (DESIGN: temperature 0.6, top_p 1.0):
+training), with the evaluation sampling (temperature 0.6, top_p 1.0; docs/concepts/method.md):
 
     arpo eval checkpoint=runs/learner/checkpoints/ckpt-00000050 tasks=runs/task_pool \\
         runs_per_task=4 out=runs/eval-50 'local_actor_args=["sim_envs=4"]'
@@ -55,6 +55,7 @@ from arpo.env.task import load_pool
 from arpo.env.taskfiles import TaskFiles
 from arpo.errors import ArpoError
 from arpo.files import write_atomic, write_json_atomic
+from arpo.markdown import md_cell
 from arpo.pool.rollouts import (
     EpisodeOutcome,
     PolicyPoolConfig,
@@ -181,7 +182,8 @@ _COLS = ["runs", "successes", "success", "score", "reward", "steps", "env_errors
 
 def _row(name: str, r: Mapping[str, Any], extra: list[str]) -> str:
     cells = [
-        name, *extra, str(r["runs"]), str(r["successes"]), _num(r["success_rate"], pct=True),
+        md_cell(name), *map(md_cell, extra), str(r["runs"]), str(r["successes"]),
+        _num(r["success_rate"], pct=True),
         _num(r["mean_score"]), _num(r["mean_reward"]), _num(r["mean_steps"]),
         str(r["env_errors"]), str(r["unknown"]),
     ]  # fmt: skip

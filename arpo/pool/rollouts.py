@@ -478,6 +478,7 @@ def run_pool(
             shuffle=cfg.shuffle,
             seed=cfg.seed,
             free_given_up=False,  # every task runs runs_per_task times, no more
+            retire_after_eval_errors=0,  # and a checker that raises is counted, each time
         ),
     )
     tally = PoolTally(book, ids, cfg.success_score)

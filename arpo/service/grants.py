@@ -41,6 +41,11 @@ A grant is (task, group, slot) plus the task's JSON, so actors need no task file
   (`complete` returns False: ingest acknowledges it but does not store it).
 - A trajectory with status env_error / eval_error / timeout does not fill its slot: the
   slot is granted again, up to `max_attempts` times, then given up (counted).
+- Tasks out of the run: a task whose setup keeps failing (`retire_after_envs`,
+  `retire_after_failures`), or whose checker keeps raising (`retire_after_eval_errors`
+  eval_error episodes in a row), leaves the run (`retire`, listed in `retired` with why);
+  `checker_failures` keeps each task's eval_errors (count, first and last error) for the
+  learner's messages.
 - A trajectory of a group the book does not know (granted before a learner restart) is
   accepted as it is.
 """
@@ -60,11 +65,21 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import zmq
+
 from arpo import wire
-from arpo.config import MAX_TEMPERATURE, check_range, check_seconds, fail, option
+from arpo.config import (
+    MAX_TEMPERATURE,
+    check_on_build,
+    check_range,
+    check_seconds,
+    fail,
+    option,
+)
 from arpo.env.task import task_pool
-from arpo.env.taskfiles import TaskFiles
+from arpo.env.taskfiles import BUSY, TaskFiles
 from arpo.errors import TaskError, WireError
+from arpo.logs import LogLimiter
 from arpo.record import Status, Trajectory, ident_problem
 from arpo.transport import RouterServer, TransportConfig, WeightsServer
 
@@ -116,6 +131,13 @@ class GrantConfig:
         "setup of it going through in between, leaves the run too (a run with fewer "
         "environments than retire_after_envs).",
     )
+    retire_after_eval_errors: int = option(
+        4,
+        "A task whose checker could not run (eval_error: a getter or metric raised) this "
+        "many times in a row, with no episode of it scored in between, leaves the run too, "
+        "its first and last error as the reason: a checker that raises scores no episode "
+        "of it. 0: never (pool runs, which run every task a fixed number of times).",
+    )
 
     tree_slots: int = option(
         0,
@@ -131,6 +153,9 @@ class GrantConfig:
         "more than one slot forks into branch_width children.",
     )
 
+    def __post_init__(self) -> None:
+        check_on_build(self)
+
     def validate(self) -> None:
         if self.group_size < 1:
             fail("group_size", "must be >= 1")
@@ -139,9 +164,10 @@ class GrantConfig:
         if self.max_staleness < 0:
             fail("max_staleness", "must be >= 0 (0: fully synchronous)")
         if self.tree_slots:
-            top = min(self.group_size, wire.MAX_TREE_SLOTS)
-            check_range("tree_slots", self.tree_slots, 0, top,
-                        "slots per tree rollout (at most group_size; 0: no trees)")  # fmt: skip
+            # Against group_size where the grants are handed out (GrantBook), and against
+            # assemble.group_size in a learner's config, whose grants take that group size.
+            check_range("tree_slots", self.tree_slots, 0, wire.MAX_TREE_SLOTS,
+                        "slots per tree rollout; 0: no trees")  # fmt: skip
             if self.tree_slots >= 2:
                 check_range("branch_width", self.branch_width, 2, self.tree_slots,
                             "children per branch point")  # fmt: skip
@@ -161,6 +187,16 @@ class GrantConfig:
             fail("retire_after_envs", "must be >= 1 (environments a task's setup failed on)")
         if self.retire_after_failures < 1:
             fail("retire_after_failures", "must be >= 1 (setup failures in a row)")
+        check_range("retire_after_eval_errors", self.retire_after_eval_errors, 0, 1_000_000,
+                    "checker failures in a row; 0: never")  # fmt: skip
+
+    def check_tree_slots(self, group_size: int, source: str, field: str = "tree_slots") -> None:
+        """`fail(field, ...)` unless `tree_slots` is in [0, min(group_size, MAX_TREE_SLOTS)]:
+        a tree grant holds slots of one group. `source` names the field `group_size` is from
+        (a learner's grants take the group size of its `assemble`)."""
+        top = min(group_size, wire.MAX_TREE_SLOTS)
+        check_range(field, self.tree_slots, 0, top,
+                    f"slots per tree rollout, at most {source}; 0: no trees")  # fmt: skip
 
 
 def _grant_id(group_id: str, slot: int, attempt: int) -> str:
@@ -206,12 +242,15 @@ class _Group:
 
 @dataclass
 class _SetupFailures:
-    """A task's failed setups (setup_error trajectories)."""
+    """A task's failed setups (setup_error trajectories), or its checker's failures
+    (eval_error trajectories)."""
 
     envs: set[str] = field(default_factory=set)
     streak: int = 0
-    """Failures since the last setup of the task that went through."""
+    """Failures since the last setup of the task that went through (the last episode of it
+    that was scored)."""
     count: int = 0
+    first: str = ""
     last: str = ""
 
 
@@ -226,6 +265,9 @@ class GrantBook:
         if not tasks:
             raise ValueError("GrantBook needs at least one task")
         self.config = config or GrantConfig()
+        check_on_build(
+            self.config, lambda: self.config.check_tree_slots(self.config.group_size, "group_size")
+        )
         self._tasks: dict[str, str] = {}
         self._pool_of: dict[str, str] = {}
         for t in tasks:
@@ -267,6 +309,7 @@ class GrantBook:
         self.retired: dict[str, dict[str, Any]] = {}
         """Tasks out of the run -> {"reason", "failures", "envs"} (`retire`)."""
         self._failures: dict[str, _SetupFailures] = {}
+        self._checker: dict[str, _SetupFailures] = {}
         self.given_up_groups = 0
         """Groups that finished with a slot given up: each frees its place in admission."""
         self.given_up: collections.deque[dict[str, str]] = collections.deque(
@@ -321,7 +364,7 @@ class GrantBook:
         with self._lock:
             if task_id in self.retired or task_id not in self._tasks:
                 return None
-            f = self._failures.get(task_id, _SetupFailures())
+            f = self._failures.get(task_id) or self._checker.get(task_id) or _SetupFailures()
             self.retired[task_id] = {
                 "reason": reason[:500],
                 "failures": f.count,
@@ -360,6 +403,39 @@ class GrantBook:
         if len(f.envs) >= c.retire_after_envs or f.streak >= c.retire_after_failures:
             return f"setup failed {f.count} time(s) on {len(f.envs)} environment(s); last: {f.last}"
         return None
+
+    def _note_checker(self, traj: Trajectory) -> str | None:
+        """Count an eval_error of `traj`'s task (or reset its streak when an episode of it
+        was scored); the reason to retire the task, or None. Called with the lock held."""
+        if traj.status == Status.OK:
+            if traj.task_id in self._checker:
+                self._checker[traj.task_id].streak = 0
+            return None
+        if traj.status != Status.EVAL_ERROR:
+            return None
+        f = self._checker.setdefault(traj.task_id, _SetupFailures())
+        f.count += 1
+        f.streak += 1
+        f.envs.add(f"{traj.actor_id} {traj.env}")
+        f.last = (traj.error or "the checker failed (no reason given)")[:300]
+        f.first = f.first or f.last
+        n = self.config.retire_after_eval_errors
+        if n and f.streak >= n:
+            return (
+                f"its checker could not run {f.streak} time(s) in a row on {len(f.envs)} "
+                f"environment(s) (eval_error); first: {f.first}"
+                + (f"; last: {f.last}" if f.last != f.first else "")
+            )
+        return None
+
+    def checker_failures(self) -> dict[str, dict[str, Any]]:
+        """Task -> {"count", "first", "last"} of the eval_errors of every task whose checker
+        could not run at least once (the learner names them when the run cannot go on)."""
+        with self._lock:
+            return {
+                t: {"count": f.count, "first": f.first, "last": f.last}
+                for t, f in self._checker.items()
+            }
 
     def waiting_for(self) -> str:
         """What the run waits for, in a line: given-up groups and retired tasks."""
@@ -561,7 +637,7 @@ class GrantBook:
             if s.state in ("done", "abandoned"):
                 self.counts["surplus"] += 1
                 return False
-            retire = self._note_setup(traj)
+            retire = self._note_setup(traj) or self._note_checker(traj)
             gave_up = False
             if traj.status == Status.OK:
                 s.state = "done"
@@ -622,6 +698,55 @@ class GrantBook:
             }
 
 
+class QueuedReplies:
+    """Bytes of reply frames handed to ZeroMQ and not yet let go of: each frame is sent
+    zero-copy with a tracker and counts until ZeroMQ releases it (written to the peer's
+    connection, dropped on a full queue, or dropped with the connection of a peer that
+    left: the server thread's polling lets ZeroMQ end such a peer's queue). `peak` is the
+    most ever counted. Thread-safe (the server thread adds, anyone may read).
+
+    Locking: `_lock` guards `_held`, `_bytes` and `peak`; nothing else is done under it."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.peak = 0
+        self._held: list[tuple[zmq.MessageTracker, int]] = []
+        self._bytes = 0
+        self._prune_at = 256
+        self._lock = threading.Lock()
+
+    def _prune(self) -> None:
+        kept = [(t, n) for t, n in self._held if not t.done]
+        self._held = kept
+        self._bytes = sum(n for _, n in kept)
+
+    @property
+    def nbytes(self) -> int:
+        with self._lock:
+            self._prune()
+            return self._bytes
+
+    def room(self, nbytes: int) -> bool:
+        """Whether `nbytes` more fit under the limit (pruning only when they might not)."""
+        with self._lock:
+            if self._bytes + nbytes > self.limit:
+                self._prune()
+            return self._bytes + nbytes <= self.limit
+
+    def frame(self, data: bytes) -> zmq.Frame:
+        """`data` as a tracked frame to send, counted from now until ZeroMQ lets go."""
+        f = zmq.Frame(data, track=True, copy=False)
+        assert f.tracker is not None
+        with self._lock:
+            if len(self._held) >= self._prune_at:  # many small replies: amortised O(1)
+                self._prune()
+                self._prune_at = max(256, 2 * len(self._held))
+            self._held.append((f.tracker, len(data)))
+            self._bytes += len(data)
+            self.peak = max(self.peak, self._bytes)
+        return f
+
+
 class GrantServer:
     """The control link's server: grants, weights, task files and heartbeats (one thread)."""
 
@@ -642,9 +767,14 @@ class GrantServer:
         self.weights = weights or WeightsServer()
         self.learner_id = learner_id
         self.rejected: collections.Counter[str] = collections.Counter()
+        """Requests not served, by reason: malformed, unexpected, unauthenticated,
+        file_refused (a task file this learner does not serve, or whose file changed),
+        file_busy (deferred: `transport.max_queued_file_bytes` of file replies queued)."""
         self.weight_requests = 0
         """Weights requests served (announcements and chunks)."""
+        self.file_replies = QueuedReplies(self.transport.max_queued_file_bytes)
         self._seq = 0
+        self._log = LogLimiter(log)
         self.server = RouterServer(
             self.transport.control,
             self.transport,
@@ -672,12 +802,23 @@ class GrantServer:
         self.weights.publish(version, data, path)
         self.book.set_version(version)
 
+    @property
+    def file_queued_bytes(self) -> int:
+        """Bytes of task-file chunks queued for actors and not sent on yet (a gauge)."""
+        return self.file_replies.nbytes
+
+    @property
+    def file_queued_peak(self) -> int:
+        """The most `file_queued_bytes` has been."""
+        return self.file_replies.peak
+
     def handle(self, frames: list[Any]) -> list[wire.Frames]:
         try:
             msg = wire.decode(frames)
         except WireError as e:
             self.rejected["malformed"] += 1
-            log.warning("grants: rejected a malformed message: %s", str(e)[:300])
+            self._log.log(logging.WARNING, "malformed",
+                          "grants: rejected a malformed message: %s", str(e)[:300])  # fmt: skip
             return []
         if isinstance(msg, wire.GrantRequest):
             grants = self.book.request(msg.actor, msg.want, pool=msg.pool)
@@ -690,12 +831,7 @@ class GrantServer:
             self.weight_requests += 1
             return self.weights.handle(msg)
         if isinstance(msg, wire.FileRequest):
-            data, total, size, error = self.files.chunk(msg.sha256, msg.chunk)
-            if error:
-                log.warning("task file %s... chunk %d refused: %s", msg.sha256[:12], msg.chunk,
-                            error)  # fmt: skip
-            chunk = wire.FileChunk(msg.sha256, msg.chunk, total, size, error, data)
-            return [wire.encode(chunk)]
+            return [self._file_chunk(msg)]
         if isinstance(msg, wire.Heartbeat):  # nothing is kept per sender: answered only
             self._seq += 1
             hb = wire.Heartbeat(
@@ -704,3 +840,30 @@ class GrantServer:
             return [wire.encode(hb)]
         self.rejected["unexpected"] += 1
         return []
+
+    def _file_chunk(self, msg: wire.FileRequest) -> list[Any]:
+        """The reply to a FileRequest: the chunk (its data frame tracked in `file_replies`),
+        'busy' when it would not fit under `transport.max_queued_file_bytes` (nothing is
+        read then), or why it is refused. Never blocks: `TaskFiles.chunk` opens only
+        regular files."""
+        nbytes, total, size = self.files.extent(msg.sha256, msg.chunk)
+        if nbytes and not self.file_replies.room(nbytes):
+            self.rejected["file_busy"] += 1
+            self._log.log(
+                logging.INFO, "file_busy",
+                "task file %s... chunk %d deferred: the queue of file replies for actors is "
+                "full (transport.max_queued_file_bytes = %d MiB)",
+                msg.sha256[:12], msg.chunk, self.file_replies.limit >> 20,
+            )  # fmt: skip
+            error = f"{BUSY} the learner's queue of file replies is full; ask again shortly"
+            return wire.encode(wire.FileChunk(msg.sha256, msg.chunk, total, size, error))
+        data, total, size, error = self.files.chunk(msg.sha256, msg.chunk)
+        if error:
+            self.rejected["file_refused"] += 1
+            self._log.log(logging.WARNING, "file_refused", "task file %s... chunk %d refused: %s",
+                          msg.sha256[:12], msg.chunk, error)  # fmt: skip
+        chunk = wire.FileChunk(msg.sha256, msg.chunk, total, size, error, data)
+        frames: list[Any] = list(wire.encode(chunk))
+        if data:
+            frames[-1] = self.file_replies.frame(data)
+        return frames

@@ -1,6 +1,6 @@
 """Environment servers for arpo, installable on env hosts without torch.
 
-Every server here speaks the OSWorld VM protocol (DESIGN.md section 5), so an
+Every server here speaks the OSWorld VM protocol (docs/concepts/environments.md), so an
 actor cannot tell one from an OSWorld VM:
 
     pip install -e envs

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import types
 import typing
@@ -506,7 +507,17 @@ def _plain(v: Any) -> Any:
 def decode(data: Any, *expected: type[R]) -> R:
     """The message `data` holds (a decoded JSON object), one of `expected` (any message when
     none is given), or the part when `expected` is one part class. FleetRecordError naming
-    the record and the field when it is not one."""
+    the record and the field when it is not one, and for any other value whatever it holds
+    (an int too long to print, a list nested past the interpreter's recursion limit): no
+    other exception. Only a bug of a record class (a field of a type the codec does not
+    know) raises TypeError."""
+    try:
+        return _decode(data, expected)
+    except RecursionError:  # a value nested deeper than the checks go
+        raise FleetRecordError("a value nested too deeply to read") from None
+
+
+def _decode(data: Any, expected: tuple[type[R], ...]) -> R:
     if not isinstance(data, dict):
         raise FleetRecordError(f"a fleet record is a JSON object, got {_what(data)}")
     if len(expected) == 1 and not hasattr(expected[0], "RECORD"):
@@ -579,11 +590,11 @@ def _read(cls: type, data: dict[str, Any], where: str) -> Any:
         v = data["version"]
         if type(v) is not int or v != VERSION:
             raise FleetRecordError(
-                f"{where}.version: {_short(repr(v))}, but this side reads version {VERSION} "
+                f"{where}.version: {_shown(v)}, but this side reads version {VERSION} "
                 "(the fleet and its client must run the same release)"
             )
     allowed = set(fields) | ({"record"} if hasattr(cls, "RECORD") else set())
-    unknown = sorted(str(k) for k in data if k not in allowed)
+    unknown = sorted(_shown(k) if type(k) is not str else k for k in data if k not in allowed)
     if unknown:
         raise FleetRecordError(f"{where}: unknown field(s) {_short(', '.join(unknown))}")
     values = {}
@@ -621,7 +632,7 @@ def _value(hint: Any, v: Any, where: str) -> Any:
         if not isinstance(v, dict):
             raise FleetRecordError(f"{where}: expected an object, got {_what(v)}")
         _, item = typing.get_args(hint)
-        return {k: _value(item, x, f"{where}[{_short(repr(k))}]") for k, x in v.items()}
+        return {k: _value(item, x, f"{where}[{_shown(k)}]") for k, x in v.items()}
     if dataclasses.is_dataclass(hint):
         if not isinstance(v, dict):
             raise FleetRecordError(f"{where}: expected an object, got {_what(v)}")
@@ -665,7 +676,28 @@ def _what(v: Any) -> str:
     kind = {dict: "an object", list: "a list", type(None): "null"}.get(type(v))
     if kind is not None:
         return kind
-    return f"{type(v).__name__} {_short(repr(v))}"
+    if type(v) is int and abs(v) >= _SHOWN_INT:
+        return _shown(v)
+    return f"{type(v).__name__} {_shown(v)}"
+
+
+_SHOWN_INT = 10**20
+"""Ints from this size on are named by their length: `repr` refuses ints of more than
+4300 digits (`sys.get_int_max_str_digits`)."""
+
+
+def _shown(v: Any) -> str:
+    """`repr(v)` cut to 80 characters, for an error message; the kind of `v` instead where
+    its repr would be long, deep or fail (a huge int, a nested list, an object whose repr
+    raises)."""
+    if type(v) is int and abs(v) >= _SHOWN_INT:
+        return f"an int of {int(math.log10(abs(v))) + 1} digits"
+    if type(v) in (dict, list, tuple, set, frozenset):
+        return {dict: "an object"}.get(type(v), f"a {type(v).__name__}")
+    try:
+        return _short(repr(v))
+    except Exception:  # a repr that fails says nothing about the record
+        return f"a {type(v).__name__}"
 
 
 def _short(text: str, limit: int = 80) -> str:

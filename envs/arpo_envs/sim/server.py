@@ -293,7 +293,9 @@ class Snapshot:
 
 
 class _Clones:
-    """The process's count of live forked desktops (`MAX_CLONES`); one event loop touches it."""
+    """The process's count of live forked desktops (`MAX_CLONES`); one event loop touches it.
+    A fork adds its whole count when it is allowed, before it starts any child (so forks of
+    other desktops at the same time see it); each child's stop takes its one back."""
 
     live = 0
 
@@ -608,12 +610,16 @@ class SimDesktopServer:
             host = self.config.host
             if host in ("0.0.0.0", "::", ""):  # bound to every address: answer the one used
                 host = request.url.host or "127.0.0.1"
+            # Reserved before the first await: the lock above is this desktop's, and the
+            # other desktops of the process fork meanwhile; they see the whole count taken.
+            _Clones.live += n
             with self._span("fork"):
                 made: list[Child] = []
                 try:
                     for _ in range(n):
                         made.append(await self._start_child(snap, host))
                 except BaseException:
+                    _Clones.live -= n - len(made)  # the places no child took
                     await asyncio.gather(*(self._stop_child(c) for c in made))
                     raise
                 snap.children += made
@@ -650,7 +656,9 @@ class SimDesktopServer:
         )
 
     async def _start_child(self, snap: Snapshot, host: str) -> Child:
-        """One child server on a free port of `host`, in a copy of `snap`'s state."""
+        """One child server on a free port of `host`, in a copy of `snap`'s state. Its
+        place in `_Clones.live` is the caller's (reserved for the whole fork; given back by
+        `_stop_child`, or by the caller when this raises)."""
         snap.forked += 1
         name = f"{snap.handle}-{snap.forked}"
         lat = self.config.latency  # same distribution, the child's own draws
@@ -663,13 +671,11 @@ class SimDesktopServer:
             handle_signals=False,
             shutdown_timeout=CHILD_SHUTDOWN_S,
         )
-        _Clones.live += 1
         try:
             await runner.setup()
             site = web.TCPSite(runner, cfg.host, 0)
             await site.start()
         except BaseException:
-            _Clones.live -= 1
             await runner.cleanup()
             raise
         return Child(name, _base_url(host, runner.addresses[0][1]), server, runner)

@@ -52,7 +52,10 @@ overlay of the image and serves OSWorld's protocol on `127.0.0.1:<port>`:
   most 1 MiB): a revert answers 200 `Reverted`, 409 `Quarantined` for a quarantined task,
   503 `Failure` (with the VM's state) when it failed; a body that is not the record the
   endpoint takes (not JSON, nested too deeply, another version, a field missing or of the
-  wrong type) is 400 `Failure` naming the field, a wrong token 401 `Failure`.
+  wrong type) is 400 `Failure` naming the field, a wrong token 401 `Failure`; what the
+  web server refuses itself (a body over 1 MiB 413, an unknown route 404, a method a
+  route does not take 405 with its `Allow` header) and an error of the app (500) are
+  `Failure` records too.
 - **Records.** Every decision (start, revert failure, replacement, quarantine) is a line
   of `<dir>/events.jsonl` and a log line with its reason; counters are in `GET /fleet`.
 - **up / status / down** have the shapes of every fleet's (`arpo_envs.fleet`): `up` starts
@@ -929,6 +932,33 @@ def make_app(fleet: Fleet) -> Any:
         return cls(text=json.dumps(encode(Failure(error))), content_type="application/json")
 
     @web.middleware
+    async def records(request: web.Request, handler: Any) -> web.StreamResponse:
+        """What aiohttp answers itself (413 a body over client_max_size, 404 no such route,
+        405 a method the route does not take) and what the handlers did not expect (500),
+        as `Failure` records like every other answer; its status and headers kept."""
+        try:
+            return await handler(request)
+        except web.HTTPException as e:
+            if e.content_type == "application/json" or e.status < 400:
+                raise  # a Failure already (`refused`), or a redirect
+            why = e.text or e.reason
+            if e.status == 404:
+                why = f"no route {request.method} {request.path!r:.200}: {why}"
+            elif e.status == 413:
+                why = f"request body too large (a control API body is a few KB): {why}"
+            elif e.status == 405:
+                why = f"{request.method} is not allowed here; allowed: {e.headers.get('Allow')}"
+            out = answer(Failure(why), e.status)
+            if "Allow" in e.headers:
+                out.headers["Allow"] = e.headers["Allow"]
+            return out
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            log.exception("control API: %s %s failed", request.method, request.path)
+            return answer(Failure(f"internal error of the fleet: {type(e).__name__}: {e}"), 500)
+
+    @web.middleware
     async def auth(request: web.Request, handler: Any) -> web.StreamResponse:
         import hmac
 
@@ -1013,7 +1043,7 @@ def make_app(fleet: Fleet) -> Any:
             why = m.last_error or why
         return answer(VMHealth(ok, m.state, why))
 
-    app = web.Application(middlewares=[auth], client_max_size=1 << 20)
+    app = web.Application(middlewares=[records, auth], client_max_size=1 << 20)
     app.router.add_get("/fleet", get_fleet)
     app.router.add_post("/vms/{name}/revert", revert)
     app.router.add_post("/vms/{name}/report", report)
