@@ -2,6 +2,8 @@
 
     python benchmarks/probe_table_lookup.py --names labels --steps 1200 --save-as probe-lookup-<date>
     python benchmarks/probe_table_lookup.py --names single --steps 1200
+    python benchmarks/probe_table_lookup.py --model reader --lr 5e-5 --batch 4 --steps 150 \
+        --eval-every 50 --eval-n 128 --save-as probe-lookup-reader30-<date>   # --reader-layers 8
 
 The `som` observation turns a `click_button` task into a lookup: the instruction names a
 label, the table lists the marks with their names, the answer is the number of the row
@@ -28,7 +30,19 @@ question would not hold the token the table has (the runs before 2026-11-28 09:0
 copies the row's number needs a layer to move the number beside the name and one to match;
 the question's name sits four tokens before the answer, which takes a third hop).
 
-Reported: the curve (steps, loss, accuracy, seconds). AdamW, `--lr`, batch `--batch`.
+`--model reader`: the same probe on the reader's text decoder (`arpo.policy.reader`: SmolVLM
+around the pre-trained SmolLM2-135M-Instruct, needs `make reader-weights`), built into a
+temporary folder with its first `--reader-layers` text layers (30, all of them, by default)
+and loaded with `AutoModelForImageTextToText` as the policy loads it; the sequences hold no
+image, so the model runs its text decoder (`model.model.text_model` + the tied `lm_head`)
+alone, and only those weights are trained (the random vision encoder and connector are
+frozen). Names and sequences are tokenized by the reader's tokenizer (SmolLM2's): the 36
+button labels are 1 to 3 tokens there (1.4 on average), `--names single` picks from SmolLM2's
+one-token words. Its default `--lr` is 5e-5 (2e-3 for the tiny model).
+
+Reported: the curve (steps, loss, accuracy, seconds). AdamW, `--lr`, batch `--batch`; accuracy
+on `--eval-n` sequences (256 by default), the same ones at every evaluation, none of them
+trained on (a separate random stream).
 """
 
 from __future__ import annotations
@@ -36,6 +50,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shutil
 import sys
 import tempfile
 import time
@@ -91,20 +106,29 @@ def batch(rng: random.Random, names: list[str], tok, size: int):
     return x, mask, y
 
 
+def answer_logits(model, x, mask, y):
+    """(logits, targets) at the answer positions only: the output head runs on the ~6 answer
+    positions of a sequence instead of all ~160 (for the reader's 49k-token vocabulary that
+    head cost more than its 30 layers). The same loss and argmax as the full logits."""
+    hidden = model.model(input_ids=x, attention_mask=mask).last_hidden_state[:, :-1]
+    tgt = y[:, 1:]
+    keep = tgt != -100
+    return model.lm_head(hidden[keep]), tgt[keep]
+
+
 def accuracy(model, names, tok, n: int = 256, size: int = 32) -> float:
     import torch
 
+    size = min(size, n)
     rng = random.Random(999)
     right = total = 0
     model.eval()
     with torch.no_grad():
         for _ in range(n // size):
             x, mask, y = batch(rng, names, tok, size)
-            pred = model(input_ids=x, attention_mask=mask).logits[:, :-1].argmax(-1)
-            tgt = y[:, 1:]
-            keep = tgt != -100
-            right += int(((pred == tgt) & keep).sum())
-            total += int(keep.sum())
+            logits, tgt = answer_logits(model, x, mask, y)
+            right += int((logits.argmax(-1) == tgt).sum())
+            total += len(tgt)
     model.train()
     return right / total
 
@@ -113,9 +137,17 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--names", choices=["labels", "single"], default="labels")
     p.add_argument("--steps", type=int, default=1200)
-    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--model", choices=["tiny", "reader"], default="tiny")
+    p.add_argument(
+        "--reader-layers",
+        type=int,
+        default=30,
+        help="With --model reader: keep the first N of SmolLM2's 30 text layers.",
+    )
+    p.add_argument("--lr", type=float, default=None, help="2e-3 (tiny) / 5e-5 (reader).")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--eval-every", type=int, default=200)
+    p.add_argument("--eval-n", type=int, default=256, help="Sequences per evaluation.")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument(
         "--layers",
@@ -125,16 +157,30 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--save-as", default="", help="Write benchmarks/results/<name>.json.")
     args = p.parse_args(argv)
+    if args.lr is None:
+        args.lr = 5e-5 if args.model == "reader" else 2e-3
+    if args.model == "reader" and args.layers:
+        p.error("--layers is the tiny model's; the reader takes --reader-layers")
 
     import torch
     from transformers import AutoModelForImageTextToText, AutoTokenizer
 
-    from arpo.policy.tiny import build_tiny_model
-
     torch.manual_seed(args.seed)
-    folder = build_tiny_model(Path(tempfile.mkdtemp(prefix="probe-tiny-")) / "m", seed=0)
+    tmp = Path(tempfile.mkdtemp(prefix=f"probe-{args.model}-")) / "m"
+    if args.model == "reader":
+        from arpo.policy.reader import build_reader
+
+        folder = build_reader(tmp, layers=args.reader_layers, seed=0)
+    else:
+        from arpo.policy.tiny import build_tiny_model
+
+        folder = build_tiny_model(tmp, seed=0)
     tok = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
+    shutil.rmtree(tmp.parent)  # loaded: the reader's folder is 548 MB
+    if args.model == "reader":  # text only: the vision encoder and connector stay as built
+        for part in (model.model.vision_model, model.model.connector):
+            part.requires_grad_(False)
     if args.layers:  # the same model with more text layers, fresh weights of the same init
         from transformers import Qwen2_5_VLForConditionalGeneration
 
@@ -145,22 +191,26 @@ def main(argv: list[str] | None = None) -> int:
             torch.manual_seed(0)
             model = Qwen2_5_VLForConditionalGeneration(config).to(torch.float32)
     names = name_pool(args.names, tok)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    params = [q for q in model.parameters() if q.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
     rng = random.Random(args.seed)
-    rows = [{"step": 0, "loss": None, "accuracy": accuracy(model, names, tok), "s": 0.0}]
+    rows = [
+        {"step": 0, "loss": None, "accuracy": accuracy(model, names, tok, args.eval_n), "s": 0.0}
+    ]
     print(json.dumps(rows[-1]), flush=True)
     t0 = time.monotonic()
     for step in range(1, args.steps + 1):
         x, mask, y = batch(rng, names, tok, args.batch)
-        loss = model(input_ids=x, attention_mask=mask, labels=y).loss
+        logits, tgt = answer_logits(model, x, mask, y)
+        loss = torch.nn.functional.cross_entropy(logits, tgt)
         opt.zero_grad()
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         if step % args.eval_every == 0:
             rows.append({
-                "step": step, "loss": round(float(loss), 4),
-                "accuracy": round(accuracy(model, names, tok), 4),
+                "step": step, "loss": round(float(loss.detach()), 4),
+                "accuracy": round(accuracy(model, names, tok, args.eval_n), 4),
                 "s": round(time.monotonic() - t0, 1),
             })  # fmt: skip
             print(json.dumps(rows[-1]), flush=True)
