@@ -89,6 +89,20 @@ def test_text_weights_are_smollm2s(built, smollm2):
     assert model.lm_head.weight.data_ptr() == emb.data_ptr()  # tied, as in SmolLM2
 
 
+def test_the_end_of_message_token_starts_as_smollm2s_own_end(built):
+    """SmolVLM's chat ends messages with <end_of_utterance>: its embedding (tied to the output
+    head) starts as <|im_end|>'s, the end SmolLM2 was tuned on, so the reader can stop."""
+    import torch
+
+    _, model, processor = built
+    tok = processor.tokenizer
+    emb = model.get_input_embeddings().weight
+    eou, im_end = (tok.convert_tokens_to_ids(t) for t in ("<end_of_utterance>", "<|im_end|>"))
+    assert torch.equal(emb[eou], emb[im_end])
+    image = tok.convert_tokens_to_ids("<image>")
+    assert not torch.equal(emb[image], emb[im_end])
+
+
 def test_layer0_matches_the_gguf_file(built):
     """Independently of transformers' loader: gguf's own dequantisation of one layer-0 tensor."""
     import numpy as np

@@ -16,7 +16,8 @@ model:
 
 - model: `SmolVLMForConditionalGeneration` (model_type "smolvlm"), float32. Text config:
   the GGUF's Llama config as transformers reads it, keeping the first `layers` layers, the
-  vocabulary grown by the 4 image / chat tokens below (their embedding rows are the mean of
+  vocabulary grown by the 4 image / chat tokens below (<end_of_utterance>'s embedding row a
+  copy of <|im_end|>'s, `END_TWIN`; the others' rows the mean of
   the others; the output head stays tied to them). Every text weight is copied and checked
   (no key left at its random init). Vision: a random 2-layer SigLIP-style encoder (width 128,
   MLP 256, 2 heads, patch 16) on squares of side `edge`, pixel shuffle `scale_factor=4`, and
@@ -155,9 +156,32 @@ def _grow_tokenizer(tokenizer) -> list[str]:
     return new
 
 
-def _copy_text_weights(llama, model, added: int) -> None:
+END_TWIN = {"<end_of_utterance>": "<|im_end|>"}
+"""Added tokens whose embedding starts as a copy of the token SmolLM2 already uses for the
+same job: SmolVLM's chat ends a message with <end_of_utterance>, SmolLM2's ChatML with
+<|im_end|>. With the tied output head, a mean-initialised <end_of_utterance> has a low logit
+everywhere, and a short warm start (16 steps at 5e-5) then learned the action but never to
+stop after it (every response ran on past it: 100 % of actions unparsed); as a copy of
+<|im_end|> it starts as likely as the end SmolLM2 knows."""
+
+
+def _new_rows(w, added: list[str], tokenizer):
+    """`w`'s rows for the tokens `added`: each the mean of the others, or a copy of its twin's
+    row (`END_TWIN`) when the tokenizer has the twin."""
+    import torch
+
+    mean = w.mean(0, keepdim=True)
+    vocab = tokenizer.get_vocab()
+    rows = [
+        w[vocab[END_TWIN[t]]][None] if t in END_TWIN and END_TWIN[t] in vocab else mean
+        for t in added
+    ]
+    return torch.cat([w, *rows]) if rows else w
+
+
+def _copy_text_weights(llama, model, added: list[str], tokenizer) -> None:
     """Copy `llama`'s weights into `model.model.text_model` (its first layers) and check that
-    every text weight arrived; the embedding gains `added` rows, each the mean of the others."""
+    every text weight arrived; the embedding gains a row per token of `added` (`_new_rows`)."""
     import torch
 
     src = llama.state_dict()
@@ -170,7 +194,7 @@ def _copy_text_weights(llama, model, added: int) -> None:
             raise ArpoError(f"text weight {key} has no source {source} in SmolLM2's state dict")
         w = src[source]
         if key == "embed_tokens.weight" and added:
-            w = torch.cat([w, w.mean(0, keepdim=True).expand(added, -1)])
+            w = _new_rows(w, added, tokenizer)
         if w.shape != dst[key].shape:
             raise ArpoError(
                 f"text weight {key}: SmolLM2 has {tuple(w.shape)}, the reader {tuple(dst[key].shape)}"
@@ -195,7 +219,7 @@ def _copy_text_weights(llama, model, added: int) -> None:
     else:
         head = src["lm_head.weight"]
         if added:
-            head = torch.cat([head, head.mean(0, keepdim=True).expand(added, -1)])
+            head = _new_rows(head, added, tokenizer)
         with torch.no_grad():
             model.lm_head.weight.copy_(head)
 
@@ -251,7 +275,7 @@ def build_reader(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = SmolVLMForConditionalGeneration(config).to(torch.float32).eval()
-    _copy_text_weights(llama, model, len(added))
+    _copy_text_weights(llama, model, added, tokenizer)
     model.generation_config = GenerationConfig(
         bos_token_id=text["bos_token_id"],
         eos_token_id=text["eos_token_id"],
