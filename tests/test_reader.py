@@ -76,7 +76,7 @@ def test_config_and_tokens(built):
 
 def test_text_weights_are_smollm2s(built, smollm2):
     _, model, _ = built
-    llama, _ = smollm2
+    llama, smol_tok = smollm2
     text = model.model.text_model
     src = llama.state_dict()
     for key, w in text.layers[0].state_dict().items():
@@ -85,7 +85,10 @@ def test_text_weights_are_smollm2s(built, smollm2):
     emb = text.embed_tokens.weight
     assert torch.equal(emb[:49152], src["model.embed_tokens.weight"])
     mean = src["model.embed_tokens.weight"].mean(0)
-    assert torch.allclose(emb[49152:], mean.expand(len(READER_TOKENS), -1))
+    # <end_of_utterance> (49152) is <|im_end|>'s copy; the image tokens start at the mean.
+    im_end = smol_tok.convert_tokens_to_ids("<|im_end|>")
+    assert torch.equal(emb[49152], src["model.embed_tokens.weight"][im_end])
+    assert torch.allclose(emb[49153:], mean.expand(len(READER_TOKENS) - 1, -1))
     assert model.lm_head.weight.data_ptr() == emb.data_ptr()  # tied, as in SmolLM2
 
 
