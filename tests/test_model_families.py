@@ -126,7 +126,14 @@ def test_a_folder_of_another_family_is_refused_naming_its_model_type(tmp_path):
         check_folder(tmp_path / "missing")
 
 
-def test_sft_then_a_short_arpo_train_with_each_family(family_dir, tmp_path):
+# The two runs below cost a minute each; the default run keeps SmolVLM's (the family that
+# differs most: its chat, image block and positions), `make test-all` runs Qwen3-VL's too.
+# Qwen2.5-VL's: tests/test_sft.py, tests/test_demo_config.py, tests/test_policy_engine_vllm.py.
+HEAVY = [pytest.param("qwen3_vl", marks=pytest.mark.slow), "smolvlm"]
+
+
+@pytest.mark.parametrize("name", HEAVY)
+def test_sft_then_a_short_arpo_train_with_each_family(name, tmp_path):
     """`arpo sft` on oracle demonstrations lowers the NLL, then `arpo train` from its folder
     runs real actor and learner processes for 2 iterations: every trajectory accounted for,
     the policy version advanced, the weights it published differ from the warm start's."""
@@ -138,9 +145,7 @@ def test_sft_then_a_short_arpo_train_with_each_family(family_dir, tmp_path):
 
     from arpo.learner.metrics import read_metrics
 
-    name, folder = family_dir
-    if name == "qwen2_5_vl":
-        pytest.skip("Qwen2.5-VL: tests/test_sft.py and tests/test_demo_config.py run both commands")
+    folder = build_tiny_model(tmp_path / "tiny", seed=0, family=name)
     sft = tmp_path / "sft"
     run = lambda *a: subprocess.run(  # noqa: E731
         [sys.executable, "-m", "arpo.cli", *a], cwd=tmp_path, capture_output=True, text=True,
@@ -218,17 +223,16 @@ def _vllm_episode(folder, proc):
 @pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.mark.filterwarnings("ignore::ResourceWarning")
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-def test_vllm_behaviour_logprobs_equal_the_learners(family_dir):
+@pytest.mark.parametrize("name", HEAVY)
+def test_vllm_behaviour_logprobs_equal_the_learners(name, tmp_path):
     """vLLM's CPU build serves the family from the same folder; the token prompt's image
     blocks go as vLLM's placeholders (`Family.placeholder_prompt`) and the log-probs of what
     it sampled equal the learner's (Qwen2.5-VL: tests/test_policy_engine_vllm.py)."""
     from arpo.policy.engine_vllm import vllm_available
 
-    name, folder = family_dir
     if (why := vllm_available()) is not None:
         pytest.skip(why)
-    if name == "qwen2_5_vl":
-        pytest.skip("Qwen2.5-VL on vLLM: tests/test_policy_engine_vllm.py")
+    folder = build_tiny_model(tmp_path / "tiny", seed=0, family=name)
     trainer = Trainer(TrainerConfig(model=str(folder)))
     proc = trainer.processor
     traj = _vllm_episode(folder, proc)
