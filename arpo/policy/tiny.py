@@ -399,60 +399,6 @@ def build_processor(
     )
 
 
-def tiny_config(tokenizer):
-    """The `Qwen2_5_VLConfig` of the tiny model; token ids are taken from `tokenizer`."""
-    from transformers import Qwen2_5_VLConfig
-
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_SPECIAL_TOKENS}
-    vocab = len(tokenizer)
-    text = dict(
-        vocab_size=vocab,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32768,
-        # head_dim 64: the multimodal rotary sections (t, h, w) split its 32 frequencies.
-        rope_parameters={
-            "rope_type": "default",
-            "rope_theta": 1_000_000.0,
-            "mrope_section": [8, 12, 12],
-        },
-        bos_token_id=ids["<|endoftext|>"],
-        eos_token_id=ids["<|im_end|>"],
-        pad_token_id=ids["<|endoftext|>"],
-        tie_word_embeddings=False,
-        dtype="float32",
-    )
-    vision = dict(
-        depth=2,
-        hidden_size=128,
-        intermediate_size=256,
-        num_heads=2,
-        patch_size=14,
-        spatial_merge_size=2,
-        temporal_patch_size=2,
-        window_size=112,
-        out_hidden_size=256,
-        fullatt_block_indexes=[1],
-    )
-    return Qwen2_5_VLConfig(
-        text_config=text,
-        vision_config=vision,
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=False,
-        dtype="float32",
-    )
-
-
-def _smolvlm_seq_len(edge: int = SMOLVLM_TINY_EDGE, patch: int = 16, scale: int = 2) -> int:
-    return (edge // patch) ** 2 // scale**2
-
-
 def _text_sizes(vocab: int, ids: dict[str, int], bos: str, eos: str) -> dict:
     return dict(
         vocab_size=vocab,
@@ -468,6 +414,49 @@ def _text_sizes(vocab: int, ids: dict[str, int], bos: str, eos: str) -> dict:
         tie_word_embeddings=False,
         dtype="float32",
     )
+
+
+def _qwen_vision_ids(ids: dict[str, int]) -> dict:
+    """The Qwen families' config fields naming their vision tokens (and the shared dtype)."""
+    return dict(
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+        dtype="float32",
+    )
+
+
+def tiny_config(tokenizer):
+    """The `Qwen2_5_VLConfig` of the tiny model; token ids are taken from `tokenizer`."""
+    from transformers import Qwen2_5_VLConfig
+
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_SPECIAL_TOKENS}
+    text = _text_sizes(len(tokenizer), ids, "<|endoftext|>", "<|im_end|>")
+    # head_dim 64: the multimodal rotary sections (t, h, w) split its 32 frequencies.
+    text["rope_parameters"] = {
+        "rope_type": "default",
+        "rope_theta": 1_000_000.0,
+        "mrope_section": [8, 12, 12],
+    }
+    vision = dict(
+        depth=2,
+        hidden_size=128,
+        intermediate_size=256,
+        num_heads=2,
+        patch_size=14,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        window_size=112,
+        out_hidden_size=256,
+        fullatt_block_indexes=[1],
+    )
+    return Qwen2_5_VLConfig(text_config=text, vision_config=vision, **_qwen_vision_ids(ids))
+
+
+def _smolvlm_seq_len(edge: int = SMOLVLM_TINY_EDGE, patch: int = 16, scale: int = 2) -> int:
+    return (edge // patch) ** 2 // scale**2
 
 
 def tiny_qwen3_vl_config(tokenizer):
@@ -497,16 +486,7 @@ def tiny_qwen3_vl_config(tokenizer):
         num_position_embeddings=256,
         deepstack_visual_indexes=[0],
     )
-    return Qwen3VLConfig(
-        text_config=text,
-        vision_config=vision,
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=False,
-        dtype="float32",
-    )
+    return Qwen3VLConfig(text_config=text, vision_config=vision, **_qwen_vision_ids(ids))
 
 
 def tiny_smolvlm_config(tokenizer, edge: int = SMOLVLM_TINY_EDGE):
