@@ -229,7 +229,7 @@ class _Stammering(OraclePolicy):
                     body = list(
                         policy.tokenizer.encode("umm, not an action", add_special_tokens=False)
                     )
-                    ids = np.asarray([*body, policy.im_end], dtype=np.int32)
+                    ids = np.asarray([*body, policy.end_id], dtype=np.int32)
                     return Completion(ids, np.zeros(len(ids), np.float32), "umm, not an action",
                                       "stop", 0)  # fmt: skip
                 return await inner.generate(token_ids, images, params)
