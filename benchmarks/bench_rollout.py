@@ -124,7 +124,7 @@ async def lockstep(urls: list[str], args: argparse.Namespace, duration: float) -
             acts = []
             for i, png, comp in zip(active, pngs, comps, strict=True):
                 w, h = image_size(png)
-                frame = A.Frame.for_screen(w, h, min_pixels=prompts[i][1], max_pixels=prompts[i][2])
+                frame = A.Frame.shown(w, h, prompts[i][1])
                 parsed = A.try_parse_response(comp.text, frame, config=action_cfg)
                 prompts[i][0].add_response(comp.token_ids)
                 steps += 1

@@ -201,10 +201,9 @@ class OpenAIEngine(Engine):
             timeout=aiohttp.ClientTimeout(total=self.config.request_timeout_s),
         )
         self._tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, self.config.model)
+        model_config = await asyncio.to_thread(AutoConfig.from_pretrained, self.config.model)
         try:
-            self._family = family_for_config(
-                await asyncio.to_thread(AutoConfig.from_pretrained, self.config.model)
-            )
+            self._family = family_for_config(model_config)
         except ValueError as e:
             raise EngineError(str(e)) from None
         self._stop_default = (self._family.chat(self._tokenizer).end,)
@@ -212,7 +211,6 @@ class OpenAIEngine(Engine):
         self._forbidden_set = frozenset(self._forbidden)
         # The ids the served model can sample are the rows of its output layer (the config's
         # vocab_size, which may exceed the tokenizer's length: Qwen pads it).
-        model_config = await asyncio.to_thread(AutoConfig.from_pretrained, self.config.model)
         vocab = getattr(model_config.get_text_config(), "vocab_size", None)
         self._vocab_size = int(vocab) if vocab else len(self._tokenizer)
         self._ensure_async()

@@ -311,19 +311,8 @@ def concat_images(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
     keys = parts[0].keys()
     if any(p.keys() != keys for p in parts):
         raise EngineError("image inputs of different shapes cannot be batched together")
-    if "pixel_attention_mask" in keys or parts[0]["pixel_values"].dim() == 5:
-        return _concat_padded(parts)
+    # Qwen: patches and grid rows; SmolVLM: [images, 1, C, H, W] and its pixel mask.
     return {k: torch.cat([p[k] for p in parts]) for k in keys}
-
-
-def _concat_padded(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """SmolVLM's [B, images, C, H, W] pixel values (one image per row here) concatenated."""
-    import torch
-
-    out = {"pixel_values": torch.cat([p["pixel_values"] for p in parts])}
-    if "pixel_attention_mask" in parts[0]:
-        out["pixel_attention_mask"] = torch.cat([p["pixel_attention_mask"] for p in parts])
-    return out
 
 
 def unwrap_vl(model: Any) -> Any:
@@ -424,14 +413,8 @@ def family_for_processor(processor: Any) -> Family:
             f"{name} is not the processor of a supported model family "
             f"({', '.join(FAMILIES)}); load the model folder's processor with AutoProcessor"
         )
-    if (
-        fam == "qwen2_5_vl"
-        and int(
-            getattr(processor, "patch_size", 0)
-            or getattr(getattr(processor, "image_processor", None), "patch_size", 14)
-        )
-        == 16
-    ):
+    ip = getattr(processor, "image_processor", processor)
+    if fam == "qwen2_5_vl" and getattr(ip, "patch_size", 14) == 16:
         fam = "qwen3_vl"
     return FAMILIES[fam]
 
@@ -461,13 +444,10 @@ def check_folder(folder: Any) -> Family:
     return family_for_model_type(model_type_of_folder(folder))
 
 
-def load_model(path: Any, dtype: Any = None, *, from_config: bool = False) -> Any:
-    """A model folder's model through the auto class (`AutoModelForImageTextToText`); with
-    `from_config` only its architecture (random weights) from its config."""
-    from transformers import AutoConfig, AutoModelForImageTextToText
+def load_model(path: Any, dtype: Any = None) -> Any:
+    """A model folder's model through the auto class (`AutoModelForImageTextToText`), after
+    its family is checked (`check_folder`)."""
+    from transformers import AutoModelForImageTextToText
 
     check_folder(path)
-    if from_config:
-        cfg = AutoConfig.from_pretrained(path)
-        return AutoModelForImageTextToText.from_config(cfg, dtype=dtype)
     return AutoModelForImageTextToText.from_pretrained(path, dtype=dtype)
