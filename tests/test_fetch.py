@@ -973,3 +973,79 @@ def test_fetch_refuses_the_task_sets_arpo_train_refuses(
         assert (code, err) == (2, f"fetch: {train}\n"), name
         assert ("task id dup is also in" in err) == (not name.startswith("empty")), err
         assert not cache.exists()
+
+
+def test_a_file_the_disk_cannot_hold_is_refused_before_its_body(
+    hostile: Hostile, tmp_path: Path
+) -> None:
+    """The announced size is held against the cache's real free space: a file of more than
+    the disk has free (less --keep-free) fails at once, no byte of it written, and the
+    file beside it still arrives."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    st = os.statvfs(cache)
+    free = st.f_bavail * st.f_frsize
+    hostile.handlers["huge.bin"] = streaming(b"z" * 65536, 0.0, length=free + (1 << 30))
+    hostile.handlers["small.bin"] = streaming(b"s" * 1000, 0.0, length=1000)
+    u = hostile.url
+    tasks = write_tasks(
+        tmp_path / "tasks",
+        {
+            "t1": {
+                "config": [
+                    download(u("huge.bin"), "/huge.bin"),
+                    download(u("small.bin"), "/small.bin"),
+                ]
+            }
+        },
+    )
+    assert run_bounded("--tasks", str(tasks), "--cache", str(cache), "--max-size", "1T") == 1
+    (failed,) = report(cache)["failed"]
+    assert failed["url"] == u("huge.bin")
+    assert "not enough disk" in failed["reason"] and "--keep-free" in failed["reason"]
+    assert len(hostile.of("huge.bin")) == 1  # not retried
+    huge = osworld_name(u("huge.bin"), "huge.bin")
+    assert not (cache / f"{huge}.part").exists() or (cache / f"{huge}.part").stat().st_size == 0
+    assert (cache / osworld_name(u("small.bin"), "small.bin")).read_bytes() == b"s" * 1000
+    # what stays free is the user's to set: asking to keep all of it refuses a small file too
+    assert run_bounded(
+        "--tasks", str(tasks), "--cache", str(tmp_path / "c2"), "--max-size", "1T",
+        "--keep-free", "1T",
+    ) == 1  # fmt: skip
+    reasons = {f["url"]: f["reason"] for f in report(tmp_path / "c2")["failed"]}
+    assert "keep_free_bytes (1099511627776" in reasons[u("small.bin")]
+
+
+def test_ctrl_c_ends_fetch_with_a_line_not_a_traceback(hostile: Hostile, tmp_path: Path) -> None:
+    """SIGINT in the middle of a download: exit code 130, one line on stderr, the bytes
+    received kept in the .part for the next run."""
+    import signal
+    import subprocess
+    import sys
+
+    hostile.handlers["slow.bin"] = streaming(b"x" * 4096, 0.05, length=1 << 20)
+    url = hostile.url("slow.bin")
+    tasks = write_tasks(tmp_path / "tasks", {"t1": {"config": [download(url, "/slow.bin")]}})
+    cache = tmp_path / "cache"
+    part = cache / f"{osworld_name(url, 'slow.bin')}{F.PART_SUFFIX}"
+    env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "arpo.env.fetch", "--tasks", str(tasks), "--cache", str(cache)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not (part.exists() and part.stat().st_size > 0):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert "fetch: interrupted" in err
+    assert 0 < part.stat().st_size < 1 << 20

@@ -184,6 +184,11 @@ class FetchConfig:
     chunk_bytes: int = 1 * _MiB
     """Largest piece read from the network and written to the `.part` file at once (1 B to
     64 MiB)."""
+    keep_free_bytes: int = 256 * _MiB
+    """Disk space left free on the cache's file system (--keep-free, 0 B to 1 TiB). A file of
+    known size (Content-Length, or the total of a Content-Range) is refused before its body
+    when the rest of it, with what the downloads under way still need, would leave less than
+    this free."""
     trust_env: bool = True
     """Use HTTP(S)_PROXY / NO_PROXY from the environment, as OSWorld's `requests` does."""
 
@@ -227,6 +232,7 @@ _RANGES: dict[str, tuple[str, int | float, int | float]] = {
     "stall_s": ("--stall", 0.01, 3600.0),
     "stall_bytes": ("--stall-bytes", 1, _GiB),
     "chunk_bytes": ("", 1, 64 * _MiB),
+    "keep_free_bytes": ("--keep-free", 0, _TiB),
 }
 """FetchConfig's numbers: (command-line flag or "", lowest, highest)."""
 
@@ -607,9 +613,17 @@ class _CacheFolder:
                 f"cannot make or open the cache folder {path}: {_os_reason(e)}"
             ) from None
         self.path = path
+        self.promised = 0
+        """Bytes the downloads under way still expect to write (the free-space check's
+        share of the disk that is taken but not yet written)."""
 
     def close(self) -> None:
         os.close(self.fd)
+
+    def free_bytes(self) -> int:
+        """Bytes an unprivileged writer may still use on the cache's file system."""
+        st = os.fstatvfs(self.fd)
+        return st.f_bavail * st.f_frsize
 
     def mode(self, name: str) -> int | None:
         """lstat's st_mode of `name`, None when there is nothing there."""
@@ -818,6 +832,31 @@ def _partial_problem(
     return ""
 
 
+def _check_room(folder: _CacheFolder, need: int, cfg: FetchConfig) -> None:
+    """Refuse (not retried) a body of `need` bytes that the cache's disk cannot take while
+    keeping `keep_free_bytes` free beside what the downloads under way still need."""
+    if not need:
+        return
+    try:
+        free = folder.free_bytes()
+    except OSError as e:
+        raise _TryFailed(
+            f"cannot read the cache's free space: {_os_reason(e)}", retry=False
+        ) from None
+    room = free - folder.promised - cfg.keep_free_bytes
+    if need > room:
+        under_way = (
+            f", {folder.promised} promised to downloads under way" if folder.promised else ""
+        )
+        raise _TryFailed(
+            f"not enough disk: the file needs {need} more bytes, the cache's file system "
+            f"({folder.path}) has {free} free{under_way}, and keep_free_bytes "
+            f"({cfg.keep_free_bytes}, --keep-free) stays free; free some space or use "
+            "another --cache",
+            retry=False,
+        )
+
+
 async def _try_once(
     session: aiohttp.ClientSession,
     url: str,
@@ -927,10 +966,13 @@ async def _try_once(
                     "--max-size)",
                     retry=False,
                 )
+            need = max(0, total - start) if total is not None else 0
+            _check_room(folder, need, cfg)
             # Unbuffered, so the .part on disk always holds every byte received: a try or run
             # that dies continues from there. Writes block the event loop for a moment each
             # (one network read, at most chunk_bytes).
             fd = folder.open_write(part, append=bool(start))
+            folder.promised += need
             try:
                 window_t, window_n = time.monotonic(), 0
                 async for chunk in r.content.iter_chunked(cfg.chunk_bytes):
@@ -960,6 +1002,7 @@ async def _try_once(
                             )
                         window_t, window_n = now, 0
             finally:
+                folder.promised -= need
                 os.close(fd)
         if total is not None and got != total:
             if last is not None and got == last + 1 < total:
@@ -1229,6 +1272,7 @@ def _cli_config(args: argparse.Namespace, d: FetchConfig) -> FetchConfig:
         file_timeout_s=args.file_timeout,
         stall_s=args.stall,
         stall_bytes=args.stall_bytes,
+        keep_free_bytes=args.keep_free,
     )
 
 
@@ -1302,6 +1346,14 @@ def main(argv: list[str] | None = None, prog: str = "python -m arpo.env.fetch") 
         help="bytes a try must receive in each --stall window (1 B to 1G; default 64K)",
     )
     p.add_argument(
+        "--keep-free",
+        type=parse_size,
+        default=d.keep_free_bytes,
+        metavar="SIZE",
+        help="disk space left free in the cache's file system; a file of known size that "
+        "would leave less is refused before its body (0 to 1T; default 256M)",
+    )
+    p.add_argument(
         "--dry-run",
         action="store_true",
         help="list the files, their URLs and tasks; download nothing",
@@ -1348,6 +1400,14 @@ def main(argv: list[str] | None = None, prog: str = "python -m arpo.env.fetch") 
     except (CacheBusy, CacheUnusable) as e:
         print(f"fetch: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        # asyncio.run has cancelled the downloads; each .part keeps the bytes received
+        print(
+            f"fetch: interrupted; the files done are in {cache}, and the next run continues "
+            "the partial ones (.part) from where they stopped",
+            file=sys.stderr,
+        )
+        return 130
     print(
         f"{head}: {report['downloaded']} downloaded, {report['linked']} linked (same URL), "
         f"{report['skipped']} already cached, {len(report['failed'])} failed; "
