@@ -55,7 +55,7 @@ PYTHON = sys.executable
 
 # How a rank's log reads when torch's C++ runtime aborted it (std::terminate, SIGABRT),
 # not when the worker's own Python code failed: seen twice in CI, on rank 1 of the FSDP2
-# job (0 of 95 runs here, alone or with 2 busy cores beside, and 0 of 40 next to the
+# job (0 of 95 runs here, alone or with 2 busy cores beside, and 0 of 17 next to the
 # single-process job). The report carries the log from that line on, which names the
 # C++ exception and the aborted rank's Python stack.
 RUNTIME_ABORT = "terminate called"
