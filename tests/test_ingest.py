@@ -165,3 +165,22 @@ def test_seen_ids_are_bounded(tmp_path: Path) -> None:
     assert [i in reloaded for i in ("id7", "id8", "id9", "id6")] == [True, True, True, False]
     reloaded.close()
     assert len((tmp_path / "ids").read_text().split()) <= 2 * 3 + 1  # compacted
+
+
+def test_a_large_trajectory_is_measured_once_and_stored(
+    tmp_path: Path, png_pool: list[bytes], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A trajectory near the store's budget is turned into its store item once: the item
+    built to measure it (is it above the whole budget?) is the one stored."""
+    traj = _traj(7, png_pool)
+    size = store_item.to_item(traj).nbytes
+    store = ReplayStore(max_bytes=size + 1024, seed=0)  # it fits, and it is large
+    assert traj.png_bytes + 4 * traj.num_tokens > store.max_bytes // 2
+    built = []
+    real = store_item.to_item
+    monkeypatch.setattr(store_item, "to_item", lambda t: built.append(t.trajectory_id) or real(t))
+    ingest = Ingest(store, IngestConfig(), TransportConfig(data="tcp://127.0.0.1:0"))
+    [reply] = ingest.handle(wire.encode(traj))
+    assert isinstance(wire.decode(reply), wire.Ack)
+    assert built == [traj.trajectory_id]
+    assert store.fresh_len(traj.task_id) == 1

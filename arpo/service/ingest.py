@@ -368,28 +368,30 @@ class Ingest:
         if not isinstance(msg, Trajectory):
             self._reject("unexpected", f"a {type(msg).__name__} on the data link")
             return []
-        refused = self._refusal(msg)
+        refused, item = self._refusal(msg)
         if refused is not None:
             self._reject("refused_too_large", f"{msg.trajectory_id}: {refused}")
             return [wire.encode(wire.Refuse((msg.trajectory_id,), refused))]
-        return [wire.encode(wire.Ack((msg.trajectory_id,)))] if self._ingest(msg, frames) else []
+        stored = self._ingest(msg, frames, item)
+        return [wire.encode(wire.Ack((msg.trajectory_id,)))] if stored else []
 
-    def _refusal(self, traj: Trajectory) -> str | None:
+    def _refusal(self, traj: Trajectory) -> tuple[str | None, store_item.Item | None]:
         """Why the store can never take `traj` (it is larger than the store's whole byte
-        budget), or None. Such a trajectory is refused, never acknowledged: an actor deletes
-        what is acknowledged."""
+        budget), or None; with the store's item when it was built to measure it (a large
+        trajectory), so that it is built once. Such a trajectory is refused, never
+        acknowledged: an actor deletes what is acknowledged."""
         budget = getattr(self.store, "max_bytes", None)
         if traj.status != Status.OK or not isinstance(budget, int):
-            return None
+            return None, None
         if traj.png_bytes + 4 * traj.num_tokens <= budget // 2:
-            return None  # far below the budget: not worth measuring exactly
-        size = store_item.to_item(traj).nbytes
-        if size <= budget:
-            return None
+            return None, None  # far below the budget: not worth measuring exactly
+        item = store_item.to_item(traj)
+        if item.nbytes <= budget:
+            return None, item
         return (
-            f"the trajectory needs {size} bytes in the replay store, above its whole budget "
-            f"of {budget} bytes (learner store_max_bytes): it can never be stored"
-        )
+            f"the trajectory needs {item.nbytes} bytes in the replay store, above its whole "
+            f"budget of {budget} bytes (learner store_max_bytes): it can never be stored"
+        ), None
 
     def actor_totals(self, keys: tuple[str, ...]) -> dict[str, float]:
         """Sums over actors of these counters of their last heartbeats (0 when none has)."""
@@ -428,8 +430,11 @@ class Ingest:
         )
         return wire.encode(reply)
 
-    def _ingest(self, traj: Trajectory, frames: Sequence[Any] = ()) -> bool:
-        """Store (or exclude) a trajectory; True when it may be acknowledged."""
+    def _ingest(
+        self, traj: Trajectory, frames: Sequence[Any] = (), item: store_item.Item | None = None
+    ) -> bool:
+        """Store (or exclude) a trajectory (`item`: its store item, when already built);
+        True when it may be acknowledged."""
         tid = traj.trajectory_id
         if tid in self.seen:
             with self._lock:
@@ -457,7 +462,9 @@ class Ingest:
                         log.error("ingest: journal write failed, %s not acknowledged: %s", tid, e)
                         return False
                 try:
-                    self.store.put(traj.task_id, store_item.to_item(traj))
+                    self.store.put(
+                        traj.task_id, item if item is not None else store_item.to_item(traj)
+                    )
                 except BufferClosed:  # shutting down: not acknowledged, the actor sends it again
                     return False
                 except Exception as e:  # the store refused it: never acknowledged as stored
