@@ -857,7 +857,7 @@ def test_a_cache_path_that_is_not_a_folder_exits_2(
     dangling = tmp_path / "dangling"
     dangling.symlink_to(tmp_path / "nowhere" / "cache")
     for cache, says in (
-        (a_file, "is a file, not a folder"),
+        (a_file, "is a regular file, not a folder"),
         (a_file / "sub", "Not a directory"),
         (dangling, "is a symbolic link to"),
     ):

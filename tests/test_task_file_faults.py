@@ -134,7 +134,7 @@ def test_a_cache_fault_is_the_hosts_error_not_the_tasks(tmp_path: Path) -> None:
     with pytest.raises(BlobCacheError) as e:
         asyncio.run(src.path(ref))
     assert isinstance(e.value, EnvError) and not isinstance(e.value, TaskError)
-    assert str(bad) in str(e.value) and "directory" in str(e.value)
+    assert str(bad) in str(e.value) and "a folder" in str(e.value)
     assert "file_cache_dir" in str(e.value)
 
     async def main() -> None:

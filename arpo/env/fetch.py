@@ -104,13 +104,13 @@ from arpo.env.cache import cache_name
 from arpo.env.task import (
     PoolIds,
     Task,
-    file_kind,
     folder_tasks,
     no_tasks,
     parse_task_json,
     read_task_file,
     task_domain,
 )
+from arpo.env.taskfiles import file_kind
 from arpo.errors import TaskError
 
 log = logging.getLogger("arpo.env.fetch")

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from arpo.env.taskfiles import TaskFiles
+from arpo.env.taskfiles import TaskFiles, file_kind
 from arpo.errors import ConfigError, TaskError
 from arpo.record import ident_problem
 from arpo.wire import MAX_ID_BYTES, MAX_STR_BYTES
@@ -353,22 +353,6 @@ def task_id_problem(tid: str) -> str | None:
     if n > MAX_TASK_ID_BYTES:
         return f"is {n} bytes long; task ids have at most {MAX_TASK_ID_BYTES} bytes"
     return ident_problem(tid)
-
-
-def file_kind(mode: int) -> str:
-    """What a file of this `st_mode` is, for a message: "a folder", "a FIFO", ..."""
-    for test, name in (
-        (stat.S_ISDIR, "a folder"),
-        (stat.S_ISLNK, "a symbolic link"),
-        (stat.S_ISFIFO, "a FIFO"),
-        (stat.S_ISSOCK, "a socket"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-        (stat.S_ISREG, "a file"),
-    ):
-        if test(mode):
-            return name
-    return "not a regular file"
 
 
 def read_task_file(

@@ -103,10 +103,10 @@ class NotRegularFile(OSError):
 
 
 def file_kind(mode: int) -> str:
-    """What a file of `mode` is, in words ("a FIFO", "a directory", ...)."""
+    """What a file of `mode` is, in words ("a FIFO", "a folder", ...), for a message."""
     for test, name in (
         (stat.S_ISREG, "a regular file"),
-        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISDIR, "a folder"),
         (stat.S_ISLNK, "a symbolic link"),
         (stat.S_ISFIFO, "a FIFO"),
         (stat.S_ISCHR, "a character device"),
