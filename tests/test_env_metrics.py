@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from osworld_fixtures.xlsx_writer import write_xlsx
+from arpo_envs.tasks.xlsx_writer import write_xlsx
 
 from arpo.env.client import ClientConfig, EnvClient
 from arpo.env.metrics import (

@@ -6,8 +6,8 @@ import asyncio
 import json
 
 import pytest
+from arpo_envs.tasks.xlsx_writer import write_xlsx
 from osworld_fixtures.peer import Peer
-from osworld_fixtures.xlsx_writer import write_xlsx
 
 from arpo.env.client import ClientConfig, EnvClient
 from arpo.env.environment import Environment

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from arpo_envs.tasks.xlsx_writer import write_xlsx
 from osworld_fixtures.evaluator import LoopThread, needs_evaluator, write_with_evaluator_libs
-from osworld_fixtures.xlsx_writer import write_xlsx
 
 from arpo.env.metrics import METRICS
 from arpo.env.osworld.client import EvaluatorConfig, OSWorldError, OSWorldEvaluator

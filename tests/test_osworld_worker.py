@@ -10,9 +10,9 @@ import signal
 import time
 
 import pytest
+from arpo_envs.tasks.xlsx_writer import write_xlsx
 from osworld_fixtures.evaluator import LoopThread, needs_evaluator
 from osworld_fixtures.peer import Peer
-from osworld_fixtures.xlsx_writer import write_xlsx
 
 from arpo.env.client import ClientConfig, EnvClient
 from arpo.env.osworld import names

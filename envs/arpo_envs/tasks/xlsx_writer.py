@@ -35,8 +35,12 @@ def col_letter(col: int) -> str:
     return out
 
 
-def write_xlsx(path: str | Path, sheets: dict[str, list[list[Cell]]]) -> Path:
-    """Write `sheets` (name -> rows of cells, row 1 first) to `path`; returns the path."""
+def write_xlsx(
+    path: str | Path, sheets: dict[str, list[list[Cell]]], *, inline: bool = False
+) -> Path:
+    """Write `sheets` (name -> rows of cells, row 1 first) to `path`; returns the path.
+    `inline`: text in the cells themselves (inline strings, as some other writers store
+    it) rather than in the shared string table."""
     if not sheets:
         raise ValueError("write_xlsx needs at least one sheet")
     shared: list[str] = []
@@ -61,6 +65,8 @@ def write_xlsx(path: str | Path, sheets: dict[str, list[list[Cell]]]) -> Path:
             return f'<c r="{ref}" t="b"><v>{int(v)}</v></c>'
         if isinstance(v, int | float):
             return f'<c r="{ref}"><v>{v!r}</v></c>'
+        if inline:
+            return f'<c r="{ref}" t="inlineStr"><is><t>{escape(v)}</t></is></c>'
         return f'<c r="{ref}" t="s"><v>{string_ref(v)}</v></c>'
 
     worksheets = []
