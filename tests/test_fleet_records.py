@@ -70,6 +70,7 @@ EXAMPLES: list[Any] = [
     fr.SnapshotTaken("snap-1", {"paused_s": 0.6, "ram_mib": 450.0}),
     fr.Forked("snap-1", 1.25, (CLONE,)),
     fr.Released("snap-1", 2, 30.0),
+    fr.VMReport(VM_STATUS),
     REPORT,
     DESKTOP_STATUS,
     fr.FleetStatus("vm", "/tmp/f/fleet.json", True, False,

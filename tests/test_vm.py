@@ -220,10 +220,20 @@ def test_a_guest_that_stops_answering_is_replaced_by_the_health_timer(
         assert r.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
-def _terminal_task(k: int) -> dict[str, Any]:
+# A check that first waits (60 s at most) for the host to open its gate, /tmp/gate in the
+# guest: the episode is held between its actions and its check until the test acts.
+CHECK_GATE = (
+    "touch /tmp/at-check; for i in $(seq 600); do [ -e /tmp/gate ] && exit 0; sleep 0.1; "
+    "done; exit 1"
+)
+
+
+def _terminal_task(k: int, *, gated: bool = False) -> dict[str, Any]:
     """A task in OSWorld's schema: type a command into a terminal the setup opened; its
-    oracle is plain pyautogui (the scripted policy turns it into UI-TARS actions)."""
+    oracle is plain pyautogui (the scripted policy turns it into UI-TARS actions). `gated`:
+    its check waits for the host's gate (CHECK_GATE)."""
     out = f"/home/user/out-{k}.txt"
+    gate = [{"type": "execute", "parameters": {"command": CHECK_GATE, "shell": True}}]
     return {
         "id": f"vm-terminal-{k}",
         "instruction": f"In the terminal, write vm-ok-{k} into {out}.",
@@ -235,7 +245,8 @@ def _terminal_task(k: int) -> dict[str, Any]:
             {"type": "execute", "parameters": {"command": "touch /tmp/setup-done", "shell": True}},
         ],
         "evaluator": {
-            "postconfig": [{"type": "sleep", "parameters": {"seconds": 2}}],
+            "postconfig": [
+                *(gate if gated else []), {"type": "sleep", "parameters": {"seconds": 2}}],
             "func": "exact_match",
             "result": {"type": "vm_command_line", "command": f"cat {out}", "shell": True},
             "expected": {"type": "rule", "rules": {"expected": f"vm-ok-{k}\n"}},
@@ -268,12 +279,12 @@ def _collect_on_vms(
     return run_collect(validate(cfg))
 
 
-def _os_tasks(tmp: Path, n: int) -> Path:
+def _os_tasks(tmp: Path, n: int, *, gated: bool = False) -> Path:
     """`n` terminal tasks in <tmp>/tasks/os/."""
     out = tmp / "tasks" / "os"
     out.mkdir(parents=True)
     for k in range(n):
-        (out / f"vm-terminal-{k}.json").write_text(json.dumps(_terminal_task(k)))
+        (out / f"vm-terminal-{k}.json").write_text(json.dumps(_terminal_task(k, gated=gated)))
     return out.parent
 
 
@@ -333,6 +344,18 @@ def test_a_vm_replaced_before_the_check_makes_the_episode_env_error(fleet: Fleet
 
     started_on, before, now, plain, after, again = asyncio.run(main())
     assert started_on == f"QEMU pid {vm.qemu_pid}, replacement {vm.replacements}"
+
+    # the provider asks the fleet for this VM's line alone; a name it does not have is "gone"
+    async def ghost() -> str:
+        client = EnvClient(ClientConfig(base_url=vm.url))
+        provider = FleetVMProvider(client, link, "vm-9")
+        try:
+            return await provider.instance()
+        finally:
+            await provider.stop()
+            await client.close()
+
+    assert asyncio.run(ghost()) == "gone"
     assert (before.status, before.score) == ("ok", 1.0), before
     assert (plain.status, plain.score) == ("ok", 0.0), plain  # the replacement has no file
     assert (after.status, after.score) == ("env_error", 0.0), after
@@ -345,45 +368,51 @@ def test_a_vm_replaced_before_the_check_makes_the_episode_env_error(fleet: Fleet
 def test_oracles_pass_on_a_vm_and_a_killed_qemu_is_replaced(
     fleet: FleetConfig, tmp_path: Path
 ) -> None:
-    tasks = _os_tasks(tmp_path, 2)
+    """QEMU killed inside an episode, every time: each task's check waits for the host's
+    gate (CHECK_GATE); the first episode to reach it has its VM killed there instead, and
+    every later one is let through. So the kill always lands after the episode's actions and
+    before its check, and that episode must come back env_error."""
+    tasks = _os_tasks(tmp_path, 2, gated=True)
     runs = 2
     before = _fleet_status(fleet)
     vm0_pid = before.vms[0].qemu_pid
     killed: dict[str, Any] = {}
+    done = threading.Event()
 
     url = before.vms[0].url
 
-    def setup_done() -> bool:
+    def guest(command: str) -> str:
         req = urllib.request.Request(
             url + "/execute",
-            data=json.dumps(
-                {"command": "test -e /tmp/setup-done && echo yes", "shell": True}
-            ).encode(),
+            data=json.dumps({"command": command, "shell": True}).encode(),
             headers={"Content-Type": "application/json"},
         )
         try:
             with urllib.request.urlopen(req, timeout=10) as r:
-                return "yes" in json.loads(r.read()).get("output", "")
-        except OSError:
-            return False
+                return str(json.loads(r.read()).get("output", ""))
+        except OSError:  # the VM is down or being replaced
+            return ""
 
-    def kill_mid_episode() -> None:
-        # the first episode's setup has finished on vm-0 (its last step leaves a file in
-        # the guest's /tmp, which the revert takes away): kill QEMU while it acts
-        end = time.monotonic() + 600
-        while time.monotonic() < end:
-            if setup_done():
-                os.kill(vm0_pid, signal.SIGKILL)
-                killed["at"] = time.monotonic()
-                return
-            time.sleep(0.2)
+    def gatekeeper() -> None:
+        # vm-0 is the actor's only VM (vm_count=1); the revert takes /tmp's files away
+        while not done.is_set():
+            if "yes" in guest("test -e /tmp/at-check && echo yes"):
+                if "at" not in killed:
+                    os.kill(vm0_pid, signal.SIGKILL)
+                    killed["at"] = time.monotonic()
+                else:
+                    guest("touch /tmp/gate")
+            done.wait(0.2)
 
-    killer = threading.Thread(target=kill_mid_episode, daemon=True)
-    killer.start()
-    result = _collect_on_vms(
-        fleet, tmp_path, tasks, runs, 3, "vm_count=1", "runner.evaluator='osworld'"
-    )
-    killer.join(timeout=5)
+    keeper = threading.Thread(target=gatekeeper, daemon=True)
+    keeper.start()
+    try:
+        result = _collect_on_vms(
+            fleet, tmp_path, tasks, runs, 3, "vm_count=1", "runner.evaluator='osworld'"
+        )
+    finally:
+        done.set()
+        keeper.join(timeout=15)
     assert "at" in killed, "the run ended before an episode started"
     assert result["complete"] is True, (tmp_path / "actor.log").read_text()[-3000:]
     per_task = result["tasks"]
@@ -391,7 +420,7 @@ def test_oracles_pass_on_a_vm_and_a_killed_qemu_is_replaced(
     for tid, c in per_task.items():
         assert c["runs"] == runs and c["unknown"] == 0, (tid, c)
         assert c["successes"] == runs, (tid, c)  # the oracles pass, scored by OSWorld's code
-    assert sum(c["env_errors"] for c in per_task.values()) >= 1  # the killed episode
+    assert sum(c["env_errors"] for c in per_task.values()) == 1  # the killed episode
     after = _fleet_status(fleet)
     assert after.vms[0].qemu_pid != vm0_pid and after.vms[0].state == "ready"
     events = [

@@ -60,7 +60,6 @@ from aiohttp.http_exceptions import HttpProcessingError
 from arpo_envs.fleet_records import (
     Failure,
     FleetRecordError,
-    FleetReport,
     Forked,
     ForkRequest,
     Quarantined,
@@ -74,6 +73,7 @@ from arpo_envs.fleet_records import (
     VMEntry,
     VMFleetState,
     VMHealth,
+    VMReport,
     decode,
     encode,
     load,
@@ -460,17 +460,17 @@ class FleetVMProvider:
             self._session = None
 
     async def instance(self) -> str:
-        """The VM's QEMU process and replacement count in the fleet's report (`GET /fleet`):
-        the fleet replaces a VM whose QEMU exited or whose guest stopped answering by a new
-        one started from the golden snapshot, on the same URL, so a request in flight can
-        land on the replacement; 'gone' when the fleet no longer lists it."""
-        _, answer = await self._call("GET", "/fleet", None, FleetReport)
+        """The VM's QEMU process and replacement count (`GET /vms/<name>`, its line of the
+        fleet's report): the fleet replaces a VM whose QEMU exited or whose guest stopped
+        answering by a new one started from the golden snapshot, on the same URL, so a
+        request in flight can land on the replacement; 'gone' when the fleet no longer has
+        it (404)."""
+        status, answer = await self._call("GET", f"/vms/{self.name}", None, VMReport)
+        if status == 404:
+            return "gone"
         if isinstance(answer, Failure):
-            raise EnvError(f"VM fleet: GET /fleet failed: {brief(answer.error, 500)}")
-        for vm in (*answer.vms, *answer.clones):
-            if vm.name == self.name:
-                return f"QEMU pid {vm.qemu_pid}, replacement {vm.replacements}"
-        return "gone"
+            raise EnvError(f"VM fleet: GET /vms/{self.name} failed: {brief(answer.error, 500)}")
+        return f"QEMU pid {answer.vm.qemu_pid}, replacement {answer.vm.replacements}"
 
     can_fork = True
 

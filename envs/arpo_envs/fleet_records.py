@@ -406,6 +406,17 @@ class Released:
 
 
 @dataclass(frozen=True, slots=True)
+class VMReport:
+    """Answer to `GET /vms/<name>`: that VM's (or clone's) line of the fleet's report."""
+
+    RECORD: ClassVar[str] = "vm_report"
+    vm: VMStatus
+    """Its state, QEMU process and replacements."""
+    version: int = VERSION
+    """Version of the records (`VERSION`)."""
+
+
+@dataclass(frozen=True, slots=True)
 class FleetReport:
     """Answer to `GET /fleet`: the VM fleet's states, counters and bounds."""
 
@@ -461,7 +472,7 @@ class FleetStatus:
 MESSAGES: tuple[type, ...] = (
     DesktopFleetState, VMFleetState, RevertRequest, ReportRequest, SnapshotRequest, ForkRequest,
     Failure, Quarantined, Reverted, Reported, VMHealth, SnapshotTaken, Forked, Released,
-    FleetReport, FleetStatus,
+    VMReport, FleetReport, FleetStatus,
 )  # fmt: skip
 """Every message, in the order of the reference page."""
 PARTS: tuple[type, ...] = (VMEntry, DesktopEntry, VMStatus, SnapshotStatus, Limits, EnvStatus)

@@ -112,6 +112,7 @@ from arpo_envs.fleet_records import (
     VMEntry,
     VMFleetState,
     VMHealth,
+    VMReport,
     VMStatus,
     decode,
     encode,
@@ -266,6 +267,12 @@ class Member:
         return VMEntry(self.name, self.vm.url, self.port, self.vm.pid or 0,
                        self.vm.extra_ports.get("chromium", 0), self.vm.extra_ports.get("vlc", 0),
                        self.snapshot)  # fmt: skip
+
+    def status(self) -> VMStatus:
+        """Its line in the fleet's report (`GET /fleet`, `GET /vms/<name>`)."""
+        return VMStatus(self.name, self.vm.url, self.state, self.vm.pid or 0, self.last_error,
+                        replacements=self.replacements, failure_streak=len(self.streak),
+                        snapshot=self.snapshot)  # fmt: skip
 
     def require_ready(self) -> None:
         """VMError naming the state (and why) unless the VM is ready."""
@@ -618,15 +625,8 @@ class Fleet:
             accel_reason=self.machine.reason,
             qemu=self.machine.qemu_version,
             golden=dict(self.golden_info),
-            vms=tuple(
-                VMStatus(m.name, m.vm.url, m.state, m.vm.pid or 0, m.last_error,
-                         replacements=m.replacements, failure_streak=len(m.streak))
-                for m in self.members.values()
-            ),
-            clones=tuple(
-                VMStatus(m.name, m.vm.url, m.state, m.vm.pid or 0, m.last_error, snapshot=m.snapshot)
-                for m in self.clones.values()
-            ),
+            vms=tuple(m.status() for m in self.members.values()),
+            clones=tuple(m.status() for m in self.clones.values()),
             snapshots=tuple(
                 SnapshotStatus(snap.id, snap.parent, tuple(snap.clones),
                                age_s=round(time.monotonic() - snap.created, 1),
@@ -992,6 +992,9 @@ def make_app(fleet: Fleet) -> Any:
     async def get_fleet(request: web.Request) -> web.Response:
         return answer(fleet.status())
 
+    async def get_vm(request: web.Request) -> web.Response:
+        return answer(VMReport(member(request).status()))
+
     async def revert(request: web.Request) -> web.Response:
         m = member(request)
         req: RevertRequest = await body(request, RevertRequest)
@@ -1045,6 +1048,7 @@ def make_app(fleet: Fleet) -> Any:
 
     app = web.Application(middlewares=[records, auth], client_max_size=1 << 20)
     app.router.add_get("/fleet", get_fleet)
+    app.router.add_get("/vms/{name}", get_vm)
     app.router.add_post("/vms/{name}/revert", revert)
     app.router.add_post("/vms/{name}/report", report)
     app.router.add_get("/vms/{name}/health", health)
