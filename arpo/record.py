@@ -11,7 +11,8 @@ again (docs/reference/record.md, 'Token-in, token-out'):
 - outcome: checker score, format reward, total reward, status, wall times;
 - ids: trajectory (uuid hex), task, group (the task grant), slot in the group, actor;
 - what the model was shown each turn (`observation`: screenshot, a11y_tree,
-  screenshot_a11y_tree or som; a turn without an image has an empty screenshot).
+  screenshot_a11y_tree or som; a turn without an image has an empty screenshot), and for
+  som what made each turn's marks (`Turn.marks_source`: the tree or OCR).
 
 The training sequence is `prompt_0 + response_0 + prompt_1 + response_1 + ...`;
 the loss mask covers the response tokens only (`Trajectory.sequence()`).
@@ -107,6 +108,9 @@ OBSERVATION_TYPES = ("screenshot", "a11y_tree", "screenshot_a11y_tree", "som")
 """What the model is shown each turn, as OSWorld's run.py names it (`observation_type`):
 the screenshot; the linearised accessibility table instead; both; the screenshot with
 numbered marks drawn on it and the table of the marks (`arpo.env.a11y`)."""
+MARKS_SOURCES = ("tree", "ocr")
+"""What made a som turn's marks (`Turn.marks_source`): the accessibility tree's elements
+(`arpo.env.a11y`), or the text read from the screenshot (`arpo.env.ocr`)."""
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -133,6 +137,11 @@ class Turn:
     own settings (`arpo.learner.assemble`)."""
     top_p: float = 1.0
     """Nucleus the response was drawn with, in (0, 1] (NaN: not recorded)."""
+    marks_source: str = ""
+    """What made the marks of a som turn, one of MARKS_SOURCES: "tree" or "ocr" (the prompt
+    ids hold the table it made, the screenshot its marks); "" for a turn of another
+    observation type. A som record from before the field existed decodes as "tree", the
+    only source then."""
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -168,6 +177,11 @@ class Turn:
         t, p = sampling_values(self.temperature, self.top_p, "turn.")
         set_(self, "temperature", t)
         set_(self, "top_p", p)
+        if self.marks_source != "" and self.marks_source not in MARKS_SOURCES:
+            raise RecordError(
+                f"turn.marks_source must be one of {', '.join(MARKS_SOURCES)}, or '' for a "
+                f"turn without marks; got {self.marks_source!r:.60}"
+            )
 
     @classmethod
     def trusted(
@@ -181,6 +195,7 @@ class Turn:
         parsed: bool,
         temperature: float = 1.0,
         top_p: float = 1.0,
+        marks_source: str = "",
     ) -> Turn:
         """Build a Turn from values the caller has already validated (the wire decoder
         checks whole frames at once); skips the per-field checks of the constructor."""
@@ -195,6 +210,7 @@ class Turn:
         set_(t, "parsed", parsed)
         set_(t, "temperature", temperature)
         set_(t, "top_p", top_p)
+        set_(t, "marks_source", marks_source)
         return t
 
     def __eq__(self, other: object) -> bool:
@@ -210,6 +226,7 @@ class Turn:
             and self.parsed == other.parsed
             and _same_float(self.temperature, other.temperature)
             and _same_float(self.top_p, other.top_p)
+            and self.marks_source == other.marks_source
         )
 
     __hash__ = None  # type: ignore[assignment]
@@ -437,6 +454,13 @@ class Trajectory:
                 f"trajectory.observation must be one of {', '.join(OBSERVATION_TYPES)}, got "
                 f"{self.observation!r:.60}"
             )
+        if self.observation != "som":
+            for i, t in enumerate(turns):
+                if t.marks_source:
+                    raise RecordError(
+                        f"trajectory.turns[{i}].marks_source is {t.marks_source!r} but the "
+                        f"observation is {self.observation!r}: only som turns have marks"
+                    )
         for name, limit in (("error", MAX_ERROR_CHARS), ("env", 1024)):
             v = getattr(self, name)
             if not isinstance(v, str):

@@ -11,10 +11,13 @@ status timings turns error env branch obs` (`error`, `env`, `branch` and `obs` m
 out by records written before they existed: "", "", nil and "screenshot"; `branch` is nil or
 `{"tree", "path", "steps"}`, the leaf's place in a tree rollout, `arpo.record.Branch`; `obs`
 the observation type, `arpo.record.OBSERVATION_TYPES`), where `turns` is a list of
-`[n_prompt, n_response, n_png, policy_version, parsed, action, temperature, top_p]`
-(the sampling settings the turn was drawn with; the decoder also accepts the 6-entry
-form of records written before they existed, which decodes with NaN for both, "not
-recorded", and the learner does not train such turns); then three frames
+`[n_prompt, n_response, n_png, policy_version, parsed, action, temperature, top_p,
+marks_source]` (the sampling settings the turn was drawn with, and what made a som turn's
+marks: "tree", "ocr", or "" for the other types, `arpo.record.Turn.marks_source`; the
+decoder also accepts the 8-entry form of records written before marks_source existed,
+which decodes as "tree" for som, the only source then, and "" otherwise, and the 6-entry
+form of records written before the sampling settings existed, which decodes with NaN for
+both, "not recorded", and the learner does not train such turns); then three frames
 holding every turn's prompt ids (int32), response ids (int32) and log-probs
 (float32) concatenated in turn order, then one frame per turn with its PNG.
 
@@ -83,8 +86,8 @@ import msgpack
 import numpy as np
 
 from arpo.errors import RecordError, WireError
-from arpo.record import MAX_ID_BYTES as MAX_ID_BYTES  # a wire limit too (control message ids)
 from arpo.record import (
+    MARKS_SOURCES,
     MAX_SLOT,
     MAX_VERSION,
     PNG_SIGNATURE,
@@ -95,6 +98,7 @@ from arpo.record import (
     ident_problem,
     sampling_values,
 )
+from arpo.record import MAX_ID_BYTES as MAX_ID_BYTES  # a wire limit too (control message ids)
 
 WIRE_VERSION = 1
 MAGIC = b"ARPO"
@@ -628,6 +632,7 @@ def trajectory_header(traj: Trajectory) -> dict[str, Any]:
                 t.action,
                 t.temperature,
                 t.top_p,
+                t.marks_source,
             ]
             for t in traj.turns
         ],
@@ -873,7 +878,7 @@ def _turn_specs(header: dict[str, Any]) -> list[list[Any]]:
         # `type(x) is int` also rejects bools (a bool is an int subclass).
         if (
             type(t) is not list
-            or len(t) not in (6, 8)
+            or len(t) not in (6, 8, 9)
             or type(t[0]) is not int
             or type(t[1]) is not int
             or type(t[2]) is not int
@@ -887,8 +892,8 @@ def _turn_specs(header: dict[str, Any]) -> list[list[Any]]:
         ):
             raise WireError(
                 f"turns[{i}] must be [n_prompt, n_response, n_png, version, parsed, action, "
-                f"temperature, top_p] with ints in [0, 2^63 - 1], a bool, a str and two "
-                f"numbers; got {t!r:.200}"
+                f"temperature, top_p, marks_source] with ints in [0, 2^63 - 1], a bool, a "
+                f"str, two numbers and a str; got {t!r:.200}"
             )
         if len(t) == 6:
             t.extend((math.nan, math.nan))  # a record from before the sampling fields
@@ -897,12 +902,19 @@ def _turn_specs(header: dict[str, Any]) -> list[list[Any]]:
                 t[6], t[7] = sampling_values(t[6], t[7], f"turns[{i}].")
             except RecordError as e:
                 raise WireError(str(e)) from None
+        if len(t) == 8:  # a record from before marks_source: som's marks were the tree's
+            t.append(MARKS_SOURCES[0] if header.get("obs") == "som" else "")
+        elif type(t[8]) is not str or (t[8] and t[8] not in MARKS_SOURCES):
+            raise WireError(
+                f"turns[{i}].marks_source must be one of {', '.join(MARKS_SOURCES)} or '', "
+                f"got {t[8]!r:.60}"
+            )
     return turns_h
 
 
 def unpack_trajectory_header(buf: Any) -> dict[str, Any]:
     """The header map packed in `buf` (`pack_trajectory_header`'s bytes), checked: its keys,
-    and its `turns` as 8-entry specs (the 6-entry form filled with NaN). WireError when
+    and its `turns` as 9-entry specs (older forms filled in as the module doc says). WireError when
     malformed. The payload is checked by `assemble_trajectory`."""
     header = _unpack(memoryview(buf))
     _turn_specs(header)
@@ -956,7 +968,7 @@ def assemble_trajectory(
         raise WireError("log-probs frame holds NaN or inf")
     try:
         turns = []
-        for i, (_, _, n_png, ver, parsed, action, temp, top_p) in enumerate(specs):
+        for i, (_, _, n_png, ver, parsed, action, temp, top_p, source) in enumerate(specs):
             png = pngs[i]
             if len(png) != n_png:
                 raise WireError(f"turns[{i}] PNG frame has {len(png)} bytes, header says {n_png}")
@@ -965,7 +977,16 @@ def assemble_trajectory(
             # Every field was checked above, frame-wide: skip the per-turn constructor checks.
             turns.append(
                 Turn.trusted(
-                    prompts[i], png, responses[i], lps[i], ver, action, parsed, temp, top_p
+                    prompts[i],
+                    png,
+                    responses[i],
+                    lps[i],
+                    ver,
+                    action,
+                    parsed,
+                    temp,
+                    top_p,
+                    source,
                 )
             )
         status = _get(header, "status", str, "a string")

@@ -1,16 +1,20 @@
 """What each observation type costs per turn of a long episode: tokens, sampling, learning, memory.
 
-    python benchmarks/bench_long_context.py        # 4 types x 1, 5, 15 turns x list_select, click_button
+    python benchmarks/bench_long_context.py        # 5 observations x 1, 5, 15 turns x 2 families
     python benchmarks/bench_long_context.py --observation-types screenshot,som --turns 1,15 --repeats 1
     python benchmarks/bench_long_context.py --turns 1,2 --repeats 1 --episodes 1 \\
         --observation-types a11y_tree,som --tasks click_button --out /tmp/lc     # smoke run
     python benchmarks/bench_long_context.py --max-pixels 12544,50176,200704,802816 \\
         --observation-types screenshot,som --tasks click_button --turns 1,5 \\
         --save-as long-context-pixels                                  # the image budget
+    python benchmarks/bench_long_context.py --observation-types som,som_ocr --turns 1,5 \\
+        --save-as long-context-ocr                       # som's marks from the tree vs OCR
 
 The observation types are OSWorld's run.py's (`EpisodeConfig.observation_type`):
 `screenshot`, `a11y_tree` (the accessibility tree linearised to a table, no image),
 `screenshot_a11y_tree` (both), `som` (the screenshot with numbered marks and the mark table).
+`som_ocr` is `som` with its marks read from the screenshot by OCR instead of the tree
+(`EpisodeConfig.marks_source = "ocr"`, `arpo.env.ocr`): the same prompt layout, another table.
 
 The observations are real ones, captured once in this process from a simulated desktop
 (`arpo_envs.sim`, 1280x720). For each `--tasks` family, episode e walks the tasks
@@ -21,7 +25,9 @@ once the oracle is done, so turn i shows a screen of a real episode of that fami
 tokens; click_button's about 300). Every screen is observed in each type by the actor's own
 `arpo.actor.episode.observe`, so the PNG (som: with the marks drawn) and the table
 (linearised, or the mark table; cut to `--a11y-max-tokens`, `EpisodeConfig`'s default) are
-exactly what an actor's prompt gets.
+exactly what an actor's prompt gets. The time `observe` takes per screen is each type's
+cost before the model sees anything (the screenshot and tree requests to the desktop, the
+table, the marks: for `som_ocr` one OCR pass, with `OcrConfig`'s threads).
 
 Every turn of an episode shows the whole episode so far (`history_images` = 15), so turn
 k's prompt holds k observations and k - 1 responses. For each (family, type, episode length
@@ -89,9 +95,24 @@ from _machine import cpu_model
 
 from arpo.record import OBSERVATION_TYPES
 
+KINDS = (*OBSERVATION_TYPES, "som_ocr")
+"""The rows' observations: OSWorld's types, and som with OCR's marks."""
 ROOT = Path(__file__).resolve().parent.parent
 TASKS = "list_select,click_button"
 """Default task families: the simulated desktop's largest accessibility tree, and a small one."""
+
+
+def observation_type(kind: str) -> str:
+    """The observation type of a row's `kind` (som_ocr is som)."""
+    return "som" if kind == "som_ocr" else kind
+
+
+def episode_config(kind: str, a11y_max_tokens: int):
+    """The actor's episode config that observes `kind`."""
+    from arpo.actor.episode import EpisodeConfig
+
+    return EpisodeConfig(observation_type=observation_type(kind), a11y_max_tokens=a11y_max_tokens,
+                         marks_source="ocr" if kind == "som_ocr" else "tree")  # fmt: skip
 
 
 def capture(model_dir: str, family: str, kinds: list[str], episodes: int, turns: int,
@@ -99,8 +120,8 @@ def capture(model_dir: str, family: str, kinds: list[str], episodes: int, turns:
     """Observe `episodes` episodes of `turns` turns of `family` on a simulated desktop in each
     type of `kinds` (as the module doc says) and write them to `path`: msgpack of
     {"instructions": [one per episode], "observations": {type: [episode][turn] =
-    [screenshot PNG or None, table or None]}}, the pieces `EpisodePrompt.add_observation`
-    takes."""
+    [screenshot PNG or None, table or None]}, "observe_s": {type: [seconds per screen]}},
+    the pieces `EpisodePrompt.add_observation` takes and what `observe` took."""
     import msgpack
     from arpo_envs.sim.server import SimConfig, running
     from arpo_envs.sim.tasks import generate_tasks
@@ -115,10 +136,13 @@ def capture(model_dir: str, family: str, kinds: list[str], episodes: int, turns:
     # What `start_run` reads of a transformers-engine policy: its processor (tokenizer for
     # the cut, pixel bounds for the frame).
     policy = types.SimpleNamespace(processor=AutoProcessor.from_pretrained(model_dir))
-    cfgs = {k: EpisodeConfig(observation_type=k, a11y_max_tokens=a11y_max_tokens) for k in kinds}
-    for cfg in cfgs.values():
-        cfg.validate()
-    out: dict = {"instructions": [], "observations": {k: [] for k in kinds}}
+    cfgs: dict[str, EpisodeConfig] = {k: episode_config(k, a11y_max_tokens) for k in kinds}
+    if "som_ocr" in kinds:
+        from arpo.env import ocr
+
+        ocr.engine(cfgs["som_ocr"].ocr.threads)  # loaded once per process, outside the timings
+    out: dict = {"instructions": [], "observations": {k: [] for k in kinds},
+                 "observe_s": {k: [] for k in kinds}}  # fmt: skip
 
     async def episode(env: Environment, seed: int) -> None:
         seen: dict[str, list] = {k: [] for k in kinds}
@@ -132,7 +156,9 @@ def capture(model_dir: str, family: str, kinds: list[str], episodes: int, turns:
             grant = wire.Grant("bench/0/0", task.id, "bench", 0, 0, json.dumps(d))
             for step, action in enumerate([*d["oracle"], None]):
                 for k, cfg in cfgs.items():
+                    t0 = time.perf_counter()
                     obs = await observe(env, start_run(task, grant, policy, cfg), cfg)
+                    out["observe_s"][k].append(time.perf_counter() - t0)
                     seen[k].append([obs.screenshot, obs.table])
                 if len(seen[kinds[0]]) == turns:
                     for k in kinds:
@@ -185,9 +211,12 @@ def one_length(model_dir: str, obs_file: str, kind: str, turns: int, response: i
     lo, hi = pixel_bounds(proc)
     history = EpisodeConfig().history_images
 
+    shown_as = observation_type(kind)
+    source = "ocr" if kind == "som_ocr" else ("tree" if kind == "som" else "")
+
     def new_prompt(e: int) -> EpisodePrompt:
         return EpisodePrompt(tok, instructions[e], min_pixels=lo, max_pixels=hi,
-                             history_images=history, observation=kind)  # fmt: skip
+                             history_images=history, observation=shown_as)  # fmt: skip
 
     resps = [random_response(rng, tok, response) for _ in range(turns)]
     prompt = new_prompt(0)
@@ -205,17 +234,17 @@ def one_length(model_dir: str, obs_file: str, kind: str, turns: int, response: i
 
     turn_records = [
         Turn(prompt.turn_prompt_ids[k], shown[0][k][0] or b"", resps[k],
-             np.zeros(len(resps[k]), np.float32), 0, "WAIT", True)
+             np.zeros(len(resps[k]), np.float32), 0, "WAIT", True, marks_source=source)
         for k in range(turns)
     ]  # fmt: skip
     traj = Trajectory("bench", tuple(turn_records), 1.0, reward=1.0, status=Status.OK,
-                      group_id="bench", observation=kind)  # fmt: skip
+                      group_id="bench", observation=shown_as)  # fmt: skip
     item = store_item.to_item(traj)
     # Correct before timed: the learner takes the episode, the prompt shows what the type shows.
     assert check_item(item, proc, trainer.image_token_id, vocab_size=len(tok)) is None
     assert len(images) == (0 if kind == "a11y_tree" else turns), (kind, len(images))
     text = tok.decode(ids.tolist())
-    header = a11y.MARK_HEADER if kind == "som" else a11y.HEADER
+    header = a11y.MARK_HEADER if shown_as == "som" else a11y.HEADER
     assert (header in text) == (kind != "screenshot") and all(tables) == (kind != "screenshot")
     seq = build_sequence(item, proc, trainer.image_token_id)
 
@@ -328,15 +357,17 @@ def report(res: dict) -> str:
         "observation adds to the prompt; the first turn also has the system prompt and "
         "instruction.",
         "",
-        "| task | max pixels | observation | turns | system + instruction (tokens) | tokens per turn | "
+        "| task | max pixels | observation | turns | observing (s per screen) | "
+        "system + instruction (tokens) | tokens per turn | "
         "of which table | table share | of which image | tables cut | prompt of the last "
         "turn | episode sequence | sampling the last turn (s) | learner forward (s) | "
         "learner step (s) | peak RSS (MiB) |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r['task']} | {r['max_pixels']} | {r['observation']} | {r['turns']} | "
+            f"{r['observe_s_per_screen']:.3f} | "
             f"{r['system_prompt_tokens']} | "
             f"{r['turn_tokens']:.0f} | {r['table_tokens_per_turn']:.0f} | "
             f"{r['table_share']:.0%} | {r['image_tokens_per_turn']:.0f} | "
@@ -379,6 +410,9 @@ def measure(args: argparse.Namespace, model: str, tmp: Path, families: list[str]
         t0 = time.perf_counter()
         obs = tmp / f"{family}-{max_pixels}.msgpack"
         capture(model, family, kinds, args.episodes, max(lengths), args.a11y_max_tokens, obs)
+        import msgpack
+
+        observe_s = msgpack.unpackb(obs.read_bytes(), raw=False)["observe_s"]
         print(f"{family}: {args.episodes} x {max(lengths)} screens observed in "
               f"{time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)  # fmt: skip
         for kind in kinds:
@@ -394,7 +428,8 @@ def measure(args: argparse.Namespace, model: str, tmp: Path, families: list[str]
                     sys.stderr.write(out.stderr[-4000:])
                     raise SystemExit(f"{family} {kind} {k} turns: exit {out.returncode}")
                 row = json.loads(out.stdout.strip().splitlines()[-1])
-                rows.append({"task": family, "max_pixels": max_pixels, **row})
+                rows.append({"task": family, "max_pixels": max_pixels, **row,
+                             "observe_s_per_screen": statistics.median(observe_s[kind])})  # fmt: skip
                 print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -411,7 +446,8 @@ def main() -> int:
     from arpo.actor.episode import EpisodeConfig
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--observation-types", default=",".join(OBSERVATION_TYPES))
+    p.add_argument("--observation-types", default=",".join(KINDS),
+                   help="OSWorld's types, and som_ocr (som with OCR's marks).")  # fmt: skip
     p.add_argument("--tasks", default=TASKS, help="Simulated desktop task families.")
     p.add_argument("--turns", default="1,5,15", help="Episode lengths.")
     p.add_argument("--response", type=int, default=33, help="Tokens per response (the oracle's).")
@@ -440,7 +476,7 @@ def main() -> int:
         return 0
     from arpo_envs.sim.tasks import FAMILIES
 
-    kinds = _names(args.observation_types, list(OBSERVATION_TYPES), "--observation-types", p)
+    kinds = _names(args.observation_types, list(KINDS), "--observation-types", p)
     families = _names(args.tasks, list(FAMILIES), "--tasks", p)
     lengths = [int(x) for x in args.turns.split(",")]
     if min(lengths) < 1 or args.repeats < 1 or args.episodes < 1 or args.response < 1:

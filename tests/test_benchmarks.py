@@ -53,3 +53,37 @@ def test_long_context_bench_measures_an_observation_type_on_real_screens(tmp_pat
         assert r["image_tokens_per_turn"] > 0 and 0 < r["table_share"] < 1
     assert three["prompt_tokens_reused"] > 0  # turns 2 and 3 reuse the turns before
     assert three["prompt_tokens_last_turn"] > one["prompt_tokens_last_turn"]
+
+
+@pytest.mark.slow  # 30 s of model runs and OCR: make test-all
+def test_long_context_bench_measures_som_from_ocr_beside_som_from_the_tree(tmp_path: Path) -> None:
+    """One som turn with the tree's marks and one with OCR's: both rows have a table, and
+    observing with OCR costs more than with the tree."""
+    p = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_long_context.py"), "--turns", "1",
+         "--repeats", "1", "--episodes", "1", "--response", "5", "--observation-types",
+         "som,som_ocr", "--tasks", "click_button", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr[-2000:]
+    row = r"^\| click_button \| \d+ \| som_ocr \| 1 \|"
+    assert re.search(row, p.stdout, re.M), p.stdout[-2000:]
+    (res,) = [json.loads(f.read_text()) for f in tmp_path.glob("long-context-obs-*.json")]
+    tree, ocr = res["rows"]
+    assert (tree["observation"], ocr["observation"]) == ("som", "som_ocr")
+    assert tree["table_tokens_per_turn"] > 0 and ocr["table_tokens_per_turn"] > 0
+    assert ocr["observe_s_per_screen"] > tree["observe_s_per_screen"]
+
+
+@pytest.mark.slow  # an OCR pass a screen: make test-all
+def test_ocr_vs_tree_writes_its_results_file(tmp_path: Path) -> None:
+    p = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "ocr_vs_tree.py"), "--tasks", "1",
+         "--families", "dialog_confirm", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr[-2000:]
+    (out,) = tmp_path.glob("ocr-vs-tree-*.md")
+    row = re.search(r"^\| dialog_confirm \| (\d+) \| (\d+) \| (\d+) \| ([\d.]+)% \|", out.read_text(),
+                    re.M)  # fmt: skip
+    assert row and int(row[1]) >= 2 and float(row[4]) >= 90.0, out.read_text()

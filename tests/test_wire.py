@@ -542,7 +542,7 @@ def test_turns_carry_their_sampling_settings() -> None:
     turn = replace(_turn(1, n_resp=3), temperature=0.6, top_p=0.9)
     traj = Trajectory(task_id="t", turns=(turn,), checker_score=0.0)
     frames = wire.encode(traj)
-    assert msgpack.unpackb(frames[1])["turns"][0][6:] == [0.6, 0.9]
+    assert msgpack.unpackb(frames[1])["turns"][0][6:8] == [0.6, 0.9]
     (t,) = wire.decode([bytes(f) for f in frames]).turns
     assert (t.temperature, t.top_p) == (0.6, 0.9)
     assert (store_item.from_item(store_item.to_item(traj)).turns[0].top_p) == 0.9
@@ -557,6 +557,35 @@ def test_turns_carry_their_sampling_settings() -> None:
         wire.decode([frames[0], msgpack.packb(header), *map(bytes, frames[2:])])
     with pytest.raises(RecordError, match=r"turn\.temperature must be a finite number >= 0"):
         replace(turn, temperature=-1.0)
+
+
+def test_som_turns_carry_what_made_their_marks_and_old_records_read_as_the_tree() -> None:
+    """`Turn.marks_source` (the tree or OCR) crosses the wire and the replay store; a record
+    written before it existed (8-entry turns) decodes as "tree" for som, the only source
+    then, and "" for the other types; a source no actor writes is malformed input."""
+    turns = (replace(_turn(1, n_resp=3), marks_source="ocr"),
+             replace(_turn(2, n_resp=2), marks_source="tree"))  # fmt: skip
+    traj = Trajectory(task_id="t", turns=turns, checker_score=0.0, observation="som")
+    frames = [bytes(f) for f in wire.encode(traj)]
+    assert [x[8] for x in msgpack.unpackb(frames[1])["turns"]] == ["ocr", "tree"]
+    back = wire.decode(frames)
+    assert back == traj and [t.marks_source for t in back.turns] == ["ocr", "tree"]
+    assert store_item.from_item(store_item.to_item(traj)) == traj
+    header = msgpack.unpackb(frames[1])
+    header["turns"] = [x[:8] for x in header["turns"]]
+    old = wire.decode([frames[0], msgpack.packb(header), *frames[2:]])
+    assert [t.marks_source for t in old.turns] == ["tree", "tree"]
+    header["obs"] = "screenshot_a11y_tree"
+    old = wire.decode([frames[0], msgpack.packb(header), *frames[2:]])
+    assert [t.marks_source for t in old.turns] == ["", ""]
+    header = msgpack.unpackb(frames[1])
+    header["turns"][0][8] = "pixels"
+    with pytest.raises(WireError, match=r"turns\[0\]\.marks_source must be one of tree, ocr"):
+        wire.decode([frames[0], msgpack.packb(header), *frames[2:]])
+    with pytest.raises(RecordError, match=r"turn\.marks_source must be one of"):
+        replace(turns[0], marks_source="pixels")
+    with pytest.raises(RecordError, match="only som turns have marks"):
+        replace(traj, observation="screenshot")
 
 
 @pytest.mark.parametrize("bad", ["a\nb", "a\rb", "a\tb", " a", "a ", "a\u2028b", "a\x00b"])

@@ -13,7 +13,8 @@ The loop (the ARPO reference's, asynchronous per environment):
    setup keeps failing out of the run);
 2. up to `step_budget(task, max_steps)` turns (`max_steps`, or fitted to the task's
    oracle): the observation (`observe`: the screenshot, the accessibility table, or
-   both, or the set-of-marks, as `observation_type` says), the turn's prompt ids
+   both, or the set-of-marks from the tree or from OCR of the screenshot, as
+   `observation_type` and `marks_source` say), the turn's prompt ids
    (`EpisodePrompt`), one
    sampled response (token ids + behaviour log-probs + the policy version that
    produced them + the temperature and top_p they were drawn with: the grant's when it
@@ -55,15 +56,16 @@ from arpo.config import (
     fail,
     option,
 )
-from arpo.env import a11y
+from arpo.env import a11y, ocr
 from arpo.env.environment import Environment
+from arpo.env.ocr import OcrConfig
 from arpo.env.task import Task
 from arpo.errors import EnvError, TaskError
 from arpo.policy import actions as A
 from arpo.policy.engine import Completion, SamplingParams
 from arpo.policy.family import ImageRule
 from arpo.policy.prompt import EpisodePrompt, image_size
-from arpo.record import OBSERVATION_TYPES, Branch, Status, Trajectory, Turn
+from arpo.record import MARKS_SOURCES, OBSERVATION_TYPES, Branch, Status, Trajectory, Turn
 
 log = logging.getLogger("arpo.actor.episode")
 
@@ -94,6 +96,18 @@ class EpisodeConfig:
         "elements and the table of the marks, and click(mark=N) in the action grammar. With "
         "a table the model's coordinates are screen pixels (the table's unit); with the "
         "screenshot alone, pixels of the resized image (UI-TARS's).",
+    )
+    marks_source: Literal["tree", "ocr", "auto"] = option(
+        "tree",
+        "Where som's marks come from (observation_type 'som' only): 'tree' the accessibility "
+        "tree's elements (OSWorld's); 'ocr' the text read from the screenshot "
+        "(`arpo.env.ocr`: each text element a mark, 0.5 to 5 s a 1280x720 screen on two "
+        "cores), for screens without a tree; 'auto' the tree, and OCR on a screen whose "
+        "tree gives no mark. Each turn's record says which one made its table "
+        "(`Turn.marks_source`).",
+    )
+    ocr: OcrConfig = option(
+        OcrConfig(), "How marks are read from pixels when marks_source is 'ocr' or 'auto'."
     )
     a11y_max_tokens: int = option(
         1280,
@@ -149,6 +163,15 @@ class EpisodeConfig:
             )
         if self.observation_type not in OBSERVATION_TYPES:
             fail("observation_type", f"must be one of {', '.join(OBSERVATION_TYPES)}")
+        if self.marks_source not in (*MARKS_SOURCES, "auto"):
+            fail("marks_source", f"must be one of {', '.join(MARKS_SOURCES)} or auto")
+        if self.marks_source != "tree" and self.observation_type != "som":
+            fail(
+                "marks_source",
+                f"is {self.marks_source!r} but only the som observation has marks "
+                f"(observation_type is {self.observation_type!r}): set observation_type=som, "
+                "or leave marks_source at 'tree'",
+            )
         check_range(
             "a11y_max_tokens", self.a11y_max_tokens, 1, MAX_A11Y_TOKENS, "tokens of one table"
         )
@@ -322,6 +345,9 @@ class Observation:
     frame: A.Frame
     """How the model's coordinates map to the screen: the resized image's pixels for
     `screenshot` (UI-TARS's), the screen's own pixels with a table (the table's unit)."""
+    marks_source: str = ""
+    """som: what made the marks, "tree" or "ocr" (`EpisodeConfig.marks_source`); "" for the
+    other types."""
 
     @property
     def points(self) -> dict[int, A.Point] | None:
@@ -364,17 +390,21 @@ async def observe(env: Environment, run: EpisodeRun, cfg: EpisodeConfig) -> Obse
     """The turn's observation of type `run.prompt.observation`: the screenshot, then (as
     OSWorld takes them, in that order) the accessibility tree, linearised and filtered
     (`arpo.env.a11y`; som: marks chosen and drawn on a copy of the screenshot), cut to
-    `cfg.a11y_max_tokens` of the policy's tokens. EnvError when the environment fails or
-    sends a tree no environment sends (`EnvProtocolError`). Time spent waiting on the
+    `cfg.a11y_max_tokens` of the policy's tokens. With som, `cfg.marks_source` says where
+    the marks come from: the tree; OCR of the screenshot (`arpo.env.ocr`, no tree asked
+    for); or the tree, and OCR when it gives no mark ('auto'). EnvError when the
+    environment fails, sends a tree no environment sends (`EnvProtocolError`), or OCR
+    takes longer than `cfg.ocr.timeout_s` (`EnvTimeout`). Time spent waiting on the
     environment goes to `timings["env"]`; building the table and drawing the marks (in a
-    worker thread: tens of ms for a 1280x720 som, a PNG decode and encode) to
+    worker thread: tens of ms for a 1280x720 som from the tree, 0.5 to 5 s from OCR) to
     `timings["observe"]`."""
     kind, timings = run.prompt.observation, run.timings
+    source = cfg.marks_source if kind == "som" else "tree"
     t0 = time.perf_counter()
     png = xml = None
     if kind != "a11y_tree":
         png = await env.timed(env.client.screenshot())
-    if kind != "screenshot":
+    if kind != "screenshot" and source != "ocr":
         xml = await env.timed(env.client.accessibility())
     if png is not None:
         screen = image_size(png)
@@ -384,20 +414,27 @@ async def observe(env: Environment, run: EpisodeRun, cfg: EpisodeConfig) -> Obse
         screen = await env.timed(env.client.screen_size())
     timings["env"] += time.perf_counter() - t0
     frame = _frame(run, kind, screen)
-    if xml is None:
+    if kind == "screenshot":
         return Observation(png, None, None, frame)
 
     t0 = time.perf_counter()
-    marks = None
+    marks, made_by = None, ""
     if kind == "som":
         assert png is not None
-        som = await asyncio.to_thread(a11y.set_of_marks, xml, png)
+        som = None
+        if xml is not None:
+            som = await asyncio.to_thread(a11y.set_of_marks, xml, png)
+            made_by = "tree"
+        if som is None or (source == "auto" and not som.marks):
+            som = await ocr.read_set_of_marks(png, cfg.ocr)
+            made_by = "ocr"
         png, table, marks = som.screenshot, som.table, som.marks
     else:
+        assert xml is not None
         table = await asyncio.to_thread(a11y.linearize, xml)
     table = a11y.trim(table, run.prompt.tokenizer, cfg.a11y_max_tokens)
     timings["observe"] = timings.get("observe", 0.0) + time.perf_counter() - t0
-    return Observation(png, table, marks, frame)
+    return Observation(png, table, marks, frame, made_by)
 
 
 async def play(
@@ -452,6 +489,7 @@ async def play(
                 parsed=parsed.parsed,
                 temperature=run.params.temperature,
                 top_p=run.params.top_p,
+                marks_source=obs.marks_source,
             )
         )
         if on_step is not None:

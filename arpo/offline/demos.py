@@ -187,10 +187,12 @@ def record_demos(
     max_steps: int = 15,
     max_new_tokens: int = 0,
     observation_type: str = "screenshot",
+    marks_source: str = "tree",
 ) -> tuple[list[Trajectory], dict[str, Any]]:
     """Record one oracle demonstration per task (see the module docstring), each turn's
     prompt showing `observation_type` (`EpisodeConfig.observation_type`; with `som` the
-    oracle's clicks name the mark that holds them).
+    oracle's clicks name the mark that holds them, marks made by `marks_source`,
+    `EpisodeConfig.marks_source`).
 
     `model` is a model folder (its processor is loaded) or a loaded `AutoProcessor`.
     `max_steps` is the episode's step budget (0: fitted to each task, `step_budget`);
@@ -228,7 +230,8 @@ def record_demos(
             continue
         usable.append(t)
     policy = OraclePolicy(processor)
-    cfg = EpisodeConfig(max_steps=max_steps, temperature=0.0, observation_type=observation_type)
+    cfg = EpisodeConfig(max_steps=max_steps, temperature=0.0, observation_type=observation_type,
+                        marks_source=marks_source)  # fmt: skip
     trajs = asyncio.run(
         run_on_sim(
             usable,
