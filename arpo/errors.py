@@ -1,12 +1,22 @@
-"""The project's exception classes, one hierarchy for every component.
+"""The project's exception classes: `ArpoError` and below, and the replay store's.
 
-Each error's message says what was wrong and how to fix it. The compiled replay
-store (`arpo._buffer`) raises the `Buffer*` classes defined here.
+Each error's message says what was wrong and how to fix it. The replay store is a
+package of its own (`arpo_buffer`, which imports nothing of arpo): its classes
+(`BufferError` and below) are re-exported here but are not `ArpoError`s, so whatever
+catches every error of the project catches `ERRORS`, the two roots.
 """
+
+# The store's classes, re-exported (`X as X`: an explicit re-export).
+from arpo_buffer import BufferClosed as BufferClosed
+from arpo_buffer import BufferError as BufferError
+from arpo_buffer import BufferTimeout as BufferTimeout
+from arpo_buffer import BufferValueError as BufferValueError
+from arpo_buffer import SnapshotError as SnapshotError
+from arpo_buffer import UnknownTask as UnknownTask
 
 
 class ArpoError(Exception):
-    """Base class of every error raised by arpo."""
+    """Base class of arpo's own errors (the replay store's are `BufferError`s: `ERRORS`)."""
 
 
 class ConfigError(ArpoError, ValueError):
@@ -19,33 +29,6 @@ class WireError(ArpoError, ValueError):
 
 class RecordError(ArpoError, ValueError):
     """A trajectory record is inconsistent (array lengths, dtypes, unknown status)."""
-
-
-class BufferError(ArpoError):
-    """Base class of the replay store's errors."""
-
-
-class BufferValueError(BufferError, ValueError):
-    """An argument to the replay store has a wrong dtype, shape or value."""
-
-
-class BufferTimeout(BufferError, TimeoutError):
-    """A blocking call of the replay store did not complete within its timeout."""
-
-
-class BufferClosed(BufferError):
-    """The replay store was closed; no further calls are accepted."""
-
-
-class UnknownTask(BufferError, KeyError):
-    """The task id is not in the replay store."""
-
-    def __str__(self) -> str:  # KeyError quotes its argument; keep the sentence readable
-        return str(self.args[0]) if self.args else "unknown task"
-
-
-class SnapshotError(BufferError):
-    """A snapshot file is missing, truncated, corrupted or of an unsupported version."""
 
 
 class EnvError(ArpoError):
@@ -131,3 +114,8 @@ class RunStalled(ArpoError):
 
 EXIT_STALLED = 3
 """Exit code of `arpo-learner` and `arpo train` for a RunStalled."""
+
+
+ERRORS: tuple[type[Exception], ...] = (ArpoError, BufferError)
+"""Every error of the project: arpo's own and the replay store's (what the commands catch).
+`SnapshotError` is the store's class; arpo raises it too, for a checkpoint that does not load."""

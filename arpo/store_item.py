@@ -11,8 +11,9 @@ copy when they are bytes or views of received frames), `metadata` the trajectory
 header (`arpo.wire.pack_trajectory_header`), so an item decodes with the wire's checks and
 raises `WireError` when it does not hold together.
 
-The store itself (`arpo.buffer`) knows nothing of trajectories: it needs only numpy, and other
-RL loops embed it with layouts of their own (`examples/embed_gymnasium.py`).
+The store itself (the package `arpo_buffer`, re-exported as `arpo.buffer`) knows nothing of
+trajectories: it needs only numpy, and other RL loops embed it with layouts of their own
+(`examples/embed_store.py`, `examples/embed_gymnasium.py`).
 """
 
 from __future__ import annotations

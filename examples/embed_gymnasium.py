@@ -28,8 +28,8 @@ What an episode looks like in the store: actions as `tokens` (int32), behaviour 
 produced it as `version`, the float32 observations as one blob (kept by reference, never
 copied), and the reset seed as JSON `metadata`.
 
-This file imports nothing of arpo but `arpo.buffer`: numpy and the store are all an RL
-project needs to embed it. The last line printed is a JSON summary (read by
+This file imports nothing of arpo: the store's own wheel (`arpo_buffer`, numpy its only
+dependency) is all an RL project needs to embed it (docs/guides/replay-store.md). The last line printed is a JSON summary (read by
 tests/test_example_embed.py).
 """
 
@@ -45,9 +45,8 @@ from pathlib import Path
 import gymnasium as gym
 import numpy as np
 import torch
+from arpo_buffer import Item, ReplayStore
 from torch import nn
-
-from arpo.buffer import Item, ReplayStore
 
 
 @dataclasses.dataclass
@@ -303,7 +302,7 @@ def main(cfg: Config) -> dict:
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description="CartPole with arpo.buffer as the replay store")
+    ap = argparse.ArgumentParser(description="CartPole with arpo_buffer as the replay store")
     ap.add_argument("--quick", action="store_true", help="smoke run of a few seconds")
     ap.add_argument("--iterations", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)

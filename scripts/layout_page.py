@@ -40,12 +40,14 @@ FOLDERS = [
     ("envs/", "`arpo-envs`, a package of its own (`arpo_envs`, no torch, imports nothing of "
      "`arpo`): the local desktop server (Xvfb + openbox + LibreOffice Calc, mousepad, xterm), "
      "the simulated desktop, QEMU VMs of the test image (`vm/`), the local task suite"),
-    ("rust_buffer/", "the replay store: a pure-Rust core crate (`arpo-buffer`, no pyo3; its "
-     "own tests and benchmark) and the one crate that knows Python, built by maturin as "
-     "`arpo._buffer`"),
+    ("rust_buffer/", "the replay store, a wheel of its own (`arpo-buffer`: the Python module "
+     "`arpo_buffer`, numpy its only dependency, nothing of `arpo`): a pure-Rust core crate "
+     "(no pyo3; its own tests and benchmark), the one crate that knows Python "
+     "(`arpo_buffer._native`, built by maturin) and the package's Python part"),
     ("benchmarks/", "side-by-side benchmarks and experiments; their recorded results, with "
      "command, machine and commit, in `benchmarks/results/`"),
-    ("examples/", "the replay store embedded in another RL loop"),
+    ("examples/", "the replay store embedded in other programs: with numpy alone, and in "
+     "another RL loop"),
     ("tests/", "the test suite (`make test`; `make test-all` adds the slow tests)"),
     ("docs/", "this site (MkDocs, `mkdocs.yml`); the reference pages are generated from the "
      "code"),
@@ -54,7 +56,7 @@ FOLDERS = [
 ]  # fmt: skip
 """Top-level folders, in the order shown: (path, what it holds)."""
 
-PACKAGES = ["arpo", "envs/arpo_envs"]
+PACKAGES = ["arpo", "envs/arpo_envs", "rust_buffer/python/arpo_buffer"]
 """Python packages: every module of every sub-package is listed."""
 CRATES = ["rust_buffer/core", "rust_buffer/python"]
 """Rust crates: every file of `src/` is listed."""

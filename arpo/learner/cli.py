@@ -17,7 +17,7 @@ import argparse
 import sys
 
 from arpo.config import describe, load_config
-from arpo.errors import EXIT_STALLED, ArpoError, ConfigError, RunStalled
+from arpo.errors import ERRORS, EXIT_STALLED, ConfigError, RunStalled
 from arpo.logs import setup_process
 
 
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     except RunStalled as e:
         print(f"arpo-learner: {e}", file=sys.stderr)
         return EXIT_STALLED
-    except ArpoError as e:
+    except ERRORS as e:
         print(f"arpo-learner: {e}", file=sys.stderr)
         return 1
     return 0

@@ -54,7 +54,7 @@ from arpo.config import (
 )
 from arpo.env.task import pool_problem
 from arpo.env.taskfiles import TaskFiles
-from arpo.errors import ArpoError, ConfigError, SnapshotError
+from arpo.errors import ERRORS, ArpoError, ConfigError, SnapshotError
 from arpo.learner.checkpoint import MANIFEST, latest_checkpoint, verify_checkpoint
 from arpo.record import Status, Trajectory
 from arpo.service.grants import GrantBook, GrantConfig, GrantServer
@@ -598,7 +598,7 @@ def run_command(
     except ConfigError as e:
         print(f"arpo {name}: {e}", file=sys.stderr)
         return 2
-    except ArpoError as e:  # TaskError too
+    except ERRORS as e:  # TaskError too
         print(f"arpo {name}: {e}", file=sys.stderr)
         return 1
     print(report(result))

@@ -1,4 +1,4 @@
-"""Type stubs of the compiled replay store (`arpo._buffer`); see `arpo.buffer` for the docs."""
+"""Type stubs of the compiled replay store (`arpo_buffer._native`); the docs are the package's (`arpo_buffer`)."""
 
 import os
 from collections.abc import Sequence

@@ -1,7 +1,8 @@
 //! The one place where store errors become Python exceptions.
 //!
-//! The classes live in Python (`arpo/errors.py`) so that every component of
-//! the project shares one hierarchy; they are imported once and cached.
+//! The classes are the package's own, defined in Python (`arpo_buffer/_errors.py`, where
+//! multiple inheritance gives `BufferValueError` a `ValueError` base and so on); they are
+//! imported once and cached. Nothing here imports anything outside `arpo_buffer`.
 
 use arpo_buffer::Error;
 use pyo3::prelude::*;
@@ -20,7 +21,7 @@ static CLASSES: PyOnceLock<Classes> = PyOnceLock::new();
 
 fn classes(py: Python<'_>) -> PyResult<&Classes> {
     CLASSES.get_or_try_init(py, || {
-        let m = py.import("arpo.errors")?;
+        let m = py.import("arpo_buffer._errors")?;
         let get = |name: &str| -> PyResult<Py<PyType>> {
             Ok(m.getattr(name)?.cast_into::<PyType>()?.unbind())
         };
@@ -34,7 +35,7 @@ fn classes(py: Python<'_>) -> PyResult<&Classes> {
     })
 }
 
-/// Maps every store error to its `arpo.errors` class (the only mapping).
+/// Maps every store error to its `arpo_buffer` class (the only mapping).
 pub fn to_pyerr(err: Error) -> PyErr {
     Python::attach(|py| {
         let c = match classes(py) {

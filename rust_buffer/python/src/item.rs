@@ -194,7 +194,7 @@ pub type CoreItem = Item<PyBlob>;
 
 /// One trajectory: token ids, behaviour log-probs, per-turn offsets,
 /// reward(s), policy version, blobs and metadata. Immutable.
-#[pyclass(frozen, weakref, name = "Item", module = "arpo._buffer")]
+#[pyclass(frozen, weakref, name = "Item", module = "arpo_buffer")]
 pub struct PyItem {
     pub inner: Arc<CoreItem>,
 }

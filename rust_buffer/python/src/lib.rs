@@ -1,5 +1,6 @@
 //! The only crate that knows about Python: bindings of `arpo-buffer` as
-//! `arpo._buffer` (re-exported by `arpo.buffer`).
+//! `arpo_buffer._native`, the compiled part of the `arpo_buffer` package
+//! (`pyproject.toml` here; the package re-exports it with its exception classes).
 //!
 //! Every method extracts and validates its arguments first, then does the work
 //! with the GIL released (`Python::detach`) where that pays: blocking waits, snapshots,
@@ -14,7 +15,7 @@ mod item;
 mod store;
 
 #[pymodule(gil_used = false)]
-fn _buffer(m: &Bound<'_, PyModule>) -> PyResult<()> {
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("SNAPSHOT_FORMAT_VERSION", arpo_buffer::FORMAT_VERSION)?;
     m.add_class::<item::PyItem>()?;

@@ -17,8 +17,8 @@ const SLICE: Duration = Duration::from_millis(100);
 
 type CoreStore = Store<PyBlob>;
 
-/// A concurrent replay store keyed by task (see `arpo.buffer`).
-#[pyclass(frozen, weakref, name = "ReplayStore", module = "arpo._buffer")]
+/// A concurrent replay store keyed by task (see the `arpo_buffer` package).
+#[pyclass(frozen, weakref, name = "ReplayStore", module = "arpo_buffer")]
 pub struct PyStore {
     inner: Arc<CoreStore>,
 }
@@ -130,7 +130,7 @@ impl PyStore {
     fn item_of(item: &Bound<'_, PyAny>) -> PyResult<Arc<crate::item::CoreItem>> {
         let item = item.cast::<PyItem>().map_err(|_| {
             value_error(format!(
-                "item must be an arpo.buffer.Item, got {}",
+                "item must be an arpo_buffer.Item, got {}",
                 item.get_type()
                     .name()
                     .map(|n| n.to_string())
