@@ -199,6 +199,23 @@ def model_problem(model: str) -> str | None:
     return None
 
 
+RENAMED = "renamed_fields"
+"""Name of the class attribute in which a config lists its renamed fields, old name -> new
+name (`renamed_fields: ClassVar[Mapping[str, str]] = MappingProxyType({...})`): a file or
+an override that gives the old name is refused with an error naming the new one."""
+
+
+def _renamed_error(cls: type, key: str, prefix: str, where: str = "") -> ConfigError | None:
+    """The error for `key` when `cls` renamed that field, else None."""
+    new = getattr(cls, RENAMED, {}).get(key)
+    if new is None:
+        return None
+    return ConfigError(
+        f"config field {prefix + key!r}{where} was renamed {prefix + new!r}: give "
+        f"{prefix + new}=... instead"
+    )
+
+
 def field_docs(cls: type) -> dict[str, str]:
     """The documentation of every field of a config dataclass, by dotted path."""
     out: dict[str, str] = {}
@@ -304,6 +321,8 @@ def from_dict(cls: type[T], data: Mapping[str, Any], *, prefix: str = "") -> T:
     for key, value in data.items():
         path = f"{prefix}{key}"
         if key not in fields:
+            if renamed := _renamed_error(cls, str(key), prefix):
+                raise renamed
             close = difflib.get_close_matches(str(key), fields, n=3)
             hint = f"; did you mean {', '.join(repr(prefix + c) for c in close)}?" if close else ""
             known = ", ".join(sorted(fields))
@@ -396,10 +415,12 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: Sequenc
         target: Any = None
         for i, k in enumerate(keys):
             hints = hints_cache.setdefault(cur, get_type_hints(cur))
-            if k not in hints:
-                dotted = ".".join(keys[: i + 1])
-                close = difflib.get_close_matches(k, list(hints), n=3)
+            if k not in hints or k == RENAMED:
                 prefix = ".".join(keys[:i]) + "." if i else ""
+                if renamed := _renamed_error(cur, k, prefix, f" in override {text!r}"):
+                    raise renamed
+                dotted = ".".join(keys[: i + 1])
+                close = difflib.get_close_matches(k, [h for h in hints if h != RENAMED], n=3)
                 hint = (
                     f"; did you mean {', '.join(repr(prefix + c) for c in close)}?" if close else ""
                 )

@@ -243,9 +243,45 @@ def test_train_refuses_insane_values_naming_the_field(override: str, field: str)
 
 
 def test_train_refuses_more_vm_memory_than_the_machine_has(monkeypatch) -> None:
-    import arpo.train as T
+    import arpo.env.bringup as B
+    from arpo.pool.audit import AuditConfig
+    from arpo.train import TrainConfig
 
-    monkeypatch.setattr(T, "_memory_total", lambda: 4 * 2**30)
+    monkeypatch.setattr(B, "memory_total", lambda: 4 * 2**30)
     with pytest.raises(ConfigError, match=r"vms: 4 VMs of 1536 MB need 6.0 GiB; .* has 4.0 GiB"):
-        load_config(T.TrainConfig, overrides=["vms=4"])
-    assert load_config(T.TrainConfig, overrides=["vms=2"]).vms == 2
+        load_config(TrainConfig, overrides=["vms=4"])
+    assert load_config(TrainConfig, overrides=["vms=2"]).vms == 2
+    # the same section, the same check, in `arpo audit-tasks`
+    with pytest.raises(ConfigError, match=r"vms: 4 VMs of 1536 MB need 6.0 GiB"):
+        load_config(AuditConfig, overrides=["tasks=envs/arpo_envs/tasks/local", "vms=4"])
+
+
+def test_train_and_the_audit_share_one_environments_section(tmp_path) -> None:
+    """`arpo train` and `arpo audit-tasks` declare their environments once (`arpo.env.bringup.
+    EnvironmentsConfig`), under the same names and checks; `arpo train`'s earlier name of
+    the env_urls servers' pool is refused naming the field it became, from an override as
+    from a file."""
+    import dataclasses
+
+    from arpo.env.bringup import EnvironmentsConfig
+    from arpo.pool.audit import AuditConfig
+    from arpo.train import TrainConfig
+
+    section = {f.name for f in dataclasses.fields(EnvironmentsConfig)}
+    assert {"local_desktops", "vms", "vm_fleet", "vm_pool", "env_urls", "env_pool"} <= section
+    for cls in (TrainConfig, AuditConfig):
+        assert section <= {f.name for f in dataclasses.fields(cls)}
+    audit = ["tasks=envs/arpo_envs/tasks/local"]
+    for cls, base in ((TrainConfig, []), (AuditConfig, audit)):
+        with pytest.raises(ConfigError, match=r"'env_urls_pool' in override .* renamed 'env_pool'"):
+            load_config(cls, None, [*base, "env_urls_pool=osworld"])
+        with pytest.raises(ConfigError, match=r"env_tokens: 1 tokens for 0 env_urls"):
+            load_config(cls, None, [*base, 'env_tokens=["t"]'])
+        with pytest.raises(ConfigError, match=r"vm_fleet: give vms=N .* not both"):
+            load_config(cls, None, [*base, "vms=1", f"vm_fleet={tmp_path}"])
+        got = load_config(cls, None, [*base, "env_pool=osworld"])
+        assert got.env_pool == "osworld"
+    old = tmp_path / "old.toml"
+    old.write_text('env_urls_pool = "osworld"\n')
+    with pytest.raises(ConfigError, match=r"'env_urls_pool' was renamed 'env_pool'"):
+        load_config(TrainConfig, old)

@@ -127,7 +127,7 @@ def test_kto_balance_weighs_sparse_successes_like_the_failures(tiny: Path, proce
 def test_rft_step_raises_the_success_and_ignores_failures(tiny: Path, processor) -> None:
     rng = np.random.default_rng(3)
     good, bad = _traj(processor, rng, "t", 1.0), _traj(processor, rng, "t", 0.0)
-    tr = OfflineTrainer(_cfg(tiny, algo="rft", max_steps=1))
+    tr = OfflineTrainer(_cfg(tiny, algo="rft", max_optimizer_steps=1))
     assert tr.ref_model is None
     before = tr.logps([good])
     history = tr.train([good, bad])
@@ -194,6 +194,27 @@ def test_pairing_counts_tasks_without_a_pair(tiny: Path, processor) -> None:
 def test_config_errors_name_the_field(override: str, field: str) -> None:
     with pytest.raises(ConfigError, match=field):
         load_config(OfflineConfig, None, ["model=m", override])
+
+
+def test_the_old_names_of_the_optimizer_step_bound_name_the_new_one(tmp_path: Path) -> None:
+    """`max_steps` is an episode's turns: the offline methods' and `arpo sft`'s bound on
+    optimizer steps is `max_optimizer_steps`, and a config giving an old name is told so."""
+    from arpo.offline.sft import SFTConfig
+
+    new = "'max_optimizer_steps'"
+    with pytest.raises(ConfigError, match=rf"'max_steps' in override .* was renamed {new}"):
+        load_config(OfflineConfig, None, ["model=m", "max_steps=5"])
+    old = tmp_path / "old.toml"
+    old.write_text('model = "m"\nmax_steps = 5\n')
+    with pytest.raises(ConfigError, match=rf"'max_steps' was renamed {new}"):
+        load_config(OfflineConfig, old)
+    with pytest.raises(ConfigError, match=rf"'max_steps_train' in override .* renamed {new}"):
+        load_config(SFTConfig, None, ["max_steps_train=5"])
+    assert (
+        load_config(OfflineConfig, None, ["model=m", "max_optimizer_steps=5"]).max_optimizer_steps
+        == 5
+    )
+    assert SFTConfig(max_steps=5).max_steps == 5  # the turns of its demonstrations
 
 
 def test_arpo_offline_cli_end_to_end(tiny: Path, processor, tmp_path: Path, capsys) -> None:

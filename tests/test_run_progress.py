@@ -8,7 +8,6 @@ import json
 import subprocess
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -16,8 +15,9 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from train_configs import small_run
+
 from arpo.errors import EXIT_STALLED
-from arpo.learner.assemble import AssembleConfig
 from arpo.learner.checkpoint import CheckpointConfig
 from arpo.learner.metrics import read_metrics
 from arpo.policy.tiny import build_tiny_model
@@ -51,32 +51,13 @@ def _pool(root: Path, good: int, broken: int) -> list[str]:
 
 
 def _config(tmp_path: Path, model: Path, *, iterations: int, preflight: bool) -> TrainConfig:
-    base = TrainConfig()
-    return TrainConfig(
-        run_dir=str(tmp_path / "run"),
-        model=str(model),
-        warm_start=False,
-        tasks=str(tmp_path / "tasks"),
-        actors=1,
-        sim_envs_per_actor=2,
-        progress_s=0,
-        eval_runs_per_task=0,
-        prefill_runs_per_task=0,
-        prefill_demos_from_turns=0,
+    return small_run(
+        tmp_path, model, tmp_path / "tasks", iterations=iterations,
+        checkpoint=CheckpointConfig(every=2, keep=2, verify=False), max_new_tokens=16,
+        learner={"stall_s": 60.0}, environment={"reset_retries": 2, "reset_backoff_s": 0.2},
+        actors=1, sim_envs_per_actor=2, prefill_runs_per_task=0, prefill_demos_from_turns=0,
         preflight=preflight,
-        learner=replace(
-            base.learner,
-            iterations=iterations,
-            stall_s=60.0,
-            assemble=AssembleConfig(group_size=2, groups_per_step=2, max_staleness=2),
-            checkpoint=CheckpointConfig(every=2, keep=2, verify=False),
-        ),
-        actor=replace(
-            base.actor,
-            episode=replace(base.actor.episode, max_steps=2, max_new_tokens=16),
-            environment=replace(base.actor.environment, reset_retries=2, reset_backoff_s=0.2),
-        ),
-    )
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")

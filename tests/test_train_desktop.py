@@ -4,7 +4,6 @@ xterm): the real environment path end to end, as a smoke test (slow: `make test-
 from __future__ import annotations
 
 import shutil
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -12,11 +11,11 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from arpo.learner.assemble import AssembleConfig
-from arpo.learner.checkpoint import CheckpointConfig
+from train_configs import small_run
+
 from arpo.learner.metrics import read_metrics
 from arpo.policy.tiny import build_tiny_model
-from arpo.train import TrainConfig, TrainRun
+from arpo.train import TrainRun
 
 MISSING = [b for b in ("Xvfb", "openbox", "soffice", "mousepad", "xterm") if not shutil.which(b)]
 
@@ -37,28 +36,7 @@ def test_training_run_on_real_local_desktops(tmp_path: Path) -> None:
     for domain in ("text_editor", "os"):
         shutil.copytree(local / domain, tasks / domain)
     model = build_tiny_model(tmp_path / "tiny", seed=0)
-    base = TrainConfig()
-    cfg = TrainConfig(
-        run_dir=str(tmp_path / "run"),
-        model=str(model),
-        warm_start=False,
-        tasks=str(tasks),
-        actors=0,
-        local_desktops=2,
-        minutes=0,
-        progress_s=0,
-        eval_runs_per_task=0,
-        learner=replace(
-            base.learner,
-            iterations=2,
-            assemble=AssembleConfig(group_size=2, groups_per_step=2, max_staleness=2),
-            checkpoint=CheckpointConfig(every=1, keep=2, verify=False),
-        ),
-        actor=replace(
-            base.actor,
-            episode=replace(base.actor.episode, max_steps=2, max_new_tokens=24),
-        ),
-    )
+    cfg = small_run(tmp_path, model, tasks, actors=0, local_desktops=2, minutes=0)
     result = TrainRun(cfg).run()
     print(json.dumps(result, indent=1))
     rows = read_metrics(Path(cfg.run_dir) / "learner" / "metrics.jsonl")

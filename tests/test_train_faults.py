@@ -11,7 +11,6 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -20,8 +19,9 @@ from arpo_envs.procs import free_port
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from train_configs import small_run
+
 from arpo.actor.spool import read_ledger
-from arpo.learner.assemble import AssembleConfig
 from arpo.learner.checkpoint import CheckpointConfig
 from arpo.learner.metrics import read_metrics
 from arpo.policy.tiny import build_tiny_model
@@ -66,35 +66,15 @@ def fault_run_config(
     desktops plus one on the environment server at `port`, small groups, a checkpoint
     every 2 iterations (the fault tests and the soak)."""
     base = TrainConfig()
-    return TrainConfig(
-        run_dir=str(tmp_path / "run"),
-        model=str(model),
-        warm_start=False,
-        tasks=str(tmp_path / "tasks"),
-        actors=1,
-        sim_envs_per_actor=2,
-        env_urls=[f"http://127.0.0.1:{port}"],
-        env_urls_pool="sim",
-        minutes=minutes,
+    return small_run(
+        tmp_path, model, tmp_path / "tasks", iterations=iterations,
+        checkpoint=CheckpointConfig(every=2, keep=3, verify=False), max_new_tokens=16,
+        actor={"shutdown_deadline_s": 30.0},
+        environment={"reset_retries": reset_retries, "reset_backoff_s": 0.5},
+        actors=1, sim_envs_per_actor=2, env_urls=[f"http://127.0.0.1:{port}"], env_pool="sim",
+        minutes=minutes, prefill_runs_per_task=0,
         max_restarts=base.max_restarts if max_restarts is None else max_restarts,
-        progress_s=0,
-        eval_runs_per_task=0,
-        prefill_runs_per_task=0,
-        learner=replace(
-            base.learner,
-            iterations=iterations,
-            assemble=AssembleConfig(group_size=2, groups_per_step=2, max_staleness=2),
-            checkpoint=CheckpointConfig(every=2, keep=3, verify=False),
-        ),
-        actor=replace(
-            base.actor,
-            episode=replace(base.actor.episode, max_steps=2, max_new_tokens=16),
-            environment=replace(
-                base.actor.environment, reset_retries=reset_retries, reset_backoff_s=0.5
-            ),
-            shutdown_deadline_s=30.0,
-        ),
-    )
+    )  # fmt: skip
 
 
 def test_training_survives_kills_and_accounts_for_every_trajectory(tmp_path: Path) -> None:

@@ -219,7 +219,7 @@ def test_a_signal_during_a_hanging_preflight_stops_it_at_once(tmp_path: Path, ti
     port = free_port()
     server = start_sim_server(port, tmp_path / "sim.log")
     base = ["eval_warm_start=false", "eval_runs_per_task=0", "actors=0",
-            f'env_urls=["http://127.0.0.1:{port}"]', "env_urls_pool='slow'"]  # fmt: skip
+            f'env_urls=["http://127.0.0.1:{port}"]', "env_pool='slow'"]  # fmt: skip
     try:
         proc = _train(tmp_path, tiny, *base)
         lines = _Lines(proc)

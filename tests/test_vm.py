@@ -527,37 +527,20 @@ def test_local_suite_oracles_pass_on_a_vm_every_task(fleet: FleetConfig) -> None
 def test_training_run_on_vms(tmp_path: Path) -> None:
     """`arpo train vms=1`: its own fleet, the tiny model, 2 iterations on VM episodes only;
     every trajectory accounted for and the fleet gone at the end."""
-    from dataclasses import replace
 
-    from arpo.learner.assemble import AssembleConfig
+    from train_configs import small_run
+
     from arpo.learner.checkpoint import CheckpointConfig
     from arpo.learner.metrics import read_metrics
     from arpo.policy.tiny import build_tiny_model
-    from arpo.train import TrainConfig, TrainRun
+    from arpo.train import TrainRun
 
     tasks = _os_tasks(tmp_path, 2)
     model = build_tiny_model(tmp_path / "tiny", seed=0)
-    base = TrainConfig()
-    cfg = TrainConfig(
-        run_dir=str(tmp_path / "run"),
-        model=str(model),
-        warm_start=False,
-        tasks=str(tasks),
-        actors=0,
-        vms=1,
-        minutes=0,
-        progress_s=0,
-        eval_runs_per_task=0,
-        learner=replace(
-            base.learner,
-            iterations=2,
-            assemble=AssembleConfig(group_size=2, groups_per_step=2, max_staleness=2),
-            checkpoint=CheckpointConfig(every=1, keep=2),
-        ),
-        actor=replace(
-            base.actor, episode=replace(base.actor.episode, max_steps=2, max_new_tokens=24)
-        ),
-    )
+    cfg = small_run(
+        tmp_path, model, tasks, checkpoint=CheckpointConfig(every=1, keep=2),
+        actors=0, vms=1, minutes=0,
+    )  # fmt: skip
     result = TrainRun(cfg).run()
     rows = read_metrics(Path(cfg.run_dir) / "learner" / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2]

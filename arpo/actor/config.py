@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ from arpo.config import (
     option,
     url_problem,
 )
+from arpo.env.bringup import fleet_problem, token_problem
 from arpo.env.environment import EnvironmentConfig
 from arpo.env.osworld.client import EvaluatorConfig, find_python
 from arpo.env.runner import RunnerConfig
@@ -328,39 +328,3 @@ MAX_SIM_ENVS = 1024
 MAX_OSWORLD_WORKERS = 64
 """Most OSWorld evaluator workers of one actor: about 240 MiB each, so 64 take 15 GiB; more
 than its environments never run at once."""
-MAX_TOKEN_CHARS = 4096
-"""Longest bearer token accepted (`arpo-envs up --tokens` makes 43 characters)."""
-
-
-def token_problem(token: str) -> str | None:
-    """Why `token` cannot be a bearer token in an HTTP header, or None ('' is no token)."""
-    if len(token) > MAX_TOKEN_CHARS:
-        return f"is {len(token)} characters; a bearer token has at most {MAX_TOKEN_CHARS}"
-    if any(c.isspace() or not c.isprintable() or not c.isascii() for c in token):
-        return "holds a space, a control or a non-ASCII character: not an HTTP bearer token"
-    return None
-
-
-def fleet_problem(path: str) -> str | None:
-    """Why `path` is not a VM fleet's state file (`arpo-envs vm up`: <dir>/fleet.json), or
-    None: a regular JSON file holding a `VMFleetState` record of `arpo_envs.fleet_records`
-    (the fleet's control URL, token and VMs)."""
-    from arpo_envs.fleet_records import FleetRecordError, VMFleetState, decode
-
-    fix = "`arpo-envs vm up` writes <dir>/fleet.json (default /tmp/arpo-vm-fleet-<uid>/fleet.json)"
-    p = Path(path)
-    if not p.is_file():
-        return f"{path!r} is not a file; {fix}"
-    if p.stat().st_size > 1 << 20:
-        return f"{path!r} is larger than 1 MiB: not a fleet state file; {fix}"
-    try:
-        data = json.loads(p.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
-        return f"{path!r} is not a fleet state file (not JSON: {e}); {fix}"
-    try:
-        st = decode(data, VMFleetState)
-    except FleetRecordError as e:
-        return f"{path!r} is not a fleet state file ({e}); {fix}"
-    if (why := url_problem(st.control)) is not None:
-        return f"{path!r} is not a fleet state file (control: {why}); {fix}"
-    return None

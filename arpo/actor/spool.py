@@ -25,6 +25,7 @@ files, the working directory) is refused with the reason.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import re
@@ -87,6 +88,29 @@ def read_ledger(folder: str | Path) -> dict[str, tuple[str, str]]:
         if len(parts) == 3:
             out[parts[0]] = (parts[1], parts[2])
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class SpoolContents:
+    """What a spool folder holds, read from disk without opening it as a `Spool`."""
+
+    finished: dict[str, tuple[str, str]]
+    """The ledger: every trajectory ever put, id -> (status, task id)."""
+    pending: set[str]
+    """Ids still in the spool: written, never acknowledged."""
+    refused: set[str]
+    """Ids set aside in `refused/`: refused for good by the learner."""
+
+
+def read_spool(folder: str | Path) -> SpoolContents:
+    """The ledger, the pending and the refused trajectories of the spool in `folder` (the
+    files `Spool.put` and `Spool.set_aside` write); empty for a folder that is not there."""
+    folder = Path(folder)
+    return SpoolContents(
+        finished=read_ledger(folder),
+        pending={p.name[: -len(SUFFIX)] for p in folder.glob("*" + SUFFIX)},
+        refused={p.name[: -len(SUFFIX)] for p in (folder / REFUSED).glob("*" + SUFFIX)},
+    )
 
 
 def read_frames(path: Path) -> list[memoryview]:

@@ -7,6 +7,8 @@
 - `runner`: setup steps, actions and evaluation with OSWorld's semantics;
 - `a11y`: OSWorld's linearisation of the accessibility tree and its set-of-marks;
 - `taskfiles`, `fetch`: task files by content, and fetching OSWorld's task files;
+- `bringup`: the environments section of `arpo train` and `arpo audit-tasks`, and the
+  bring-up and stop of the local desktops and VM fleets they start;
 - `getters`, `metrics`, `xlsx`, `cache`: the checker's parts.
 """
 

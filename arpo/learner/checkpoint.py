@@ -158,6 +158,25 @@ class Checkpoint:
         shutil.copyfile(self.seen_log, dest)
         return True
 
+    def stored_trajectory_ids(self) -> set[str]:
+        """Ids of the fresh trajectories in the checkpoint's store snapshot (`store.snap`,
+        written by `save_checkpoint`), read from a copy restored here; empty without one."""
+        if self.store_path is None:
+            return set()
+        from arpo import store_item
+        from arpo.buffer import ReplayStore
+
+        out: set[str] = set()
+        store = ReplayStore.restore(self.store_path)
+        try:
+            for task in store.tasks():
+                if n := store.fresh_len(task):
+                    out |= {store_item.from_item(i).trajectory_id
+                            for i in store.take_group(task, n, timeout=0)}  # fmt: skip
+        finally:
+            store.close()
+        return out
+
 
 # ---------------------------------------------------------------------------- RNG
 

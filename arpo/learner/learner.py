@@ -54,6 +54,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -73,7 +74,7 @@ from arpo.config import (
 )
 from arpo.env.task import load_selection, load_task_pool, pool_problem
 from arpo.env.taskfiles import TaskFiles
-from arpo.errors import ArpoError, ConfigError, RunStalled, SnapshotError
+from arpo.errors import ERRORS, ConfigError, RunStalled, SnapshotError
 from arpo.files import write_atomic
 from arpo.learner import distributed as D
 from arpo.learner.assemble import AssembleConfig, Batch, GroupAssembler, Sample
@@ -104,6 +105,37 @@ trajectory of 1920x1080 PNG screenshots is about 1.5 MB, so 64 MiB holds some fo
 few groups. Below one trajectory the store refuses everything it is sent."""
 MAX_STORE_BYTES = 1 << 50
 """Largest replay-store budget accepted (1 PiB): more is a typo, not memory."""
+
+
+TRAINED_LOG = "trained.log"
+"""The learner's ledger of what it trained, in its run folder: one line per trajectory of
+every iteration's batch, `<iteration>\t<trajectory id>\t<fresh|replay|dropped_<reason>>`
+(`trained_log_lines` writes them, `read_trained_log` reads them)."""
+
+
+def trained_log_lines(
+    iteration: int, samples: Sequence[tuple[str, bool]], dropped: Sequence[tuple[str, str]]
+) -> str:
+    """The `trained.log` lines of one iteration: each trained sample (trajectory id, whether
+    it is a replayed one), then each dropped trajectory with its reason."""
+    lines = [f"{iteration}\t{tid}\t{'replay' if replay else 'fresh'}" for tid, replay in samples]
+    lines += [f"{iteration}\t{tid}\tdropped_{why}" for tid, why in dropped]
+    return "".join(x + "\n" for x in lines)
+
+
+def read_trained_log(path: str | Path) -> list[tuple[int, str, str]]:
+    """The lines of a `trained.log` as (iteration, trajectory id, outcome): outcome is
+    "fresh", "replay" or "dropped_<reason>"; a torn line is skipped, a missing file is []."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return []
+    out = []
+    for line in text.splitlines():
+        parts = line.split("\t")
+        if len(parts) == 3 and parts[0].isdigit():
+            out.append((int(parts[0]), parts[1], parts[2]))
+    return out
 
 
 def _check_model_files(model_dir: Path) -> None:
@@ -325,7 +357,7 @@ def prefill_replay(store: Any, path: str, tasks: set[str], replay: ReplayConfig)
             else:
                 store.add_success(traj.task_id, store_item.to_item(traj))
                 kept[traj.task_id] += 1
-    except ArpoError as e:
+    except ERRORS as e:  # a record that does not read, or an item the store refuses
         raise ConfigError(f"config field assemble.replay.prefill: {e} ({fix})") from None
     damaged = {k: counts[k] for k in ("corrupt", "torn", "malformed") if counts[k]}
     if damaged and not counts["records"]:
@@ -856,27 +888,18 @@ class Learner:
         """`trained.log`: `<iteration>\t<trajectory id>\t<fresh|replay|dropped_<reason>>` per
         line. On a resume from checkpoint k the lines of later iterations go (the model that
         trained on them was lost with the crash; the resumed run trains them again)."""
-        self.ledger = Path(self.config.run_dir) / "trained.log"
-        kept: list[str] = []
-        if self.ledger.exists():
-            for line in self.ledger.read_text(encoding="utf-8").splitlines():
-                parts = line.split("\t")
-                if len(parts) == 3 and parts[0].isdigit() and int(parts[0]) <= keep_through:
-                    kept.append(line)
-        write_atomic(self.ledger, "".join(f"{x}\n" for x in kept))
-        self.trained = collections.Counter(
-            p[1] for p in (x.split("\t") for x in kept) if p[2] == "fresh"
-        )
+        self.ledger = Path(self.config.run_dir) / TRAINED_LOG
+        kept = [r for r in read_trained_log(self.ledger) if r[0] <= keep_through]
+        write_atomic(self.ledger, "".join(f"{it}\t{tid}\t{what}\n" for it, tid, what in kept))
+        self.trained = collections.Counter(tid for _, tid, what in kept if what == "fresh")
 
     def _record(self, batch: Batch, iteration: int | None = None) -> None:
         it = self.iteration if iteration is None else iteration
-        lines = [
-            f"{it}\t{s.trajectory_id}\t{'replay' if s.is_replay else 'fresh'}"
-            for s in batch.samples
-        ]
-        lines += [f"{it}\t{tid}\tdropped_{why}" for tid, why in batch.dropped]
+        text = trained_log_lines(
+            it, [(s.trajectory_id, s.is_replay) for s in batch.samples], batch.dropped
+        )
         with open(self.ledger, "a", encoding="utf-8") as f:
-            f.write("".join(x + "\n" for x in lines))
+            f.write(text)
             f.flush()
             os.fsync(f.fileno())
         self.trained.update(s.trajectory_id for s in batch.samples if not s.is_replay)

@@ -59,10 +59,11 @@ import logging
 import math
 import random
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from types import MappingProxyType
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -86,6 +87,11 @@ log = logging.getLogger("arpo.offline")
 @dataclass
 class OfflineConfig:
     """`arpo offline`: one offline method on a folder of collected trajectories."""
+
+    # `max_steps` is an episode's turns everywhere else (`actor.episode.max_steps`).
+    renamed_fields: ClassVar[Mapping[str, str]] = MappingProxyType(
+        {"max_steps": "max_optimizer_steps"}
+    )
 
     algo: Literal["dpo", "kto", "rft"] = option("dpo", "Method: dpo, kto or rft.")
     model: str = option("", "Folder of the starting policy (Qwen2.5-VL checkpoint).")
@@ -116,7 +122,9 @@ class OfflineConfig:
     epochs: int = option(1, "Passes over the data.")
     batch_size: int = option(8, "Units (dpo pairs, kto / rft trajectories) per optimizer step.")
     micro_batch: int = option(1, "Units per forward / backward pass (dpo: 2 sequences each).")
-    max_steps: int = option(0, "Stop after this many optimizer steps (0: run all epochs).")
+    max_optimizer_steps: int = option(
+        0, "Stop after this many optimizer steps (0: run all epochs)."
+    )
     target_nll: float = option(
         0.0,
         "rft: stop after the first epoch whose trajectories' mean NLL per response token is "
@@ -150,8 +158,8 @@ class OfflineConfig:
             fail("batch_size", "must be >= 1")
         if self.micro_batch < 1:
             fail("micro_batch", "must be >= 1")
-        if self.max_steps < 0:
-            fail("max_steps", "must be >= 0 (0: no limit)")
+        if self.max_optimizer_steps < 0:
+            fail("max_optimizer_steps", "must be >= 0 (0: no limit)")
         if self.target_nll < 0:
             fail("target_nll", "must be >= 0 (0: no target, run all epochs)")
         if self.target_nll and self.algo != "rft":
@@ -400,7 +408,7 @@ class OfflineTrainer:
                         "%s step %d epoch %d loss %.4f (%.1f s elapsed)", cfg.algo,
                         self.steps_done, epoch, loss, time.perf_counter() - t_start,
                     )  # fmt: skip
-                if cfg.max_steps and self.steps_done >= cfg.max_steps:
+                if cfg.max_optimizer_steps and self.steps_done >= cfg.max_optimizer_steps:
                     return history
             if cfg.target_nll:
                 nll = self.mean_nll(list(units))

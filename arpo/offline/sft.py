@@ -32,8 +32,10 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from types import MappingProxyType
+from typing import Any, ClassVar, Literal
 
 from arpo.config import fail, option, to_dict, validate
 from arpo.offline.data import read_trajectories, write_trajectories
@@ -45,6 +47,11 @@ log = logging.getLogger("arpo.offline.sft")
 @dataclass
 class SFTConfig:
     """`arpo sft`: record oracle demonstrations (unless given), fine-tune, save."""
+
+    # `max_steps` is the episode's turns; the optimizer's bound has its own name.
+    renamed_fields: ClassVar[Mapping[str, str]] = MappingProxyType(
+        {"max_steps_train": "max_optimizer_steps"}
+    )
 
     model: str = option("", "Folder of the starting model (e.g. the tiny model runs/tiny).")
     out: str = option("", "Folder the fine-tuned model and processor are saved to.")
@@ -83,7 +90,7 @@ class SFTConfig:
     epochs: int = option(17, "Passes over the demonstrations.")
     batch_size: int = option(8, "Demonstrations per optimizer step.")
     micro_batch: int = option(4, "Demonstrations per forward / backward pass.")
-    max_steps_train: int = option(0, "Stop after this many optimizer steps (0: all epochs).")
+    max_optimizer_steps: int = option(0, "Stop after this many optimizer steps (0: all epochs).")
     target_nll: float = option(
         0.0,
         "Stop after the first epoch whose demonstrations' mean NLL per response token is at "
@@ -113,8 +120,8 @@ class SFTConfig:
             fail("max_new_tokens", "must be >= 0 (0: no bound)")
         if self.eval_tasks < 0:
             fail("eval_tasks", "must be >= 0")
-        if self.max_steps_train < 0:
-            fail("max_steps_train", "must be >= 0 (0: no limit)")
+        if self.max_optimizer_steps < 0:
+            fail("max_optimizer_steps", "must be >= 0 (0: no limit)")
         if self.target_nll < 0:
             fail("target_nll", "must be >= 0 (0: no target, run all epochs)")
         # The optimizer fields are checked by OfflineConfig.validate.
@@ -125,8 +132,8 @@ class SFTConfig:
             algo="rft", model=self.model, out=self.out, dtype=self.dtype, device=self.device,
             lr=self.lr, weight_decay=self.weight_decay, grad_clip=self.grad_clip,
             epochs=self.epochs, batch_size=self.batch_size, micro_batch=self.micro_batch,
-            max_steps=self.max_steps_train, target_nll=self.target_nll, seed=self.seed,
-            log_every=self.log_every,
+            max_optimizer_steps=self.max_optimizer_steps, target_nll=self.target_nll,
+            seed=self.seed, log_every=self.log_every,
         )  # fmt: skip
 
 

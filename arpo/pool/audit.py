@@ -75,7 +75,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from arpo.actor.config import fleet_problem, token_problem
 from arpo.config import (
     check_range,
     check_seconds,
@@ -83,12 +82,16 @@ from arpo.config import (
     folder_problem,
     option,
     to_dict,
-    url_problem,
 )
-from arpo.env.client import EnvClient
+from arpo.env.bringup import (
+    DESKTOP_POOL,
+    MAX_LOCAL_ENVS,
+    Bringup,
+    EnvironmentsConfig,
+    EnvSpec,
+)
 from arpo.env.environment import Environment
 from arpo.env.osworld.client import EvaluatorConfig, OSWorldEvaluator, find_python
-from arpo.env.provider import FleetLink, FleetVMProvider, StaticProvider
 from arpo.env.runner import RunnerConfig
 from arpo.env.task import PoolTask, Task, load_pool, pool_problem, task_domain, task_pool
 from arpo.env.taskfiles import BlobCache, FileSource, TaskFiles
@@ -102,70 +105,6 @@ VERDICTS = ("ok", "setup_failed", "eval_error", "do_nothing_scores", "oracle_fai
 """Every verdict, in the order they are checked after `ok` (the first that applies wins)."""
 SIM_POOL = "sim"
 """Pool of the simulated desktops started by `arpo audit-tasks` (`sim_envs`)."""
-DESKTOP_POOL = "desktop"
-"""Pool of the local desktops started by `arpo audit-tasks` (`local_desktops`)."""
-
-
-# ---------------------------------------------------------------------------- environments
-
-
-@dataclass(frozen=True, slots=True)
-class EnvSpec:
-    """One environment server the audit drives: where it is, its token, how it is reverted.
-
-    `provider` (arpo.env.provider): "desktop" (`POST /reset` before each setup: a local
-    desktop), "sim" (the same on a simulated desktop, with the project's own evaluator
-    and no setup sleeps, as the actor drives its simulated desktops), "static" (nothing
-    reverts it: a server started elsewhere, e.g. an OSWorld VM you run yourself), "vm"
-    (the VM `vm` of the fleet whose state file is `fleet`, reverted to its snapshot)."""
-
-    url: str
-    token: str = ""
-    """Bearer token ('' = none: OSWorld VMs, the simulated desktops)."""
-    provider: Literal["desktop", "sim", "static", "vm"] = "desktop"
-    vm: str = ""
-    """The fleet's name of the VM (provider "vm")."""
-    fleet: str = ""
-    """The fleet's state file, `<dir>/fleet.json` (provider "vm")."""
-    runner: RunnerConfig | None = None
-    """How tasks are set up and scored; None: the provider kind's default (evaluator
-    "auto", or "own" with sleep_scale 0 on a simulated desktop)."""
-
-    @classmethod
-    def fleet_vms(cls, state_file: str | Path, runner: RunnerConfig | None = None) -> list[EnvSpec]:
-        """One spec per VM of a running fleet (`arpo-envs vm up`); ValueError when the file
-        is not a ready fleet's state."""
-        link = FleetLink.from_state(state_file)
-        return [
-            cls(v.url, provider="vm", vm=v.name, fleet=str(state_file), runner=runner)
-            for v in link.vms
-        ]
-
-    def runner_config(self) -> RunnerConfig:
-        if self.runner is not None:
-            return self.runner
-        if self.provider == "sim":
-            return RunnerConfig(reset_before_setup=True, sleep_scale=0.0, evaluator="own")
-        return RunnerConfig(reset_before_setup=self.provider == "desktop")
-
-    def environment(
-        self, index: int, files: FileSource | None, osworld: OSWorldEvaluator | None
-    ) -> Environment:
-        """The actor's `Environment` for this server (client, provider, task runner)."""
-        provider: Callable[[EnvClient], Any] | None = None
-        if self.provider == "static":
-            provider = StaticProvider
-        elif self.provider == "vm":
-            link = FleetLink.from_state(self.fleet)
-            v = link.vm(self.vm)
-            if v is None:
-                raise ValueError(f"the fleet {self.fleet} has no VM named {self.vm!r}")
-            ports = v.osworld_ports
-            provider = lambda cl: FleetVMProvider(cl, link, self.vm, ports=ports)  # noqa: E731
-        return Environment(
-            index, self.url, self.runner_config(), token=self.token or None, osworld=osworld,
-            provider=provider, files=files,
-        )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- one task
@@ -494,9 +433,10 @@ def summarize(audits: Sequence[TaskAudit]) -> dict[str, int]:
 
 
 @dataclass
-class AuditConfig:
+class AuditConfig(EnvironmentsConfig):
     """`arpo audit-tasks`: every task of a pool set up (and checked) on environments of
-    its pool, started here or given by URL."""
+    its pool, started here or given by URL (the environments section, `EnvironmentsConfig`,
+    is `arpo train`'s)."""
 
     tasks: str = option(
         "",
@@ -515,34 +455,6 @@ class AuditConfig:
         "Simulated desktops started in this process for the tasks of pool 'sim' (only when "
         "the pool has such tasks, at most one per task).",
     )
-    local_desktops: int = option(
-        0,
-        "Real local desktops (Xvfb + openbox + apps, as `arpo-envs up --tokens`) started "
-        "for the tasks of pool 'desktop', stopped at the end, also on an error or Ctrl-C.",
-    )
-    vms: int = option(
-        0,
-        "VMs of the project's test image (`arpo-envs vm up`, in a temporary folder) started "
-        "for the tasks of vm_pool, each reverted to its snapshot before every setup; "
-        "stopped at the end, also on an error or Ctrl-C.",
-    )
-    vm_fleet: str = option(
-        "",
-        "State file of a VM fleet started elsewhere (`arpo-envs vm up`: <dir>/fleet.json); "
-        "its VMs audit the tasks of vm_pool and are left running.",
-    )
-    vm_pool: str = option("desktop", "The task pool of the VMs (vms or vm_fleet).")
-    env_urls: list[str] = option(
-        doc="Environment servers started elsewhere (local desktops, OSWorld VMs), e.g. "
-        "http://127.0.0.1:5200; they audit the tasks of env_pool.",
-        factory=list,
-    )
-    env_tokens: list[str] = option(
-        doc="Bearer token of each env_urls server, in order (`arpo-envs up --tokens "
-        "--tokens-file F` writes them to F); empty: none.",
-        factory=list,
-    )
-    env_pool: str = option("desktop", "The task pool of the env_urls servers.")
     env_provider: Literal["desktop", "static"] = option(
         "desktop",
         "How the env_urls servers are reverted before each setup: 'desktop' (POST /reset: "
@@ -583,28 +495,10 @@ class AuditConfig:
             fail("tasks", problem)
         if not self.out:
             fail("out", "give a path stem for the report, e.g. out=runs/task-audit")
-        for name in ("sim_envs", "local_desktops", "vms"):
-            n = getattr(self, name)
-            if not 0 <= n <= 64:
-                fail(name, f"is {n}; give 0..64 (environments on this machine)")
-        if self.vms and self.vm_fleet:
-            fail(
-                "vm_fleet", "give vms=N (a fleet started here) or vm_fleet (one running), not both"
-            )
-        if self.vm_fleet and (problem := fleet_problem(self.vm_fleet)):
-            fail("vm_fleet", problem)
-        for u in self.env_urls:
-            if problem := url_problem(u):
-                fail("env_urls", problem)
-        for t in self.env_tokens:
-            if problem := token_problem(t):
-                fail("env_tokens", problem)
-        if self.env_tokens and len(self.env_tokens) != len(self.env_urls):
-            fail("env_tokens", f"{len(self.env_tokens)} tokens for {len(self.env_urls)} "
-                 "env_urls: give one per URL, in the same order, or none")  # fmt: skip
-        for name in ("vm_pool", "env_pool"):
-            if not getattr(self, name) or len(getattr(self, name)) > 1024:
-                fail(name, "must be a pool name of 1..1024 characters (e.g. 'desktop')")
+        super().validate()
+        if not 0 <= self.sim_envs <= MAX_LOCAL_ENVS:
+            fail("sim_envs", f"is {self.sim_envs}; give 0..{MAX_LOCAL_ENVS} (environments on "
+                 "this machine)")  # fmt: skip
         check_seconds("task_timeout_s", self.task_timeout_s, "the whole audit of one task")
         check_range("reset_failures", self.reset_failures, 1, 100, "failed reverts in a row")
         for name in ("cache_dir", "file_cache_dir"):
@@ -687,36 +581,6 @@ def _sigterm_interrupts() -> Iterator[None]:
         signal.signal(signal.SIGTERM, old)
 
 
-def _start_desktops(n: int, stack: contextlib.ExitStack, folder: Path) -> list[EnvSpec]:
-    """`n` real local desktops with their own tokens; stopped when `stack` closes."""
-    from arpo_envs.desktop.fleet import FleetConfig, down, up
-
-    cfg = FleetConfig(n=n, base_port=0, state_file=folder / "desktops.json", tokens=True)
-    # Registered first: `up` writes the state file before it waits, so `down` stops what
-    # was started even when `up` fails or is interrupted half way.
-    stack.callback(lambda: cfg.state_file.exists() and down(cfg.state_file, announce=log.info))
-    try:
-        fleet = up(cfg, announce=lambda s: log.info("desktop: %s", s))
-    except (RuntimeError, OSError, ValueError) as e:
-        raise ArpoError(f"the local desktops did not start: {e}") from e
-    return [EnvSpec(e.url, token=e.token, provider="desktop") for e in fleet.envs]
-
-
-def _start_vms(n: int, stack: contextlib.ExitStack, runner: RunnerConfig) -> list[EnvSpec]:
-    """A fleet of `n` VMs of the test image in a temporary folder; stopped (and the folder
-    removed) when `stack` closes."""
-    from arpo_envs.vm.fleet import FleetConfig, down, up
-
-    cfg = FleetConfig(n=n, dir=tempfile.mkdtemp(prefix="arpo-audit-vms-"))
-    stack.callback(lambda: down(cfg.state_file, announce=lambda s: log.info("VMs: %s", s)))
-    log.info("starting %d VMs (the first start of an image makes its snapshot)", n)
-    try:
-        up(cfg, announce=lambda s: log.info("fleet: %s", s))
-    except (RuntimeError, OSError, ValueError, subprocess.SubprocessError) as e:
-        raise ArpoError(f"the VM fleet did not start: {e}") from e
-    return EnvSpec.fleet_vms(cfg.state_file, runner)
-
-
 def run_audit(
     cfg: AuditConfig, *, on_result: Callable[[TaskAudit], None] | None = None
 ) -> dict[str, Any]:
@@ -746,22 +610,20 @@ def run_audit(
 
     with contextlib.ExitStack() as stack, _sigterm_interrupts():
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="arpo-audit-")))
+        envs = stack.enter_context(Bringup(tmp))  # stopped before tmp goes
         if cfg.local_desktops:
             add(DESKTOP_POOL, "local desktop",
-                [dataclasses.replace(s, runner=desktop_runner)
-                 for s in _start_desktops(cfg.local_desktops, stack, tmp)])  # fmt: skip
+                envs.start_desktops(cfg.local_desktops, runner=desktop_runner))  # fmt: skip
+        fleet = cfg.vm_fleet
         if cfg.vms:
-            add(cfg.vm_pool, "VM", _start_vms(cfg.vms, stack, static_runner))
-        if cfg.vm_fleet:
+            fleet = str(envs.start_vms(cfg.vms, tempfile.mkdtemp(prefix="arpo-audit-vms-")))
+        if fleet:
             try:
-                add(cfg.vm_pool, "VM", EnvSpec.fleet_vms(cfg.vm_fleet, static_runner))
+                add(cfg.vm_pool, "VM", EnvSpec.fleet_vms(fleet, static_runner))
             except ValueError as e:
                 raise ArpoError(str(e)) from e
-        tokens = list(cfg.env_tokens) or [""] * len(cfg.env_urls)
-        add(cfg.env_pool, f"{cfg.env_provider} server",
-            [EnvSpec(u, token=t, provider=cfg.env_provider,
-                     runner=desktop_runner if cfg.env_provider == "desktop" else static_runner)
-             for u, t in zip(cfg.env_urls, tokens, strict=True)])  # fmt: skip
+        url_runner = desktop_runner if cfg.env_provider == "desktop" else static_runner
+        add(cfg.env_pool, f"{cfg.env_provider} server", cfg.url_specs(cfg.env_provider, url_runner))
         cache = BlobCache(cfg.file_cache_dir or tmp / "task-files")
         source = FileSource.local(index, cache)
         n_sims = min(cfg.sim_envs, wanted.get(SIM_POOL, 0))

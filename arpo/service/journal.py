@@ -355,6 +355,24 @@ def replay_journal(
     return dict(counts)
 
 
+def journal_trajectory_ids(journal_dir: str | Path, from_segment: int) -> set[str]:
+    """Ids of the trajectories in segments >= `from_segment` of `journal_dir` (what
+    `replay_journal` would put back into a store restored with that segment); torn,
+    corrupt and undecodable records are skipped, as there."""
+    out: set[str] = set()
+    for n in list_segments(journal_dir):
+        if n < from_segment:
+            continue
+        for rec in read_segment(segment_path(journal_dir, n)):
+            try:
+                msg = wire.decode(rec.frames)
+            except WireError:
+                continue
+            if isinstance(msg, Trajectory):
+                out.add(msg.trajectory_id)
+    return out
+
+
 TRAJECTORIES = "trajectories"
 """The folder of a collection's journal (`arpo collect`'s `<out>/trajectories/`)."""
 

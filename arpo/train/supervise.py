@@ -1,42 +1,7 @@
-"""`arpo train`: a whole training run on one machine — learner, actors, environments, eval.
-
-    arpo train                                   # the embedded default (make demo's recipe):
-                                                 # tiny model, simulated desktops, 90 iterations
-    arpo train --config run.toml                 # any configuration (`--show-config` lists it)
-    arpo train local_desktops=2                  # plus real desktops (Xvfb + LibreOffice ...)
-    arpo train vms=2                             # plus QEMU VMs of the test image (arpo-envs vm)
-    arpo train minutes=30 learner.iterations=0   # a wall-clock budget instead of iterations
-
-What it does, in order (every stage logs what it starts and where its log goes):
-
-1. the policy: `model`, or the tiny Qwen2.5-VL built into `<run_dir>/tiny`, warm-started
-   with `arpo sft` on oracle demonstrations of the simulated tasks when `warm_start`;
-2. the task pool: `tasks`, or simulated tasks generated into `<run_dir>/tasks`
-   (`sim_families` x `sim_tasks_per_family`), plus the local desktop tasks when
-   `local_desktops > 0`;
-   then, with `eval_warm_start`, `arpo eval` of the starting policy on the simulated tasks,
-   and with `prefill_runs_per_task`, `arpo collect` of the starting policy on them at the
-   rollout sampling settings (`<run_dir>/prefill`), whose successes start ARPO's replay
-   buffers (the paper's pipeline has this step, the reference code comments it out);
-3. processes: `arpo-learner` (its config written to `<run_dir>/learner.toml`), `actors`
-   `arpo-actor` processes with `sim_envs_per_actor` simulated desktops each, and with
-   `local_desktops > 0` that many real desktops (`arpo-envs up`) driven by one more actor,
-   with `vms > 0` a fleet of that many VMs (`arpo-envs vm up`, reverted to their snapshot
-   before every episode) or with `vm_fleet` a fleet started elsewhere, driven by one more;
-   each process logs to `<run_dir>/logs/`;
-4. supervision: a progress line from the learner's metrics; an actor that dies is
-   started again (its spool resends what the learner has not acknowledged), a learner
-   that dies is started again with `--resume` (`restart`), each at most
-   `max_restarts` times; after `minutes` (or when the learner has run `iterations`)
-   the learner gets SIGTERM (it finishes the iteration and checkpoints), then the
-   actors, then the desktops;
-5. results: `<run_dir>/learner/metrics.jsonl` (+ TensorBoard files), a plot of success
-   rate and reward against iteration with the starting policy's evaluation as a line
-   (`<run_dir>/curve.png`), `arpo eval` of the final checkpoint on the simulated tasks of
-   the pool (`<run_dir>/eval/eval.md`) beside the same evaluation of the starting policy,
-   run before training (`<run_dir>/eval_warm/eval.md`, `eval_warm_start`), with standard
-   errors, and the checkpoint's path.
-"""
+"""The supervision of an `arpo train` run: `TrainRun` builds the starting policy and the task
+pool, starts the environments, the learner and the actors, watches them (restarting what
+dies), stops them cleanly on the iterations, the wall-clock budget or a signal, and evaluates
+the result (the package docstring has the stages); `main` is the command."""
 
 from __future__ import annotations
 
@@ -48,425 +13,29 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from arpo_envs.procs import free_port
 
-from arpo.actor.config import MAX_ENVS, ActorConfig, fleet_problem
-from arpo.actor.episode import MAX_STEPS_LIMIT
-from arpo.config import (
-    MAX_TEMPERATURE,
-    SET_BY_TRAIN,
-    check_range,
-    check_seconds,
-    fail,
-    folder_problem,
-    model_problem,
-    option,
-    to_toml,
-    url_problem,
-    validate,
-)
-from arpo.env.task import pool_problem
+from arpo.config import to_toml, validate
+from arpo.env.bringup import DESKTOP_POOL, Bringup, EnvSpec
 from arpo.errors import EXIT_STALLED, ArpoError, RunStalled
 from arpo.learner.checkpoint import latest_checkpoint
-from arpo.learner.learner import LearnerConfig
 from arpo.learner.metrics import read_metrics
-from arpo.markdown import md_cell
-from arpo.policy.engine import EngineConfig
+from arpo.train.config import READER_SFT_LR, TrainConfig
+from arpo.train.report import (
+    account,
+    comparison,
+    eval_gain,
+    plot_curves,
+    preflight_markdown,
+    read_json_object,
+    tasks_out_table,
+)
 
 log = logging.getLogger("arpo.train")
-
-
-_SET_BY_TRAIN = SET_BY_TRAIN
-READER_SFT_LR = 5e-5
-"""The reader's warm-start learning rate (AdamW; the table-lookup probe's: it learned the
-lookup at 5e-5 and keeps the decoder's reading)."""
-
-
-def _default_learner() -> LearnerConfig:
-    """The embedded default: small groups and batches that train in minutes on 2 cores,
-    90 iterations (the learning rate decays linearly to 0 over them: `decay_lr`).
-
-    Two settings differ from the reference's, both measured on the tiny model
-    (`benchmarks/ablate_learning.py`, docs/results/diagnosing.md): group
-    advantages without the division by the group's std (Dr. GRPO: a group of failures
-    whose only difference is one unparseable response otherwise gets advantages as
-    large as a group with a success, and pushes its parseable wrong clicks up), and
-    replayed successes weighted at least 1 (`loss.replay_w_min = 1`: a success the
-    policy has drifted away from still pulls it back; with the floor at 0 the
-    correction switches replay off exactly when the policy has collapsed)."""
-    from arpo.learner.assemble import AssembleConfig
-    from arpo.learner.checkpoint import CheckpointConfig
-    from arpo.learner.loss import LossConfig
-    from arpo.learner.metrics import MetricsConfig
-    from arpo.learner.trainer import TrainerConfig
-
-    return LearnerConfig(
-        tasks=_SET_BY_TRAIN,
-        iterations=90,
-        trainer=TrainerConfig(
-            model=_SET_BY_TRAIN,
-            lr=1e-4,
-            micro_batch=4,
-            optimizer_steps=1,
-            loss=LossConfig(replay_w_min=1.0),
-        ),
-        assemble=AssembleConfig(group_size=4, groups_per_step=4, max_staleness=2, norm_std=False),
-        checkpoint=CheckpointConfig(every=5, keep=2),
-        metrics=MetricsConfig(progress_s=0),
-    )
-
-
-def _default_actor() -> ActorConfig:
-    """Episodes fitted to their task (`max_steps = 0`: the task's oracle + 3 turns, at most
-    the reference's 15; 15 for a task without an oracle) and responses of at most 128
-    tokens (the reference allows more; the longest oracle response of the simulated
-    families is 78 tokens, list_select's scrolls, the others at most 37: a policy that has
-    not ended its response by 128 tokens is not writing an action)."""
-    from arpo.actor.episode import EpisodeConfig
-
-    return ActorConfig(
-        sim_envs=1,
-        engine=EngineConfig(model=_SET_BY_TRAIN),
-        episode=EpisodeConfig(max_steps=0, max_new_tokens=128),
-        progress_s=0,
-    )
-
-
-@dataclass
-class TrainConfig:
-    """A training run on this machine (see the module docstring)."""
-
-    run_dir: str = option("runs/train", "Folder of the run (everything it writes).")
-    model: str = option("", "Policy to start from ('' = `base` built here, warm-started).")
-    base: Literal["tiny", "reader"] = option(
-        "tiny",
-        "With model '': the policy built into <run_dir>/<base> and warm-started: 'tiny' (a "
-        "random Qwen2.5-VL of 2 text layers, `arpo-tiny-model`) or 'reader' (SmolLM2-135M-"
-        "Instruct's pre-trained decoder in a SmolVLM, `arpo-reader`: it reads, at about 10 "
-        "times the tiny model's cost; benchmarks/results/reader-cost-*.md).",
-    )
-    reader_layers: int = option(
-        30,
-        "base=reader: the decoder's first layers kept (of 30); fewer are cheaper but read "
-        "worse (docs/guides/own-model.md, 'The reader').",
-    )
-    sft_lr: float = option(
-        0.0,
-        "Warm start's AdamW learning rate (0: the base's own: 1e-3 for the tiny model, which "
-        "starts from random weights; 5e-5 for the reader, which must keep what it knows).",
-    )
-    tiny_max_pixels: int = option(
-        0,
-        "Image budget of the tiny model's processor (`max_pixels`, written into "
-        "<run_dir>/tiny): a screenshot is resized to at most this many pixels, one image "
-        "token per 28x28 (0 = the default, 64 x 28 x 28: a 1280x720 screenshot is 60 "
-        "tokens; benchmarks/bench_long_context.py --max-pixels measures the cost of more). "
-        "Only with model ''; another model's budget is its saved processor's (max_pixels).",
-    )
-    warm_start: bool = option(True, "With model '': `arpo sft` on oracle demonstrations first.")
-    sft_epochs: int = option(
-        60,
-        "Warm start: the most passes over the demonstrations of the generated tasks "
-        "(sft_target_nll usually stops it earlier).",
-    )
-    sft_target_nll: float = option(
-        0.06,
-        "Warm start: stop `arpo sft` after the first epoch whose demonstrations' mean NLL is "
-        "at most this (0: run all sft_epochs). The NLL, unlike an epoch count, tracks the "
-        "warm start's strength; the default leaves it solving some but not all of its tasks "
-        "(docs/results/demo.md has the measurements).",
-    )
-    tasks: str = option("", "Task pool ('' = simulated tasks generated into run_dir/tasks).")
-    sim_families: list[str] = option(
-        doc="Simulated task families of the generated pool (also the warm start's tasks).",
-        factory=lambda: ["click_button"],
-    )
-    sim_tasks_per_family: int = option(8, "Generated tasks per family.")
-    seed: int = option(0, "Seed of the generated tasks and of the learner.")
-    actors: int = option(1, "Actor processes with simulated desktops.")
-    sim_envs_per_actor: int = option(4, "Simulated desktops per actor.")
-    local_desktops: int = option(
-        0,
-        "Real local desktops (Xvfb + openbox + apps) driven by one more actor; with an "
-        "observation type that shows a table they serve their apps' AT-SPI trees "
-        "(`arpo-envs up --atspi`).",
-    )
-    local_tasks: str = option(
-        "", "Tasks for the real desktops ('' = the package's local task suite)."
-    )
-    vms: int = option(
-        0,
-        "VMs of the project's test image (`arpo-envs vm up`, in <run_dir>/vms: each reverted "
-        "to its snapshot before every episode, replaced when it dies) driven by one more "
-        "actor with the local desktop tasks; stopped at the end.",
-    )
-    vm_fleet: str = option(
-        "",
-        "State file of a VM fleet started elsewhere (`arpo-envs vm up`: <dir>/fleet.json, "
-        "e.g. of OSWorld's own image), driven by one more actor with tasks of vm_pool.",
-    )
-    vm_pool: str = option("desktop", "The task pool of the VMs (vms or vm_fleet).")
-    env_urls: list[str] = option(
-        doc="Environment servers started elsewhere (OSWorld VMs, desktops), driven by one "
-        "more actor that asks for tasks of env_urls_pool.",
-        factory=list,
-    )
-    env_urls_pool: str = option("desktop", "The task pool of the env_urls environments.")
-    minutes: float = option(
-        0.0, "Training wall-clock budget (0: until learner.iterations, 90 by default)."
-    )
-    decay_lr: bool = option(
-        True,
-        "Decay the learning rate linearly to 0 over learner.iterations (when they bound the "
-        "run and learner.trainer.lr_decay_steps is 0): lr_decay_steps = iterations x "
-        "optimizer steps per iteration. The reference keeps it constant (docs/results/demo.md "
-        "has why the default decays).",
-    )
-    restart: bool = option(True, "Start a dead actor again, and a dead learner with --resume.")
-    max_restarts: int = option(5, "Restarts per process at most.")
-    progress_s: float = option(10.0, "Interval of the progress line (0: none).")
-    preflight: bool = option(
-        True,
-        "Before training, set every task up once on an environment of its pool (revert or "
-        "reset, then the task's setup; no agent: `arpo audit-tasks` without its checks) "
-        "and leave out the tasks that fail, each listed with its reason in "
-        "<run_dir>/preflight.md and the final report.",
-    )
-    preflight_fatal: bool = option(
-        False, "Stop before training (exit code 3) when the preflight leaves out any task."
-    )
-    preflight_task_timeout_s: float = option(
-        300.0,
-        "The preflight's bound on one task, its revert or reset and its setup: a task not "
-        "set up within it is left out with 'timeout' as its reason. (A signal stops the "
-        "preflight at once, whatever this is.)",
-    )
-    eval_runs_per_task: int = option(
-        16,
-        "Episodes per task in the final evaluation, and in the starting policy's (0: none).",
-    )
-    eval_temperature: float = option(0.6, "Sampling temperature of the evaluations.")
-    prefill_runs_per_task: int = option(
-        16,
-        "Before training, run the starting policy this many times per simulated task at the "
-        "rollout sampling settings (`arpo collect` into <run_dir>/prefill) and start ARPO's "
-        "replay buffers with its successes (learner.assemble.replay.prefill); skipped when "
-        "the run has no simulated desktops or learner.assemble.replay.prefill names "
-        "successes already collected. 0: the buffers start empty (the reference; the "
-        "paper's pipeline has this step; docs/results/demo.md has what it changes).",
-    )
-    prefill_demos: bool = option(
-        False,
-        "Also start the replay buffers with the warm start's oracle demonstrations, scored "
-        "by the warm-start model at the rollout sampling settings (their behaviour "
-        "log-probs are the warm start's, so replaying them is off-policy data the "
-        "importance weight corrects): every task then has a success to replay from the "
-        "first iteration, also where the starting policy never succeeds (long tasks).",
-    )
-    prefill_demos_from_turns: int = option(
-        3,
-        "Without prefill_demos, still start the replay buffers with the demonstrations of "
-        "the multi-step tasks: those whose oracle needs at least this many turns (its "
-        "steps and DONE: every multi-step family of the simulated desktop needs 3-14, a "
-        "single click 2). 0: only with prefill_demos. docs/results/long-tasks.md has the "
-        "runs that chose the default.",
-    )
-    eval_warm_start: bool = option(
-        True,
-        "Also evaluate the starting policy before training, with the same protocol, and "
-        "report trained minus start with its standard error.",
-    )
-    learner: LearnerConfig = option(
-        _default_learner(),
-        "The learner (run_dir, tasks, trainer.model and the endpoints are set by train).",
-    )
-    actor: ActorConfig = option(
-        _default_actor(),
-        "Template of every actor (envs, sim_envs, engine.model, endpoints are set by train).",
-    )
-
-    def validate(self) -> None:
-        if not self.run_dir:
-            fail("run_dir", "must name a folder")
-        for name, (most, why) in LIMITS.items():
-            if getattr(self, name) > most:
-                fail(name, f"is {getattr(self, name)}, at most {most}: {why}")
-        if self.vms:
-            from arpo_envs.vm.qemu import MachineConfig
-
-            per_vm, have = MachineConfig().memory_mb, _memory_total()
-            need = self.vms * per_vm * 2**20
-            if need > have:
-                fail(
-                    "vms",
-                    f"{self.vms} VMs of {per_vm} MB need {need / 2**30:.1f} GiB; "
-                    f"this machine has {have / 2**30:.1f} GiB",
-                )
-        if self.actors < 0 or self.sim_envs_per_actor < 0 or self.local_desktops < 0:
-            fail("actors", "actors, sim_envs_per_actor and local_desktops must be >= 0")
-        if self.vms < 0:
-            fail("vms", "must be >= 0")
-        if self.seed < 0:
-            fail("seed", "must be >= 0")
-        if self.base not in ("tiny", "reader"):
-            fail("base", f"must be 'tiny' or 'reader', got {self.base!r}")
-        if self.model and self.base != "tiny":
-            fail("base", f"builds the policy when model is ''; this run starts from {self.model}")
-        if not 1 <= self.reader_layers <= 30:
-            fail(
-                "reader_layers",
-                f"must be in [1, 30] (SmolLM2-135M has 30), got {self.reader_layers}",
-            )
-        if self.sft_lr < 0 or self.sft_lr != self.sft_lr:
-            fail("sft_lr", f"must be >= 0 (0: the base's own), got {self.sft_lr}")
-        if self.tiny_max_pixels and self.base != "tiny":
-            fail(
-                "tiny_max_pixels", "applies to base=tiny; the reader's image is a 256-pixel square"
-            )
-        if self.tiny_max_pixels:
-            from arpo.policy.tiny import TINY_MIN_PIXELS
-
-            if self.model:
-                fail(
-                    "tiny_max_pixels",
-                    f"applies to the tiny model only; {self.model}'s image budget is its "
-                    "saved processor's max_pixels (the actor and the learner both read it "
-                    "there: edit its processor config)",
-                )
-            if self.tiny_max_pixels < TINY_MIN_PIXELS:
-                fail("tiny_max_pixels", f"must be 0 or >= {TINY_MIN_PIXELS} (its min_pixels)")
-        if not self.tasks and self.sim_tasks_per_family < 1:
-            fail("sim_tasks_per_family", "must be >= 1 (tasks generated per family)")
-        if not self.tasks:
-            from arpo_envs.sim.tasks import FAMILIES
-
-            unknown = [f for f in self.sim_families if f not in FAMILIES]
-            if unknown or not self.sim_families:
-                fail(
-                    "sim_families",
-                    f"unknown {unknown or 'empty list'}; known: {', '.join(FAMILIES)}",
-                )
-        if self.vms and self.vm_fleet:
-            fail("vms", "and vm_fleet both name VMs; give one (vms starts a fleet for the run)")
-        if self.vm_fleet and (problem := fleet_problem(self.vm_fleet)):
-            fail("vm_fleet", problem)
-        if len(self.env_urls) > MAX_ENVS:
-            fail(
-                "env_urls", f"lists {len(self.env_urls)} URLs; one actor drives at most {MAX_ENVS}"
-            )
-        for u in self.env_urls:
-            if problem := url_problem(u):
-                fail("env_urls", problem)
-        for name in ("vm_pool", "env_urls_pool"):
-            if not getattr(self, name) or len(getattr(self, name)) > 1024:
-                fail(name, "must be a pool name of 1..1024 characters (e.g. 'desktop')")
-        envs = self.actors * self.sim_envs_per_actor + self.local_desktops + len(self.env_urls)
-        if envs + self.vms == 0 and not self.vm_fleet:
-            fail(
-                "actors",
-                "no environments: give actors and sim_envs_per_actor, local_desktops, vms, "
-                "vm_fleet or env_urls",
-            )
-        check_range(
-            "minutes", self.minutes, 0, 525_600, "a year at most; 0: until learner.iterations"
-        )
-        if self.minutes == 0 and self.learner.iterations == 0:
-            fail("minutes", "give minutes > 0 or learner.iterations > 0, or the run never ends")
-        check_range("max_restarts", self.max_restarts, 0, 1000, "restarts per process")
-        check_range("sft_epochs", self.sft_epochs, 1, LIMITS["sft_epochs"][0], "warm-start epochs")
-        check_seconds("progress_s", self.progress_s, "between progress lines", zero="0: none")
-        check_seconds(
-            "preflight_task_timeout_s",
-            self.preflight_task_timeout_s,
-            "the preflight's revert + setup of one task",
-        )
-        check_range("eval_temperature", self.eval_temperature, 0, MAX_TEMPERATURE, "0: greedy")
-        check_range(
-            "sft_target_nll",
-            self.sft_target_nll,
-            0,
-            100,
-            "mean NLL of a demonstration token that stops the warm start; 0: run all "
-            "sft_epochs; a uniform guess over Qwen's 151,665 tokens scores 12",
-        )
-        check_range(
-            "prefill_demos_from_turns",
-            self.prefill_demos_from_turns,
-            0,
-            MAX_STEPS_LIMIT + 1,
-            "turns of an oracle, DONE included; 0: only with prefill_demos",
-        )
-        if self.eval_runs_per_task < 0:
-            fail("eval_runs_per_task", "must be >= 0")
-        if self.prefill_runs_per_task < 0:
-            fail("prefill_runs_per_task", "must be >= 0 (0: no pre-fill)")
-        from arpo.actor.episode import EpisodeConfig
-
-        default = EpisodeConfig()
-        for name in ("temperature", "top_p"):
-            a, t = getattr(self.actor.episode, name), getattr(self.learner.trainer, name)
-            if a != getattr(default, name) and a != t:
-                fail(
-                    f"actor.episode.{name}",
-                    f"is {a} but learner.trainer.{name} is {t}: the learner owns the rollout "
-                    f"sampling settings and sends them with every grant, so the actors' "
-                    f"log-probs are the ones it scores; set learner.trainer.{name} only",
-                )
-        if problem := folder_problem(self.run_dir):
-            fail("run_dir", problem)
-        if self.model and (problem := model_problem(self.model)):
-            fail("model", problem)
-        # The pools are loaded here, before anything starts: a pool the learner cannot load
-        # (a duplicate id, a file that is not UTF-8, a missing folder) is refused on this
-        # command's output, naming the file and the task, instead of killing the learner.
-        if self.tasks and (problem := pool_problem(self.tasks)):
-            fail("tasks", problem)
-        if self.local_tasks and (problem := pool_problem(self.local_tasks)):
-            fail("local_tasks", problem)
-
-    def pool_actor_args(self) -> list[str]:
-        """Options of the local actor of an evaluation, selection or collection of this run's
-        simulated tasks: this run's desktops per actor, episode limits (steps, tokens) and what
-        the policy is shown (the observation type and its table budget)."""
-        ep = self.actor.episode
-        return [
-            f"sim_envs={max(1, self.sim_envs_per_actor)}",
-            f"episode.max_steps={ep.max_steps}",
-            f"episode.max_new_tokens={ep.max_new_tokens}",
-            f"episode.observation_type={ep.observation_type!r}",
-            f"episode.a11y_max_tokens={ep.a11y_max_tokens}",
-        ]
-
-
-_ONE_MACHINE = (
-    "`arpo train` starts every process and environment on this machine (for more, start "
-    "`arpo-actor` on other machines: docs/guides/scaling.md)"
-)
-LIMITS = {
-    "actors": (256, _ONE_MACHINE),
-    "sim_envs_per_actor": (1024, _ONE_MACHINE),
-    "local_desktops": (64, _ONE_MACHINE),
-    "vms": (64, _ONE_MACHINE),
-    "sim_tasks_per_family": (10_000, "tasks generated per family"),
-    "eval_runs_per_task": (10_000, "evaluation episodes per task"),
-    "prefill_runs_per_task": (10_000, "pre-fill episodes per task"),
-    "sft_epochs": (10_000, "warm-start epochs (sft_target_nll usually stops them earlier)"),
-}
-"""Largest accepted value of these TrainConfig fields, and what they count: a typo of a few
-zeros started a hundred thousand processes, or a run that never ends."""
-
-
-def _memory_total() -> int:
-    """Bytes of memory of this machine (MemTotal)."""
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemTotal:"):
-            return int(line.split()[1]) * 1024
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 @dataclass
@@ -511,15 +80,6 @@ class _Proc:
                     os.killpg(p.pid, signal.SIGKILL)
                 p.wait(30)
         return p.returncode
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    """The JSON object in `path`, {} when it is missing or half-written."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
 
 
 def _learner_error(log_path: Path) -> str:
@@ -613,10 +173,8 @@ class TrainRun:
         self.run_dir = Path(self.config.run_dir).resolve()
         self.procs: list[_Proc] = []
         self.learner: _Proc | None = None
-        self.desktop_state: Path | None = None
-        """State file of the run's local desktops, known before their `up` (for `down`)."""
-        self.vm_state: Path | None = None
-        """State file of the run's VM fleet, known before its `up` (for `down`)."""
+        self.envs = Bringup(self.run_dir)
+        """The run's local desktops and VM fleet (`arpo.env.bringup`), stopped by `_shutdown`."""
         self.restarts: dict[str, int] = {}
         self.summary: dict[str, Any] = {}
         self.warm_eval: dict[str, Any] | None = None
@@ -762,26 +320,14 @@ class TrainRun:
         return _Proc(f"actor-{i}", args, self.run_dir / "logs" / f"actor-{i}.log")
 
     def _vm_fleet(self) -> str:
-        """The run's own fleet (vms > 0): started here, stopped by _shutdown."""
-        from arpo_envs.vm.fleet import FleetConfig, up
+        """The run's own fleet (vms > 0), in <run_dir>/vms: its state file."""
+        return str(self.envs.start_vms(self.config.vms, self.run_dir / "vms"))
 
-        cfg = FleetConfig(n=self.config.vms, dir=str(self.run_dir / "vms"))
-        self.vm_state = cfg.state_file
-        log.info("starting %d VMs (the test image; the first start makes its snapshot)", cfg.n)
-        up(cfg, announce=lambda s: log.info("fleet: %s", s))
-        return str(cfg.state_file)
-
-    def _desktops(self) -> tuple[list[str], list[str]]:
-        """The run's local desktops: their URLs and each one's own bearer token."""
-        from arpo_envs.desktop.fleet import FleetConfig, up
-
-        # a tree in the prompt: the desktops serve their apps' AT-SPI trees
+    def _desktops(self) -> list[EnvSpec]:
+        """The run's local desktops, each with its own bearer token; with an observation
+        type that shows a tree they serve their apps' AT-SPI trees."""
         tree = self.config.actor.episode.observation_type != "screenshot"
-        cfg = FleetConfig(n=self.config.local_desktops, base_port=0, atspi=tree,
-                          state_file=self.run_dir / "desktops.json", tokens=True)  # fmt: skip
-        self.desktop_state = cfg.state_file
-        fleet = up(cfg, announce=lambda s: log.info("desktop: %s", s))
-        return [e.url for e in fleet.envs], [e.token for e in fleet.envs]
+        return self.envs.start_desktops(self.config.local_desktops, atspi=tree)
 
     # ---- the run -----------------------------------------------------------------------
 
@@ -861,7 +407,7 @@ class TrainRun:
                     self.procs.append(self._actor_proc(i, model, data, control, envs=[],
                                       sim_envs=cfg.sim_envs_per_actor))  # fmt: skip
             if desktops is not None:
-                urls, tokens = desktops
+                urls, tokens = [e.url for e in desktops], [e.token for e in desktops]
                 self.procs.append(self._actor_proc(len(self.procs), model, data, control,
                                                    envs=urls, env_tokens=tokens,
                                                    sim_envs=0))  # fmt: skip
@@ -872,7 +418,8 @@ class TrainRun:
             if cfg.env_urls:
                 self.procs.append(self._actor_proc(len(self.procs), model, data, control,
                                                    envs=list(cfg.env_urls), sim_envs=0,
-                                                   env_pool=cfg.env_urls_pool))  # fmt: skip
+                                                   env_tokens=list(cfg.env_tokens),
+                                                   env_pool=cfg.env_pool))  # fmt: skip
             self.learner.start()
             for p in self.procs:
                 p.start()
@@ -923,20 +470,9 @@ class TrainRun:
                     os.killpg(group, signal.SIGKILL)
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
-        with contextlib.suppress(Exception):
-            if self.desktop_state is not None:
-                from arpo_envs.desktop.fleet import down
+        self.envs.stop(now=True)
 
-                down(self.desktop_state, grace_s=0.0, announce=lambda s: None)
-        with contextlib.suppress(Exception):
-            if self.vm_state is not None:
-                from arpo_envs.vm.fleet import down as vm_down
-
-                vm_down(self.vm_state, announce=lambda s: None)
-
-    def _preflight(
-        self, tasks: str, desktops: tuple[list[str], list[str]] | None, fleet: str
-    ) -> dict[str, str]:
+    def _preflight(self, tasks: str, desktops: list[EnvSpec] | None, fleet: str) -> dict[str, str]:
         """Every task set up once on an environment of its pool, no agent
         (`arpo.pool.audit`); the tasks that failed -> why, written to
         <run_dir>/preflight.{json,md} and <run_dir>/left_out.json (the learner's
@@ -946,7 +482,7 @@ class TrainRun:
 
         from arpo.env.task import load_pool
         from arpo.env.taskfiles import BlobCache, FileSource, TaskFiles
-        from arpo.pool.audit import EnvSpec, audit_tasks, summarize
+        from arpo.pool.audit import audit_tasks, summarize
 
         cfg = self.config
         index = TaskFiles()
@@ -954,16 +490,12 @@ class TrainRun:
         runner = cfg.actor.runner.runner_config(reset_before_setup=cfg.actor.reset_before_setup)
         specs: dict[str, list[EnvSpec]] = {}
         if desktops is not None:
-            specs["desktop"] = [
-                EnvSpec(u, token=t, provider="desktop", runner=runner)
-                for u, t in zip(*desktops, strict=True)
-            ]
+            specs[DESKTOP_POOL] = [replace(e, runner=runner) for e in desktops]
         if fleet:
             specs.setdefault(cfg.vm_pool, []).extend(EnvSpec.fleet_vms(fleet, runner))
         kind = "desktop" if cfg.actor.reset_before_setup else "static"
-        specs.setdefault(cfg.env_urls_pool, []).extend(
-            EnvSpec(u, token=cfg.actor.env_token, provider=kind, runner=runner)
-            for u in cfg.env_urls
+        specs.setdefault(cfg.env_pool, []).extend(
+            cfg.url_specs(kind, runner, token=cfg.actor.env_token)
         )
         sims = min(4, cfg.actors * cfg.sim_envs_per_actor)
         t0 = time.monotonic()
@@ -1066,7 +598,7 @@ class TrainRun:
                 continue
             last_progress = time.monotonic()
             rows = read_metrics(metrics) if metrics.exists() else []
-            waiting = _read_json(status)
+            waiting = read_json_object(status)
             for tid, r in (waiting.get("tasks_out") or {}).items():
                 if tid not in told_out:
                     told_out.add(tid)
@@ -1268,14 +800,7 @@ class TrainRun:
         if self.learner is not None:
             code = self.learner.stop(timeout=600)
             log.info("learner stopped (code %s)", code)
-        if self.desktop_state is not None:
-            from arpo_envs.desktop.fleet import down
-
-            down(self.desktop_state)
-        if self.vm_state is not None:
-            from arpo_envs.vm.fleet import down as vm_down
-
-            vm_down(self.vm_state, announce=lambda s: log.info("VMs: %s", s))
+        self.envs.stop()
 
     # ---- results -----------------------------------------------------------------------
 
@@ -1300,7 +825,7 @@ class TrainRun:
             out["signal"] = self.signalled
         if self.preflight_report is not None:
             out["preflight"] = self.preflight_report
-        status = _read_json(learner_dir / "tasks_out.json")
+        status = read_json_object(learner_dir / "tasks_out.json")
         out["tasks_out"] = status.get("tasks_out", {})
         out["groups_given_up"] = status.get("groups_given_up", 0)
         if self.warm_eval is not None:
@@ -1319,7 +844,7 @@ class TrainRun:
             out["eval_success_rate"] = ev["success_rate"]
             out["eval_trained"] = ev
             if self.warm_eval is not None:
-                out["eval_gain"] = _gain(self.warm_eval, ev)
+                out["eval_gain"] = eval_gain(self.warm_eval, ev)
         if rows:
             out["plot"] = str(plot_curves(
                 rows, self.run_dir / "curve.png", warm_start=self.warm_eval,
@@ -1351,203 +876,10 @@ def _warm_start_observation(sft_dir: Path) -> str:
     return str((info.get("sft") or {}).get("observation_type", "screenshot"))
 
 
-def _gain(warm: dict[str, Any], trained: dict[str, Any]) -> dict[str, float]:
-    """Trained minus warm-start success rate and its standard error (independent
-    evaluations of the same tasks with the same protocol)."""
-    diff = trained["success_rate"] - warm["success_rate"]
-    se = (warm["se"] ** 2 + trained["se"] ** 2) ** 0.5
-    return {"points": 100 * diff, "se_points": 100 * se}
-
-
-def account(run_dir: Path, checkpoint: Path | None) -> dict[str, Any]:
-    """Where every trajectory the actors finished went.
-
-    Finished (the actors' spool ledgers, by status) against: trained (the learner's
-    `trained.log`, as of the final checkpoint), dropped by the learner with a reason
-    (stale, replaced by a replayed success, invalid, ...), still in the store (the final
-    checkpoint's snapshot) or in the journal after it, still in an actor's spool (never
-    acknowledged), or kept aside there as refused for good by the learner. `unaccounted` lists `ok` trajectories found in none of them;
-    `trained_twice` counts fresh trajectories trained in two iterations. Both must be 0."""
-    import collections
-
-    from arpo import store_item, wire
-    from arpo.actor.spool import REFUSED, SUFFIX, read_ledger
-    from arpo.buffer import ReplayStore
-    from arpo.learner.checkpoint import load_checkpoint
-    from arpo.service.journal import list_segments, read_segment, segment_path
-
-    finished: dict[str, tuple[str, str]] = {}
-    in_spool: set[str] = set()
-    refused: set[str] = set()
-    for d in sorted((run_dir / "spool").glob("*")):
-        finished.update(read_ledger(d))
-        in_spool |= {p.name[: -len(SUFFIX)] for p in d.glob("*" + SUFFIX)}
-        refused |= {p.name[: -len(SUFFIX)] for p in (d / REFUSED).glob("*" + SUFFIX)}
-    trained: collections.Counter[str] = collections.Counter()
-    dropped: dict[str, str] = {}
-    ledger = run_dir / "learner" / "trained.log"
-    if ledger.exists():
-        for line in ledger.read_text(encoding="utf-8").splitlines():
-            parts = line.split("\t")
-            if len(parts) != 3:
-                continue
-            if parts[2] == "fresh":
-                trained[parts[1]] += 1
-            elif parts[2].startswith("dropped_"):
-                dropped[parts[1]] = parts[2][len("dropped_") :]
-    in_store: set[str] = set()
-    in_journal: set[str] = set()
-    if checkpoint is not None:
-        ck = load_checkpoint(checkpoint, verify=False)
-        if ck.store_path is not None:
-            store = ReplayStore.restore(ck.store_path)
-            for task in store.tasks():
-                n = store.fresh_len(task)
-                if n:
-                    in_store |= {store_item.from_item(i).trajectory_id
-                                 for i in store.take_group(task, n, timeout=0)}  # fmt: skip
-            store.close()
-        journal = run_dir / "learner" / "journal"
-        for seg in list_segments(journal):
-            if ck.journal_segment is not None and seg >= ck.journal_segment:
-                for rec in read_segment(segment_path(journal, seg)):
-                    in_journal.add(wire.decode(rec.frames).trajectory_id)
-    ok = {tid for tid, (status, _) in finished.items() if status == "ok"}
-    accounted = set(trained) | set(dropped) | in_store | in_journal | in_spool | refused
-    unaccounted = sorted(ok - accounted)
-    return {
-        "finished": len(finished),
-        "finished_by_status": dict(collections.Counter(st for st, _ in finished.values())),
-        "trained": len(set(trained) & ok),
-        "dropped_by_reason": dict(collections.Counter(dropped[t] for t in set(dropped) & ok)),
-        "in_store": len(in_store & ok),
-        "in_journal": len(in_journal & ok),
-        "in_spool": len(in_spool & ok),
-        "refused": len(refused & ok),
-        "unaccounted": len(unaccounted),
-        "unaccounted_ids": unaccounted[:20],
-        # every task out of the run: why, and how many of its trajectories were dropped
-        "tasks_out": {
-            t: {"reason": r.get("reason", ""), "dropped": r.get("dropped", 0)}
-            for t, r in (
-                _read_json(run_dir / "learner" / "tasks_out.json").get("tasks_out") or {}
-            ).items()
-        },
-        "trained_twice": sum(1 for n in trained.values() if n > 1),
-    }
-
-
 def _local_suite() -> Path:
     import arpo_envs.tasks as t
 
     return Path(t.__file__).parent / "local"
-
-
-def _ema(values: list[float], alpha: float = 0.15) -> list[float]:
-    out, m = [], None
-    for v in values:
-        m = v if m is None else alpha * v + (1 - alpha) * m
-        out.append(m)
-    return out
-
-
-def plot_curves(
-    rows: list[dict[str, Any]],
-    path: Path,
-    warm_start: dict[str, Any] | float | None = None,
-    eval_temperature: float = 0.6,
-    trained: dict[str, Any] | None = None,
-    rollout_temperature: float | None = None,
-) -> Path:
-    """Training success and mean reward against iteration, as a PNG: each training
-    iteration's value faint, its exponential moving average (alpha 0.15) solid, labelled
-    with the rollout temperature; the warm start's evaluation (`warm_start`: an evaluation
-    dict, or a success rate) at iteration 0 and the trained policy's (`trained`) at the last
-    iteration as points with 95 % error bars (1.96 standard errors), at `eval_temperature`."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    steps = [r["step"] for r in rows]
-    t_roll = "" if rollout_temperature is None else f", T={rollout_temperature:g}"
-    fig, ax = plt.subplots(1, 2, figsize=(10, 3.8))
-    for a, key, label in (
-        (ax[0], "charts/success_rate", "success rate"),
-        (ax[1], "charts/reward_mean", "mean reward"),
-    ):
-        pts = [(s, r.get(key)) for s, r in zip(steps, rows, strict=True) if r.get(key) is not None]
-        if pts:
-            xs, ys = [p[0] for p in pts], [float(p[1]) for p in pts]
-            a.plot(xs, ys, color="tab:blue", alpha=0.25, linewidth=0.8,
-                   label=f"training episodes{t_roll}")  # fmt: skip
-            a.plot(xs, _ema(ys), color="tab:blue", linewidth=2, label="training, smoothed (EMA)")
-        if key == "charts/success_rate":
-            last = steps[-1] if steps else 1
-            for x, ev, name, color in ((0, warm_start, "warm start", "grey"),
-                                       (last, trained, "trained", "tab:green")):  # fmt: skip
-                if ev is None:
-                    continue
-                p = ev if isinstance(ev, float | int) else ev.get("success_rate")
-                se = 0.0 if isinstance(ev, float | int) else float(ev.get("se") or 0.0)
-                if p is None:
-                    continue
-                a.errorbar([x], [p], yerr=[1.96 * se], fmt="o", color=color, capsize=4,
-                           label=f"{name}, evaluated (T={eval_temperature:g}, 95 % CI)")  # fmt: skip
-            a.set_ylim(-0.02, 1.02)
-        a.legend(fontsize=7, loc="best")
-        a.set_xlabel("iteration")
-        a.set_ylabel(label)
-        a.grid(alpha=0.3)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
-
-
-def verdict(gain: dict[str, float]) -> str:
-    """Whether training helped, in words: the difference and its 95 % interval."""
-    lo = gain["points"] - 1.96 * gain["se_points"]
-    hi = gain["points"] + 1.96 * gain["se_points"]
-    ci = f"{gain['points']:+.1f} points, 95 % CI {lo:+.1f} to {hi:+.1f}"
-    if lo > 0:
-        return f"Training helped: {ci} (the interval excludes 0)."
-    if hi < 0:
-        return f"Training made the policy worse: {ci} (the interval excludes 0)."
-    return f"No measurable effect: {ci} (the interval includes 0)."
-
-
-def comparison(out: dict[str, Any]) -> str:
-    """The starting and the trained policy's evaluations side by side (Markdown)."""
-    w, t = out.get("eval_warm_start"), out.get("eval_trained")
-    rows = ["| policy | success rate | standard error | episodes |", "|---|---:|---:|---:|"]
-    for name, ev in (("start (warm start)", w), ("trained", t)):
-        if ev:
-            rows.append(f"| {name} | {100 * ev['success_rate']:.1f} % | "
-                        f"{100 * ev['se']:.1f} | {ev['episodes']} |")  # fmt: skip
-    g = out.get("eval_gain")
-    if g:
-        rows.append(f"| trained - start | {g['points']:+.1f} points | {g['se_points']:.1f} | |")
-        rows += ["", verdict(g)]
-    wt, tt = (w or {}).get("by_task") or {}, (t or {}).get("by_task") or {}
-    pre = (out.get("prefill") or {}).get("successes")
-    if wt and tt:
-        # Per task: a gain overall can hide tasks that were lost while others were learned.
-        head, rule = "| task | start | trained | change |", "|---|---:|---:|---:|"
-        if pre is not None:
-            head, rule = head + " replay pre-fill |", rule + "---:|"
-        rows += ["", head, rule]
-        for task in sorted(set(wt) | set(tt)):
-            a, b = wt.get(task), tt.get(task)
-            cells = [f"{x['successes']}/{x['runs']}" if x else "-" for x in (a, b)]
-            d = b["successes"] - a["successes"] if a and b and a["runs"] == b["runs"] else None
-            line = (f"| {md_cell(task)} | {cells[0]} | {cells[1]} | "
-                    f"{'' if d is None else f'{d:+d}'} |")  # fmt: skip
-            if pre is not None:
-                line += f" {pre.get(task, '-')} |"
-            rows.append(line)
-    return "\n".join(rows)
 
 
 def main(cfg: TrainConfig) -> int:
@@ -1578,26 +910,3 @@ def main(cfg: TrainConfig) -> int:
     if out.get("signal") is not None and not out.get("finished"):
         return 128 + int(out["signal"])
     return 0
-
-
-def tasks_out_table(tasks_out: dict[str, Any]) -> str:
-    """The tasks that were out of the run (left out before it, or left during it), a line
-    each with their reason, failures and environments."""
-    lines = [f"{len(tasks_out)} task(s) out of the run:", "", "| task | failures | envs | "
-             "dropped | reason |", "|---|---|---|---|---|"]  # fmt: skip
-    for tid, r in sorted(tasks_out.items()):
-        reason = md_cell(r.get("reason", ""), 300)
-        lines.append(f"| {md_cell(tid)} | {r.get('failures', 0)} | {r.get('envs', 0)} | "
-                     f"{r.get('dropped', 0)} | {reason} |")  # fmt: skip
-    return "\n".join(lines)
-
-
-def preflight_markdown(audits: Sequence[Any], seconds: float) -> str:
-    """`<run_dir>/preflight.md`: a line per task of the preflight (`TaskAudit`s), its pool,
-    its setup's seconds and why it was left out ("ok" when it was not)."""
-    left_out = sum(a.verdict != "ok" for a in audits)
-    lines = [f"# Preflight: {len(audits)} tasks set up once, {left_out} left out ({seconds} s)",
-             "", "| task | pool | setup s | reason |", "|---|---|---|---|"]  # fmt: skip
-    lines += [f"| {md_cell(a.task_id)} | {md_cell(a.pool)} | {a.setup_s:.1f} | "
-              f"{md_cell(a.reason, 300) or 'ok'} |" for a in audits]  # fmt: skip
-    return "\n".join(lines) + "\n"
