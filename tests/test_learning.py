@@ -36,7 +36,11 @@ kept), +7.5 (27.5 % -> 35.0 %, 5 kept; one task fell from 5/16 to 0/16), +38.5 (
 77.1 %, 6 kept) and +35.0 (26.2 % -> 61.3 %, 5 kept). A check of one run against a margin
 that separates learning from its opposite (the sign flipped: about -30) fails now and then
 on a healthy learner, so the test command does not run it; `make test-all` runs both, and
-`make demo` prints the same comparison on 55 tasks. What the test command keeps of them:
+`make demo` prints the same comparison on 55 tasks. The test command checks that training
+learns with `test_learning_check` instead: one seeded, deterministic run of the same
+pipeline, serial, on a task only replay can teach, which fails with the advantage's sign
+flipped, a learning rate of 0, replay never triggered or replayed tokens weighted 1
+(tests/learning_check.py). What the test command keeps of these runs besides:
 `test_demo_config` (`make demo`'s own configuration through `arpo train`, every iteration
 trained, every trajectory accounted for), `test_loss` (the gradient's sign follows the
 advantage), `test_learner` (a real actor applies the learner's published weights, the
