@@ -393,7 +393,7 @@ class Trajectory:
     """The environment that ran the episode (its URL or name; "" when not recorded)."""
     branch: Branch | None = None
     """Its place in a tree rollout (None: an episode of its own, from the task's start)."""
-    observation: str = "screenshot"
+    observation_type: str = "screenshot"
     """What the model was shown each turn (one of OBSERVATION_TYPES). The turns' prompt ids
     hold it all (a table's tokens), their PNGs the images as shown (for `som` with the marks
     drawn; none for `a11y_tree`), so the learner scores exactly what was sampled; this says
@@ -449,17 +449,17 @@ class Trajectory:
                     f"trajectory.branch: branch point at turn {self.branch.steps[-1]} of an "
                     f"episode of {len(turns)} turns"
                 )
-        if self.observation not in OBSERVATION_TYPES:
+        if self.observation_type not in OBSERVATION_TYPES:
             raise RecordError(
-                f"trajectory.observation must be one of {', '.join(OBSERVATION_TYPES)}, got "
-                f"{self.observation!r:.60}"
+                f"trajectory.observation_type must be one of {', '.join(OBSERVATION_TYPES)}, got "
+                f"{self.observation_type!r:.60}"
             )
-        if self.observation != "som":
+        if self.observation_type != "som":
             for i, t in enumerate(turns):
                 if t.marks_source:
                     raise RecordError(
                         f"trajectory.turns[{i}].marks_source is {t.marks_source!r} but the "
-                        f"observation is {self.observation!r}: only som turns have marks"
+                        f"observation is {self.observation_type!r}: only som turns have marks"
                     )
         for name, limit in (("error", MAX_ERROR_CHARS), ("env", 1024)):
             v = getattr(self, name)
@@ -522,7 +522,7 @@ class Trajectory:
             and self.error == other.error
             and self.env == other.env
             and self.branch == other.branch
-            and self.observation == other.observation
+            and self.observation_type == other.observation_type
             and self.turns == other.turns
         )
 

@@ -10,7 +10,8 @@ Trajectory (kind 1): header keys `tid task group slot actor score fmt reward
 status timings turns error env branch obs` (`error`, `env`, `branch` and `obs` may be left
 out by records written before they existed: "", "", nil and "screenshot"; `branch` is nil or
 `{"tree", "path", "steps"}`, the leaf's place in a tree rollout, `arpo.record.Branch`; `obs`
-the observation type, `arpo.record.OBSERVATION_TYPES`), where `turns` is a list of
+the observation type, `Trajectory.observation_type`, one of `arpo.record.OBSERVATION_TYPES`;
+the wire keeps its short key, which peers of every version read), where `turns` is a list of
 `[n_prompt, n_response, n_png, policy_version, parsed, action, temperature, top_p,
 marks_source]` (the sampling settings the turn was drawn with, and what made a som turn's
 marks: "tree", "ocr", or "" for the other types, `arpo.record.Turn.marks_source`; the
@@ -621,7 +622,7 @@ def trajectory_header(traj: Trajectory) -> dict[str, Any]:
         "error": traj.error,
         "env": traj.env,
         "branch": None if traj.branch is None else traj.branch.to_json(),
-        "obs": traj.observation,
+        "obs": traj.observation_type,
         "turns": [
             [
                 len(t.prompt_ids),
@@ -1007,7 +1008,9 @@ def assemble_trajectory(
             error=_get(header, "error", str, "a string") if "error" in header else "",
             env=_get(header, "env", str, "a string") if "env" in header else "",
             branch=None if header.get("branch") is None else Branch.from_json(header["branch"]),
-            observation=_get(header, "obs", str, "a string") if "obs" in header else "screenshot",
+            observation_type=_get(header, "obs", str, "a string")
+            if "obs" in header
+            else "screenshot",
         )
     except RecordError as e:
         raise WireError(f"invalid trajectory: {e}") from None

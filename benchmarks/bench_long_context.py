@@ -33,7 +33,7 @@ Every turn of an episode shows the whole episode so far (`history_images` = 15),
 k's prompt holds k observations and k - 1 responses. For each (family, type, episode length
 k), in a fresh process (so the peak memory is that row's): the tiny Qwen2.5-VL built from
 its config, the k observations of episode 0 and k responses of `--response` random tokens
-put together by the real prompt builder (`EpisodePrompt(..., observation=type)`), then
+put together by the real prompt builder (`EpisodePrompt(..., observation_type=type)`), then
 
 - tokens: per turn, what a turn's observation adds to the prompt (the actor's
   `Turn.prompt_ids`, without the first turn's system prompt and instruction), of which the
@@ -216,7 +216,7 @@ def one_length(model_dir: str, obs_file: str, kind: str, turns: int, response: i
 
     def new_prompt(e: int) -> EpisodePrompt:
         return EpisodePrompt(tok, instructions[e], min_pixels=lo, max_pixels=hi,
-                             history_images=history, observation=shown_as)  # fmt: skip
+                             history_images=history, observation_type=shown_as)  # fmt: skip
 
     resps = [random_response(rng, tok, response) for _ in range(turns)]
     prompt = new_prompt(0)
@@ -238,7 +238,7 @@ def one_length(model_dir: str, obs_file: str, kind: str, turns: int, response: i
         for k in range(turns)
     ]  # fmt: skip
     traj = Trajectory("bench", tuple(turn_records), 1.0, reward=1.0, status=Status.OK,
-                      group_id="bench", observation=shown_as)  # fmt: skip
+                      group_id="bench", observation_type=shown_as)  # fmt: skip
     item = store_item.to_item(traj)
     # Correct before timed: the learner takes the episode, the prompt shows what the type shows.
     assert check_item(item, proc, trainer.image_token_id, vocab_size=len(tok)) is None

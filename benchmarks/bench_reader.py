@@ -96,7 +96,7 @@ def measure(folder: str, args: argparse.Namespace) -> dict:
             never = len(proc.tokenizer) + 10  # no stop token: exactly max_new_tokens
             prompts = []
             for _ in range(args.batch):
-                ep = EpisodePrompt.from_processor(proc, INSTRUCTION, observation="som")
+                ep = EpisodePrompt.from_processor(proc, INSTRUCTION, observation_type="som")
                 ids = ep.add_observation(png, table)
                 prompts.append((ep, ids))
             out["prompt_tokens"] = len(prompts[0][1])

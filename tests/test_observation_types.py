@@ -88,7 +88,7 @@ def test_each_observation_type_through_a_simulated_desktop(processor, kind):
     traj, png, xml = _run(task, policy, cfg)
 
     assert traj.status == Status.OK and traj.checker_score == 1.0, traj.error
-    assert traj.observation == kind and traj.format_reward == 0.0
+    assert traj.observation_type == kind and traj.format_reward == 0.0
     assert all(t.parsed for t in traj.turns)
     first = traj.turns[0]
 
@@ -117,7 +117,7 @@ def test_each_observation_type_through_a_simulated_desktop(processor, kind):
 
     # The record round-trips the wire and the replay store, observation type included.
     back = wire.decode(wire.encode(traj))
-    assert back == traj and back.observation == kind
+    assert back == traj and back.observation_type == kind
     item = store_item.to_item(traj)
     assert store_item.from_item(item) == traj
 
@@ -175,7 +175,7 @@ def test_a_som_tree_rollout_forks_with_its_observation_type():
     assert not back and len(trajs) == 4
     tok = ScriptedPolicy().tokenizer
     for t in trajs:
-        assert t.status == Status.OK and t.checker_score == 1.0 and t.observation == "som"
+        assert t.status == Status.OK and t.checker_score == 1.0 and t.observation_type == "som"
         assert t.branch is not None
         last = tok.decode(t.turns[-2].response_ids.tolist())
         assert "click(mark=" in last  # the submit button, after the last fork
@@ -237,7 +237,7 @@ def test_prompt_ids_equal_the_chat_template(processor, kind):
     image = None if kind == "a11y_tree" else img
     lo, hi = pixel_bounds(processor)
     ep = EpisodePrompt(processor.tokenizer, "Click OK.", min_pixels=lo, max_pixels=hi,
-                       observation=kind)  # fmt: skip
+                       observation_type=kind)  # fmt: skip
     table = 'tag\tname\ntable-cell\tA1 "x"\npush-button\tOK'
     ep.add_observation(image, table)
     ep.add_response(processor.tokenizer.encode("Action: wait()<|im_end|>"))
@@ -258,17 +258,17 @@ def test_prompt_refuses_pieces_that_do_not_match_its_type():
         ("screenshot", None, "t"),
     ]:
         ep = EpisodePrompt(tok, "x", min_pixels=A.MIN_PIXELS, max_pixels=A.MAX_PIXELS,
-                           observation=kind)  # fmt: skip
+                           observation_type=kind)  # fmt: skip
         with pytest.raises(EngineError, match=f"a {kind} turn shows"):
             ep.add_observation(image, table)
 
 
 def test_the_screenshot_prompt_is_the_references_and_the_others_say_what_they_show():
-    assert computer_use_prompt("x") == computer_use_prompt("x", observation="screenshot")
+    assert computer_use_prompt("x") == computer_use_prompt("x", observation_type="screenshot")
     assert "action history, with screenshots. You need" in computer_use_prompt("x")
-    assert "click(mark=N)" in computer_use_prompt("x", observation="som")
-    assert "click(mark=N)" not in computer_use_prompt("x", observation="a11y_tree")
-    assert "screen pixels" in computer_use_prompt("x", observation="a11y_tree")
+    assert "click(mark=N)" in computer_use_prompt("x", observation_type="som")
+    assert "click(mark=N)" not in computer_use_prompt("x", observation_type="a11y_tree")
+    assert "screen pixels" in computer_use_prompt("x", observation_type="a11y_tree")
     assert "screen pixels" not in computer_use_prompt("x")
 
 
@@ -278,7 +278,7 @@ def test_config_and_record_refuse_unknown_types():
     with pytest.raises(ConfigError, match="a11y_max_tokens"):
         validate(EpisodeConfig(a11y_max_tokens=0))
     with pytest.raises(RecordError, match="observation"):
-        Trajectory("t", (), 0.0, observation="video")
+        Trajectory("t", (), 0.0, observation_type="video")
 
 
 def _header_frames(traj: Trajectory, edit) -> list:
@@ -294,10 +294,10 @@ def test_old_records_decode_as_screenshot_and_a_bad_type_is_refused():
     png = a11y.draw_marks(_tiny_png(), [])
     turn = Turn(np.arange(5, dtype=np.int32), png, np.arange(3, dtype=np.int32),
                 np.full(3, -0.5, np.float32), 0)  # fmt: skip
-    traj = Trajectory("t", (turn,), 1.0, observation="som")
-    assert wire.decode(wire.encode(traj)).observation == "som"
+    traj = Trajectory("t", (turn,), 1.0, observation_type="som")
+    assert wire.decode(wire.encode(traj)).observation_type == "som"
     old = wire.decode(_header_frames(traj, lambda h: h.pop("obs")))
-    assert old.observation == "screenshot"
+    assert old.observation_type == "screenshot"
     with pytest.raises(WireError, match="observation"):
         wire.decode(_header_frames(traj, lambda h: h.update(obs="video")))
     with pytest.raises(WireError, match="obs"):
@@ -326,7 +326,7 @@ def test_oracle_demonstrations_show_the_type_and_som_ones_click_by_mark(processo
     demos, report = record_demos(tasks, processor, n_envs=2, observation_type=kind)
     assert report["kept"] == 3 and len(demos) == 3, report
     for d in demos:
-        assert d.observation == kind and d.checker_score == 1.0
+        assert d.observation_type == kind and d.checker_score == 1.0
         said = [processor.tokenizer.decode(t.response_ids) for t in d.turns]
         clicks = [r for r in said if "click(" in r]
         assert len(clicks) >= 2, said

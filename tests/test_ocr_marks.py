@@ -116,7 +116,7 @@ def test_a_som_episode_from_ocr_clicks_by_mark_and_records_its_source():
 
     traj, png = asyncio.run(go())
     assert traj.status == Status.OK and traj.checker_score == 1.0, traj.error
-    assert traj.observation == "som" and [t.marks_source for t in traj.turns] == ["ocr"] * len(
+    assert traj.observation_type == "som" and [t.marks_source for t in traj.turns] == ["ocr"] * len(
         traj.turns
     )
     tok = policy.tokenizer

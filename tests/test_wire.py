@@ -565,7 +565,7 @@ def test_som_turns_carry_what_made_their_marks_and_old_records_read_as_the_tree(
     then, and "" for the other types; a source no actor writes is malformed input."""
     turns = (replace(_turn(1, n_resp=3), marks_source="ocr"),
              replace(_turn(2, n_resp=2), marks_source="tree"))  # fmt: skip
-    traj = Trajectory(task_id="t", turns=turns, checker_score=0.0, observation="som")
+    traj = Trajectory(task_id="t", turns=turns, checker_score=0.0, observation_type="som")
     frames = [bytes(f) for f in wire.encode(traj)]
     assert [x[8] for x in msgpack.unpackb(frames[1])["turns"]] == ["ocr", "tree"]
     back = wire.decode(frames)
@@ -585,7 +585,7 @@ def test_som_turns_carry_what_made_their_marks_and_old_records_read_as_the_tree(
     with pytest.raises(RecordError, match=r"turn\.marks_source must be one of"):
         replace(turns[0], marks_source="pixels")
     with pytest.raises(RecordError, match="only som turns have marks"):
-        replace(traj, observation="screenshot")
+        replace(traj, observation_type="screenshot")
 
 
 @pytest.mark.parametrize("bad", ["a\nb", "a\rb", "a\tb", " a", "a ", "a\u2028b", "a\x00b"])

@@ -263,7 +263,7 @@ def _prompt_for(
     if processor is not None:
         prompt = EpisodePrompt.from_processor(
             processor, instruction, history_images=cfg.history_images,
-            observation=cfg.observation_type,
+            observation_type=cfg.observation_type,
         )  # fmt: skip
     else:
         rule = getattr(policy, "image_rule", None) or ImageRule(
@@ -271,7 +271,7 @@ def _prompt_for(
         )
         prompt = EpisodePrompt(
             policy.tokenizer, instruction, rule=rule,
-            history_images=cfg.history_images, observation=cfg.observation_type,
+            history_images=cfg.history_images, observation_type=cfg.observation_type,
         )  # fmt: skip
     return prompt, prompt.rule
 
@@ -387,7 +387,7 @@ def _frame(run: EpisodeRun, kind: str, screen: tuple[int, int]) -> A.Frame:
 
 
 async def observe(env: Environment, run: EpisodeRun, cfg: EpisodeConfig) -> Observation:
-    """The turn's observation of type `run.prompt.observation`: the screenshot, then (as
+    """The turn's observation of type `run.prompt.observation_type`: the screenshot, then (as
     OSWorld takes them, in that order) the accessibility tree, linearised and filtered
     (`arpo.env.a11y`; som: marks chosen and drawn on a copy of the screenshot), cut to
     `cfg.a11y_max_tokens` of the policy's tokens. With som, `cfg.marks_source` says where
@@ -398,7 +398,7 @@ async def observe(env: Environment, run: EpisodeRun, cfg: EpisodeConfig) -> Obse
     environment goes to `timings["env"]`; building the table and drawing the marks (in a
     worker thread: tens of ms for a 1280x720 som from the tree, 0.5 to 5 s from OCR) to
     `timings["observe"]`."""
-    kind, timings = run.prompt.observation, run.timings
+    kind, timings = run.prompt.observation_type, run.timings
     source = cfg.marks_source if kind == "som" else "tree"
     t0 = time.perf_counter()
     png = xml = None
@@ -568,7 +568,7 @@ def trajectory(
         error="" if ok else error,
         env=env,
         branch=branch,
-        observation=cfg.observation_type,
+        observation_type=cfg.observation_type,
     )
 
 

@@ -163,13 +163,14 @@ class EpisodePrompt:
         system: str | None = None,
         task_text: str | None = None,
         prompt_kwargs: dict[str, Any] | None = None,
-        observation: str = "screenshot",
+        observation_type: str = "screenshot",
     ) -> None:
         if history_images < 1:
             raise ValueError(f"history_images must be >= 1, got {history_images}")
-        if observation not in OBSERVATION_TYPES:
+        if observation_type not in OBSERVATION_TYPES:
             raise ValueError(
-                f"observation must be one of {', '.join(OBSERVATION_TYPES)}, got {observation!r}"
+                f"observation_type must be one of {', '.join(OBSERVATION_TYPES)}, got "
+                f"{observation_type!r}"
             )
         self.tokenizer = tokenizer
         self.family = FAMILIES[family] if isinstance(family, str) else family
@@ -183,10 +184,10 @@ class EpisodePrompt:
         self.rule = rule
         """How a screenshot is shown (`arpo.policy.family.ImageRule`)."""
         self.history_images = history_images
-        self.observation = observation
+        self.observation_type = observation_type
         """What each turn shows (`arpo.record.OBSERVATION_TYPES`)."""
         sys_text, task = _system_and_task(
-            instruction, {"observation": observation, **(prompt_kwargs or {})}
+            instruction, {"observation_type": observation_type, **(prompt_kwargs or {})}
         )
         self.system = sys_text if system is None else system
         self.task_text = task if task_text is None else task_text
@@ -268,17 +269,17 @@ class EpisodePrompt:
         image and no table; the others both)."""
         if self._turns and not self._turns[-1].response:
             raise EngineError("add_response() must follow add_observation() before the next turn")
-        wants_image = self.observation != "a11y_tree"
-        wants_table = self.observation != "screenshot"
+        wants_image = self.observation_type != "a11y_tree"
+        wants_table = self.observation_type != "screenshot"
         if (image is not None) != wants_image or (table is not None) != wants_table:
             shows = {"screenshot": "a screenshot alone", "a11y_tree": "a table alone"}
             raise EngineError(
-                f"a {self.observation} turn shows "
-                f"{shows.get(self.observation, 'a screenshot and a table')}; got "
+                f"a {self.observation_type} turn shows "
+                f"{shows.get(self.observation_type, 'a screenshot and a table')}; got "
                 f"{'a' if image is not None else 'no'} screenshot and "
                 f"{'a' if table is not None else 'no'} table"
             )
-        text = observation_text(self.observation, table) if table is not None else ""
+        text = observation_text(self.observation_type, table) if table is not None else ""
         msg = [*self._user, *(self._encode(self.chat.text_lead + text) if text else [])]
         if image is not None:
             msg += self.family.image_block(self.tokenizer, self.image_tokens(image))

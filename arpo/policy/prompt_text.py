@@ -16,7 +16,7 @@ writes them for demonstrations and `with_box_tokens` restores the box tokens in 
 that was decoded with special tokens skipped (what OSWorld's agent does to its history).
 
 Other observation types (OSWorld's `observation_type`, `arpo.record.OBSERVATION_TYPES`):
-the task prompt says what the agent is given (`computer_use_prompt(observation=...)`; for
+the task prompt says what the agent is given (`computer_use_prompt(observation_type=...)`; for
 `som` the action space adds `click(mark=N)`, and with a table it notes that coordinates are
 screen pixels, the table's unit), and each turn's user message starts with OSWorld's own
 sentence around the table (`observation_text`), before the screenshot when there is one.
@@ -73,10 +73,11 @@ _OBSERVATION_TEXT = {
 """OSWorld's PromptAgent's user message of each turn, around the (trimmed) table."""
 
 
-def _check_observation(observation: str) -> None:
-    if observation not in OBSERVATION_TYPES:
+def _check_observation(observation_type: str) -> None:
+    if observation_type not in OBSERVATION_TYPES:
         raise ValueError(
-            f"observation must be one of {', '.join(OBSERVATION_TYPES)}, got {observation!r}"
+            f"observation_type must be one of {', '.join(OBSERVATION_TYPES)}, got "
+            f"{observation_type!r}"
         )
 
 
@@ -144,28 +145,28 @@ def computer_use_prompt(
     language: str = "English",
     call_user: bool = False,
     coords: CoordStyle = "box",
-    observation: str = "screenshot",
+    observation_type: str = "screenshot",
 ) -> str:
     """The first user turn: role, output format, action space, notes and the task instruction.
 
     `language` is the language the model should think in (the reference uses English);
-    `observation` what each turn shows (`arpo.record.OBSERVATION_TYPES`; "screenshot" gives
+    `observation_type` what each turn shows (`arpo.record.OBSERVATION_TYPES`; "screenshot" gives
     the reference's text).
     """
-    _check_observation(observation)
+    _check_observation(observation_type)
     if not isinstance(instruction, str) or not instruction.strip():
         raise ValueError("the instruction must be a non-empty string (the task's `instruction`)")
     if not isinstance(language, str) or not language.strip() or "\n" in language:
         raise ValueError(f"language must be a one-line name such as 'English', got {language!r}")
     return (
-        _HEADER.format(given=_GIVEN[observation])
+        _HEADER.format(given=_GIVEN[observation_type])
         + "\n## Action Space\n\n"
-        + action_space(call_user=call_user, coords=coords, marks=observation == "som")
+        + action_space(call_user=call_user, coords=coords, marks=observation_type == "som")
         + "\n\n## Note\n"
         + f"- Use {language} in `Thought` and `Action` part.\n"
         + "- Write a small plan and finally summarize your next action (with its target "
         "element) in one sentence in `Thought` part.\n"
-        + (_SCREEN_NOTE if observation != "screenshot" else "")
+        + (_SCREEN_NOTE if observation_type != "screenshot" else "")
         + "\n## User Instruction\n"
         + instruction
         + "\n"
