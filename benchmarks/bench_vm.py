@@ -43,9 +43,10 @@ import aiohttp
 from _machine import cpu_model
 from arpo_envs.fleet_records import Reverted, RevertRequest, decode, encode
 from arpo_envs.procs import free_port
-from arpo_envs.vm.fleet import FleetConfig, VMFleet, down, screenshot_ok, status, up
+from arpo_envs.vm.fleet import FleetConfig, VMFleet, down, status, up
 from arpo_envs.vm.image import build
 from arpo_envs.vm.qemu import Machine, MachineConfig, QemuVM
+from arpo_envs.vm.supervisor import screenshot_ok
 
 ROOT = Path(__file__).resolve().parent.parent
 PREFIX = "import pyautogui; import time; pyautogui.FAILSAFE = False; "

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from arpo_envs.desktop.atspi import NS
+from arpo_envs.a11y import NS
 from arpo_envs.sim.desktop import Desktop
 from arpo_envs.sim.interpreter import execute
 from arpo_envs.sim.tasks import FAMILIES, load_scene

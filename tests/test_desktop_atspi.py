@@ -17,7 +17,8 @@ import re
 import xml.etree.ElementTree as ET
 
 import pytest
-from arpo_envs.desktop.atspi import BUS_LAUNCHER, NS
+from arpo_envs.a11y import NS
+from arpo_envs.desktop.atspi import BUS_LAUNCHER
 from arpo_envs.procs import marked_pids
 from test_desktop_common import Desk, require_desktop, start_desk, stop_desk_proc
 from test_desktop_common import wait_until as until

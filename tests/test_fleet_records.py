@@ -202,8 +202,9 @@ def control(tmp_path: Path) -> Any:
     started, and `make_app` of it."""
     if shutil.which("qemu-system-x86_64") is None:
         pytest.skip("the fleet needs qemu-system-x86_64 (`make sysdeps`)")
-    from arpo_envs.vm.fleet import Fleet, FleetConfig, Member, make_app
+    from arpo_envs.vm.control import make_app
     from arpo_envs.vm.qemu import QemuVM
+    from arpo_envs.vm.supervisor import Fleet, FleetConfig, Member
 
     cfg = FleetConfig(dir=str(tmp_path / "fleet"), task_quarantine_vms=1,
                       snapshot_ram_dir=str(tmp_path / "ram"))  # fmt: skip

@@ -145,6 +145,44 @@ def test_the_services_the_learner_and_the_pool_runs_import_one_way() -> None:
     assert not broken, broken
 
 
+# (importer, imported, why): no module of the environment kind `importer` imports a module of
+# the kind `imported`. What two kinds share lies below both, in arpo_envs' top-level modules.
+KINDS_APART = [
+    ("arpo_envs.sim", "arpo_envs.desktop", "the simulated desktop runs without X or the desktop "
+     "extra; what it shares with the local desktop is in arpo_envs.png and arpo_envs.a11y"),
+    ("arpo_envs.desktop", "arpo_envs.sim", "the local desktop is no client of the simulated one; "
+     "what it shares with it is in arpo_envs.png and arpo_envs.a11y"),
+    ("arpo_envs.sim", "arpo_envs.vm", "the simulated desktop knows no VMs"),
+    ("arpo_envs.vm", "arpo_envs.sim", "the VM fleet runs real desktops, never simulated ones"),
+]  # fmt: skip
+
+
+def crossings(graph: dict[str, set[str]]) -> list[str]:
+    """Every import of one environment kind by another that KINDS_APART forbids."""
+    return [
+        f"{mod} imports {dep} ({why})"
+        for importer, imported, why in KINDS_APART
+        for mod, deps in sorted(graph.items())
+        if _inside(mod, importer)
+        for dep in sorted(deps)
+        if _inside(dep, imported)
+    ]
+
+
+def test_the_environment_kinds_import_nothing_of_each_other() -> None:
+    g = import_graph()
+    # the rule sees what the kinds share below them, and an import of one kind by another
+    assert {"arpo_envs.a11y", "arpo_envs.png"} <= g["arpo_envs.sim.desktop"]
+    assert "arpo_envs.png" in g["arpo_envs.desktop.screen"]
+    assert "arpo_envs.a11y" in g["arpo_envs.desktop.windows"]
+    crossed = {"arpo_envs.sim.desktop": {"arpo_envs.desktop.atspi", "arpo_envs.a11y"}}
+    assert crossings(crossed) == [
+        "arpo_envs.sim.desktop imports arpo_envs.desktop.atspi (" + KINDS_APART[0][2] + ")"
+    ]
+    broken = crossings(g)
+    assert not broken, broken
+
+
 def arpo_imports(source: str, filename: str = "<source>") -> list[str]:
     """Every import of the trainer package `arpo` in `source` ("line N: what"), wherever it is:
     at the top, inside a function, under `if TYPE_CHECKING:`, or by name through

@@ -16,9 +16,9 @@ import zlib
 
 import aiohttp
 import pytest
+from arpo_envs.png import BandPngEncoder, adler32_combine
 from arpo_envs.server_common import ServerSecurity, check_bind
 from arpo_envs.sim import LatencyConfig, SimConfig
-from arpo_envs.sim.png import BandPngEncoder, adler32_combine
 from arpo_envs.sim.server import running
 from PIL import Image, ImageDraw
 

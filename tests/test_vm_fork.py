@@ -340,8 +340,8 @@ def test_the_provider_turns_every_unusable_fleet_answer_into_an_env_error() -> N
 def test_a_snapshot_nobody_releases_is_released_by_the_fleet(tmp_path: Path) -> None:
     """The timer every snapshot starts: at `snapshot_ttl_s` the fleet releases it (its files
     deleted) and says so in its events (a saved state of files only: no VM needed)."""
-    from arpo_envs.vm.fleet import Fleet, Snapshot
     from arpo_envs.vm.qemu import SavedState
+    from arpo_envs.vm.supervisor import Fleet, Snapshot
 
     async def main() -> list[dict[str, Any]]:
         cfg = FleetConfig(dir=str(tmp_path / "fleet"), snapshot_ttl_s=0.3,

@@ -9,7 +9,9 @@ actor cannot tell one from an OSWorld VM:
 
 `server_common` holds what every server shares (auth, JSON errors, request
 helpers); `sim` is the simulated desktop, `desktop` the local one, `vm` QEMU VMs.
-What both fleets (N local desktops, N VMs) share: `fleet` (their one interface: `up`,
+What the two desktops share lies below both: `png` (the band PNG encoder) and `a11y`
+(the namespaces of OSWorld's accessibility tree). What both fleets (N local desktops, N
+VMs) share: `fleet` (their one interface: `up`,
 `status`, `down` and the handle `up` returns), `fleet_records` (the typed, versioned
 records of their state files and of the VM fleet's control API) and `procs` (processes:
 finding, killing, free ports).

@@ -1,6 +1,6 @@
 """The records the fleets exchange: the VM fleet's control API, both fleets' state files, status.
 
-Every body of the VM fleet's control API (`arpo_envs.vm.fleet.make_app`; its client is
+Every body of the VM fleet's control API (`arpo_envs.vm.control.make_app`; its client is
 `arpo.env.provider.FleetVMProvider`), both state files (a VM fleet's `<dir>/fleet.json`, the
 local desktops' state file of `arpo-envs up`) and the status of either fleet is one of the
 records below: a frozen, slotted dataclass carrying `version`, written as a JSON object by

@@ -40,19 +40,10 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
+from arpo_envs.a11y import NS
 from arpo_envs.procs import descendants, disown, own, set_parent_death_signal
 
 log = logging.getLogger("arpo_envs.desktop.atspi")
-
-NS = {
-    "st": "https://accessibility.ubuntu.example.org/ns/state",
-    "attr": "https://accessibility.ubuntu.example.org/ns/attributes",
-    "cp": "https://accessibility.ubuntu.example.org/ns/component",
-    "val": "https://accessibility.ubuntu.example.org/ns/value",
-    "act": "https://accessibility.ubuntu.example.org/ns/action",
-}
-for _prefix, _uri in NS.items():
-    ET.register_namespace(_prefix, _uri)
 
 MAX_DEPTH = 50
 """Deepest level walked (OSWorld's MAX_DEPTH)."""

@@ -2,12 +2,12 @@
 
 Xvfb's framebuffer has no pointer in it; like OSWorld's server, which pastes the
 cursor image in, mss draws the current cursor image (XFixes) at its position. The PNG
-is written by the simulated desktop's band encoder (`sim.png`: no row filters, zlib
-level 1, and only the bands that changed since the last screenshot are compressed
-again): Pillow's encoder spends most of its time choosing row filters (~4x slower on
-a Calc screen). mss and
-python-xlib connections are not thread-safe, so every grab runs on one worker thread
-that owns both; `reconnect()` drops them after the X server restarted.
+is written by the band encoder the simulated desktop uses too (`arpo_envs.png`: no row
+filters, zlib level 1, and only the bands that changed since the last screenshot are
+compressed again): Pillow's encoder spends most of its time choosing row filters (~4x
+slower on a Calc screen). mss and python-xlib connections are not thread-safe, so every
+grab runs on one worker thread that owns both; `reconnect()` drops them after the X
+server restarted.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from PIL import Image
 
-from arpo_envs.sim.png import BandPngEncoder
+from arpo_envs.png import BandPngEncoder
 
 
 class Screen:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from Xlib import X, display, error
 
-from arpo_envs.desktop.atspi import NS
+from arpo_envs.a11y import NS
 
 NS_STATE, NS_COMPONENT = NS["st"], NS["cp"]
 

@@ -6,11 +6,14 @@ real desktop where a test names it. Parts, one file per job:
 - `host`: what a widget may ask of its desktop (the protocol both sides share);
 - `widgets`: buttons, text fields, check boxes, lists, menus, windows;
 - `desktop`: one screen: input routing, focus, rendering, accessibility tree, state;
-- `png`: the PNG encoder that re-compresses only the changed bands of a frame;
 - `interpreter`: pyautogui programs interpreted from their syntax tree (never exec'd);
 - `tasks`: task families, OSWorld-schema task dicts and their oracles;
 - `latency`: the configurable step latency;
 - `server`: the aiohttp server (`SimDesktopServer`, `SimConfig`).
+
+What it shares with the local desktop lies below both: the PNG encoder that re-compresses
+only the changed bands of a frame (`arpo_envs.png`) and the namespaces of OSWorld's
+accessibility tree (`arpo_envs.a11y`).
 """
 
 from arpo_envs.sim.desktop import Desktop

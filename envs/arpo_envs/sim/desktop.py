@@ -10,7 +10,7 @@ dialog's default button, escape closes a menu or cancels a dialog).
 
 Every visible change calls `touch()`, which bumps `version`; `screenshot_png()`
 renders only when the version or the cursor moved since the last frame and
-re-compresses only the bands of the image that changed (see `png.py`).
+re-compresses only the bands of the image that changed (see `arpo_envs.png`).
 
 Task results live in `state`, a JSON-like dict the scene's callbacks fill in;
 `lookup("a.b")` reads it (together with every widget's state under `widgets.<id>`)
@@ -24,8 +24,8 @@ from typing import Any
 
 from PIL import Image, ImageDraw
 
-from arpo_envs.desktop.atspi import NS
-from arpo_envs.sim.png import BandPngEncoder
+from arpo_envs.a11y import NS
+from arpo_envs.png import BandPngEncoder
 from arpo_envs.sim.widgets import ListBox, MenuBar, Theme, Widget, Window, font
 
 # Key names as pyautogui spells them, folded to one name per key.

@@ -176,7 +176,13 @@ def _dist_files(names: set[str]) -> list[tuple[Path, str]]:
     return out
 
 
-HOST_ONLY = ("vm/fleet.py", "vm/qemu.py", "vm/image.py")
+HOST_ONLY = (
+    "vm/fleet.py",
+    "vm/control.py",
+    "vm/supervisor.py",
+    "vm/qemu.py",
+    "vm/image.py",
+)
 """Modules of arpo_envs that run on the host only (they start VMs): left out of the guest,
 so changing them neither rebuilds the image nor invalidates its golden snapshot."""
 
