@@ -180,12 +180,12 @@ test:
 test-all: lint rust-test osworld-evaluator
 	$(PY) -m pytest -q -m "slow or not slow"
 
-# The soak (tests/test_soak.py) for 30 minutes, writing soak-<date>.{json,md}.
 # Every local task's oracle on the fleet's VMs (about an hour on two VMs under software
 # emulation); `make test-all` plays one third of them, a different third each day.
 vm-suite: setup osworld-evaluator
 	ARPO_VM_SUITE_SHARD=all $(PY) -m pytest -q -m slow tests/test_vm.py -k vms_one_shard
 
+# The soak (tests/test_soak.py) for 30 minutes, writing soak-<date>.{json,md}.
 soak: setup
 	ARPO_SOAK_MINUTES=$${ARPO_SOAK_MINUTES:-30} ARPO_SOAK_RESULTS=benchmarks/results \
 		$(PY) -m pytest -q -s -m slow tests/test_soak.py
