@@ -180,8 +180,8 @@ test:
 test-all: lint rust-test osworld-evaluator
 	$(PY) -m pytest -q -m "slow or not slow"
 
-# Every local task's oracle on the fleet's VMs (about an hour on two VMs under software
-# emulation); `make test-all` plays one third of them, a different third each day.
+# Every local task's oracle on the fleet's VMs (about 2 hours on one VM under software emulation;
+# two play at once here, not yet timed); `make test-all` plays one third, a different third each day.
 vm-suite: setup osworld-evaluator
 	ARPO_VM_SUITE_SHARD=all $(PY) -m pytest -q -m slow tests/test_vm.py -k vms_one_shard
 
