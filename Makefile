@@ -30,7 +30,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 # Debian packages of the local desktop (arpo_envs.desktop) and its tests.
 SYSDEPS := xvfb openbox libreoffice-calc mousepad xterm xdotool wmctrl x11-utils fonts-dejavu-core \
-	dbus-daemon at-spi2-core
+	dbus-daemon at-spi2-core libreoffice-gtk3
 APT_LOCK := -o DPkg::Lock::Timeout=600
 
 $(VENV)/bin/python:

@@ -2,6 +2,7 @@
 
     arpo audit-tasks tasks=runs/task_pool                         # simulated tasks: sim desktops
     arpo audit-tasks tasks=envs/arpo_envs/tasks/local local_desktops=2
+    arpo audit-tasks tasks=envs/arpo_envs/tasks/local local_desktops=2 local_atspi=true  # the tree
     arpo audit-tasks tasks=... vms=2                              # QEMU VMs of the test image
     arpo audit-tasks tasks=... 'env_urls=["http://10.0.0.5:5000"]' env_provider=static
     arpo audit-tasks tasks=... checks=false                       # revert + setup only
@@ -450,6 +451,13 @@ class AuditConfig(EnvironmentsConfig):
         "when the task has an oracle, after the oracle's actions and DONE (must be 1); "
         "false: revert + setup only.",
     )
+    local_atspi: bool = option(
+        False,
+        "Start the local_desktops with the accessibility tree (`arpo-envs up --atspi`: a "
+        "session bus, the AT-SPI registry and LibreOffice's GTK 3 plugin), as `arpo train` "
+        "starts them for an observation type that shows a table; false: LibreOffice's X11 "
+        "plugin, no bus (as `make demo`).",
+    )
     sim_envs: int = option(
         4,
         "Simulated desktops started in this process for the tasks of pool 'sim' (only when "
@@ -495,6 +503,8 @@ class AuditConfig(EnvironmentsConfig):
             fail("tasks", problem)
         if not self.out:
             fail("out", "give a path stem for the report, e.g. out=runs/task-audit")
+        if self.local_atspi and not self.local_desktops:
+            fail("local_atspi", "starts local desktops with the tree: give local_desktops=N too")
         super().validate()
         if not 0 <= self.sim_envs <= MAX_LOCAL_ENVS:
             fail("sim_envs", f"is {self.sim_envs}; give 0..{MAX_LOCAL_ENVS} (environments on "
@@ -613,7 +623,8 @@ def run_audit(
         envs = stack.enter_context(Bringup(tmp))  # stopped before tmp goes
         if cfg.local_desktops:
             add(DESKTOP_POOL, "local desktop",
-                envs.start_desktops(cfg.local_desktops, runner=desktop_runner))  # fmt: skip
+                envs.start_desktops(cfg.local_desktops, atspi=cfg.local_atspi,
+                                    runner=desktop_runner))  # fmt: skip
         fleet = cfg.vm_fleet
         if cfg.vms:
             fleet = str(envs.start_vms(cfg.vms, tempfile.mkdtemp(prefix="arpo-audit-vms-")))

@@ -118,6 +118,7 @@ def _up(args: argparse.Namespace) -> int:
             height=args.height,
             files_template=args.files_template,
             atspi=args.atspi,
+            a11y_max_nodes=args.a11y_max_nodes,
             **kwargs,
         )
         up(cfg, announce=lambda s: print(s, flush=True))
@@ -357,8 +358,15 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument(
         "--atspi",
         action="store_true",
-        help="a session bus and the AT-SPI registry per desktop: /accessibility gives GTK apps' "
-        "whole trees (for the a11y_tree, screenshot_a11y_tree and som observations)",
+        help="a session bus, the AT-SPI registry and LibreOffice's GTK 3 plugin per desktop: "
+        "/accessibility gives GTK apps' and LibreOffice's whole trees (for the a11y_tree, "
+        "screenshot_a11y_tree and som observations)",
+    )
+    u.add_argument(
+        "--a11y-max-nodes",
+        type=int,
+        default=10_000,
+        help="with --atspi: most nodes one /accessibility answer walks (the rest is left out)",
     )
     u.add_argument("--state", default=None, help="state file (default $ARPO_DESKTOP_STATE or /tmp)")
     u.add_argument("--detach", action="store_true", help="return once all desktops answer")

@@ -54,9 +54,20 @@ _DROP = (
 )
 
 
-def desktop_env(root: Path, display: str, home: str) -> dict[str, str]:
-    """The environment of every process of the desktop at `root` on `display`."""
-    env = {k: v for k, v in os.environ.items() if k not in _DROP}
+_KEPT = ("PATH", "LANG", "LANGUAGE", "TZ", "TERM", "PYTHONUNBUFFERED")
+"""What a clean environment (`desktop_env(user=...)`) keeps of the server's, with LC_*."""
+
+
+def desktop_env(root: Path, display: str, home: str, user: str | None = None) -> dict[str, str]:
+    """The environment of every process of the desktop at `root` on `display`.
+
+    `user`: the programs run as that user (`arpo_envs.desktop.user`): the environment is
+    built from `_KEPT` alone, not from the server's (which may hold its caller's secrets)."""
+    if user is None:
+        env = {k: v for k, v in os.environ.items() if k not in _DROP}
+    else:
+        env = {k: v for k, v in os.environ.items() if k in _KEPT or k.startswith("LC_")}
+        env.update({"USER": user, "LOGNAME": user, "SHELL": "/bin/sh"})
     runtime = root / "run"
     runtime.mkdir(mode=0o700, parents=True, exist_ok=True)
     env.update(

@@ -11,7 +11,8 @@ the apps as `/home/user` like on an OSWorld VM (see `home.private_home`), and it
 its own: a tmpfs of `tmp_max_bytes` that every reset empties (`home.private_tmp`; without
 a private mount namespace only `$TMPDIR`, `<root>/tmp`, is its own). `Desktop` starts and
 stops all of it, resets it to a clean desktop, maps a request's paths to its files, and
-launches programs in it; the OSWorld protocol in front of it is `server.py`.
+launches programs in it, as a user of their own when the server is root (`user.py`); the
+OSWorld protocol in front of it is `server.py`.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from arpo_envs.desktop.atspi import A11yBus
 from arpo_envs.desktop.display import XDisplay
 from arpo_envs.desktop.executor import WarmExecutor, run_subprocess
 from arpo_envs.desktop.screen import Screen
+from arpo_envs.desktop.user import USER_NAME, DesktopUser
 from arpo_envs.desktop.windows import WindowList
 from arpo_envs.procs import (
     become_subreaper,
@@ -121,11 +123,27 @@ class DesktopConfig:
     """Size of the desktop's own /tmp (a tmpfs, emptied by every reset) where the server has
     a private mount namespace; elsewhere `$TMPDIR` is `<root>/tmp`, emptied by reset, which
     reports its bytes and logs when they exceed this."""
+    run_as: str = "arpo-desktop"
+    """The user every program of the desktop runs as (Xvfb, openbox, the buses, the pyautogui
+    executor, apps, commands) when the server runs as root, so that none can read the
+    server's memory and token (`arpo_envs.desktop.user`): created as a system user when
+    missing; the home is handed to it. '': the server's own user. A server that is not
+    root cannot switch and runs them as itself (logged; see `require_own_user`)."""
+    require_own_user: bool = False
+    """Refuse to start, naming why, when the programs cannot run as `run_as` (the server is
+    not root); False: say so once in the log and run them as the server's user."""
     atspi: bool = False
     """Run a session bus and the AT-SPI registry (`arpo_envs.desktop.atspi`, kept across
-    resets): GTK 3 apps (mousepad) then register their widgets, and GET /accessibility
-    answers their whole trees as OSWorld's VM server does; other apps (LibreOffice's X11
-    plugin, xterm) stay frames. False: frames only, no bus (apps start a little faster)."""
+    resets), and LibreOffice with its GTK 3 plugin (`SAL_USE_VCLPLUGIN=gtk3`): GTK 3 apps
+    (mousepad, LibreOffice) then register their widgets, and GET /accessibility answers
+    their whole trees as OSWorld's VM server does (Calc's cells in view, toolbars, menus,
+    dialogs); apps without a bridge (xterm) stay frames. False: frames only, no bus, and
+    LibreOffice with its own X11 plugin (`gen`), as `make demo` runs it."""
+    a11y_max_nodes: int = 10_000
+    """With `atspi`: most nodes one GET /accessibility walks, in OSWorld's document order
+    (depth first); past it the rest is left out and logged. It bounds the answer's time
+    and size: a 1280x720 Calc window is about 2,500 nodes, 0.8 MB, 1.8 s, and zoomed out
+    to 50 % 3,400 nodes, 1.3 MB, 3.3 s (`benchmarks/bench_calc_tree.py`)."""
 
     def __post_init__(self) -> None:
         if self.width < 320 or self.height < 240:
@@ -138,6 +156,18 @@ class DesktopConfig:
             raise ValueError("execute_timeout_s and open_timeout_s must be > 0")
         if self.files_template is not None and not Path(self.files_template).is_dir():
             raise ValueError(f"files_template {self.files_template!r} is not a directory")
+        if self.run_as and (not USER_NAME.fullmatch(self.run_as) or self.run_as == "root"):
+            raise ValueError(
+                f"run_as {self.run_as!r} is not an unprivileged user name: use lower-case "
+                "letters, digits, '_' and '-' (at most 32, not 'root'), or '' for the server's user"
+            )
+        if self.require_own_user and not self.run_as:
+            raise ValueError("require_own_user needs run_as (the user to run the programs as)")
+        if not 100 <= self.a11y_max_nodes <= 1_000_000:
+            raise ValueError(
+                f"a11y_max_nodes is {self.a11y_max_nodes}: give 100..1000000 (nodes of one "
+                "/accessibility answer; a Calc sheet in view is a few thousand)"
+            )
         # refuses an exposed address without a token (outside a fleet VM)
         ServerSecurity(self.host, self.token, vm_guest=self.vm_guest)
 
@@ -152,11 +182,14 @@ class Desktop:
         alias_mounted: bool,
         host_ns: int | None = None,
         host_tmp: int | None = None,
+        user: DesktopUser | None = None,
     ):
         """`host_ns`, `host_tmp`: descriptors of the host's mount namespace and /tmp when
-        this process has its own /tmp (`home.private_tmp`)."""
+        this process has its own /tmp (`home.private_tmp`); `user`: whom the desktop's
+        programs run as (None: this process's user)."""
         self.config = config
         self.root = root
+        self.user = user
         self.private_tmp = host_tmp is not None
         self.tmp_dir = Path("/tmp") if self.private_tmp else root / "tmp"
         """The desktop's temporary folder ($TMPDIR), emptied by every reset."""
@@ -171,7 +204,7 @@ class Desktop:
         self.home_dir = root / "home"
         self.alias_mounted = alias_mounted
         self.home = config.home_alias if alias_mounted and config.home_alias else str(self.home_dir)
-        self.env = desktop_env(root, ":0", self.home)
+        self.env = desktop_env(root, ":0", self.home, user.name if user else None)
         # each desktop's LibreOffice under its own profile path (see write_office_wrappers)
         homes.write_office_wrappers(root / "bin", self.home_dir / ".config" / "libreoffice" / "4")
         write_python_wrappers(root / "bin")
@@ -184,18 +217,40 @@ class Desktop:
             config.display,
             host_ns=host_ns if self.private_tmp else None,
             host_tmp=f"/proc/self/fd/{host_tmp}" if host_tmp is not None else "/tmp",
+            user=user,
         )
         self.lo_template: Path | None = None
         self.executor: WarmExecutor | None = None
-        self.bus: A11yBus | None = A11yBus(root, self.env) if config.atspi else None
+        self.bus: A11yBus | None = A11yBus(root, self.env, user) if config.atspi else None
         if self.bus is not None:  # every process of the desktop on its session bus
             self.env.update(self.bus.session_env())
             self.env.pop("NO_AT_BRIDGE", None)
+            # LibreOffice's GTK 3 plugin registers its widgets; its X11 plugin has no bridge
+            self.env["SAL_USE_VCLPLUGIN"] = "gtk3"
         self.screen: Screen | None = None
         self.launched: list[subprocess.Popen] = []
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="reset")
         """Reset's own threads: threads of the shared pool can all be waiting on a grabbed X."""
         (root / "logs").mkdir(parents=True, exist_ok=True)
+        if user is not None:
+            self._hand_over()
+
+    def _hand_over(self) -> None:
+        """The root folder as the desktop's user may see it: reached by name only (0711);
+        its `bin` readable, `run` (the runtime folder, the bus) and a `tmp` of its own
+        the user's; the server's files (logs, its log and state) its own, 0700 and 0600."""
+        assert self.user is not None
+        os.chmod(self.root, 0o711)
+        for entry in os.scandir(self.root):  # what the server's starter put there: its log
+            if entry.is_file(follow_symlinks=False):
+                os.chmod(entry.path, 0o600)
+        for name in ("logs", "spool"):
+            if (self.root / name).is_dir():
+                os.chmod(self.root / name, 0o700)
+        os.chmod(self.root / "bin", 0o755)
+        os.chown(self.root / "run", self.user.uid, self.user.gid)
+        if not self.private_tmp:
+            os.chown(self.tmp_dir, self.user.uid, self.user.gid)
 
     # ---- lifecycle ------------------------------------------------------------------------
 
@@ -210,7 +265,11 @@ class Desktop:
             self.bus.start()
         if self.config.inprocess:
             self.executor = WarmExecutor(
-                self.env, self.home, self.config.pause_s, str(self.root / "logs" / "executor.log")
+                self.env,
+                self.home,
+                self.config.pause_s,
+                str(self.root / "logs" / "executor.log"),
+                self.user,
             )
             self.executor.start()
             self.executor.wait_ready_sync()
@@ -240,6 +299,8 @@ class Desktop:
     def _rebuild_home(self) -> None:
         template = Path(self.config.files_template) if self.config.files_template else None
         homes.rebuild_home(self.home_dir, template, self.lo_template)
+        if self.user is not None:  # the files the server copied are the desktop's
+            self.user.give(self.home_dir)
 
     def _reap(self) -> None:
         for p in self.launched:
@@ -357,7 +418,12 @@ class Desktop:
             res = await self.executor.run_locked(code, 10.0)
         else:
             res = await run_subprocess(
-                [sys.executable, "-c", code], False, env=self.env, cwd=self.home, timeout_s=10.0
+                [sys.executable, "-c", code],
+                False,
+                env=self.env,
+                cwd=self.home,
+                timeout_s=10.0,
+                user=self.user,
             )
         if res.returncode != 0:
             log.warning("settling the input after reset failed: %s", res.error[-500:])
@@ -397,6 +463,7 @@ class Desktop:
                 stdout=log_file,
                 stderr=log_file,
                 start_new_session=True,
+                **(self.user.popen_kwargs() if self.user else {}),
             )
         finally:
             log_file.close()

@@ -24,6 +24,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from arpo_envs.desktop.user import DesktopUser
 from arpo_envs.procs import disown, own, set_parent_death_signal, wait_gone
 
 
@@ -62,6 +63,7 @@ class XDisplay:
         number: int | None = None,
         host_ns: int | None = None,
         host_tmp: str = "/tmp",
+        user: DesktopUser | None = None,
     ):
         self.width = width
         self.height = height
@@ -74,6 +76,8 @@ class XDisplay:
         Xvfb look for them)."""
         self.host_tmp = host_tmp
         """The host's /tmp as this process reaches it (for the lock files)."""
+        self.user = user
+        """Whom Xvfb and openbox run as (None: the server's user)."""
         self.xvfb: subprocess.Popen | None = None
         self.wm: subprocess.Popen | None = None
         self._probe: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
@@ -152,6 +156,7 @@ class XDisplay:
             stderr=subprocess.DEVNULL,
             start_new_session=True,
             preexec_fn=set_parent_death_signal,
+            **(self.user.popen_kwargs() if self.user else {}),
         )
         own(self.wm.pid)
         self._wait_wm(timeout_s)
@@ -227,13 +232,16 @@ class XDisplay:
         self.xvfb = self.wm = None
 
     def _xvfb_preexec(self) -> None:
-        """In Xvfb's child before exec: die with the server; the host's mount namespace."""
-        set_parent_death_signal()
+        """In Xvfb's child before exec: the host's mount namespace (needs root), then the
+        desktop's user, then die with the server (a change of user clears that signal)."""
         if self.host_ns is not None:
             import ctypes
 
             if ctypes.CDLL(None, use_errno=True).setns(self.host_ns, 0x00020000) != 0:
                 raise OSError(ctypes.get_errno(), "setns to the host's mount namespace")
+        if self.user is not None:
+            self.user.become()
+        set_parent_death_signal()
 
 
 _SETUP = b"l\x00" + struct.pack("<HHHH2x", 11, 0, 0, 0)

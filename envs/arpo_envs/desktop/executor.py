@@ -36,6 +36,7 @@ import sys
 from dataclasses import dataclass
 
 from arpo_envs.desktop.forkserver import EXITED, HEADER, REPLY, STARTED
+from arpo_envs.desktop.user import DesktopUser
 from arpo_envs.procs import disown, own, process_table, set_parent_death_signal
 
 INPROCESS_MODULES = frozenset(
@@ -128,8 +129,17 @@ class WarmExecutor:
     START_TIMEOUT_S = 60.0
     """Longest wait for a (re)started warm process to import pyautogui and say it is ready."""
 
-    def __init__(self, env: dict[str, str], cwd: str, pause_s: float, log_path: str):
+    def __init__(
+        self,
+        env: dict[str, str],
+        cwd: str,
+        pause_s: float,
+        log_path: str,
+        user: DesktopUser | None = None,
+    ):
         self.env = env
+        self.user = user
+        """Whom the warm process and its programs run as (None: the server's user)."""
         self.cwd = cwd
         self.pause_s = pause_s
         self.log_path = log_path
@@ -182,6 +192,7 @@ class WarmExecutor:
                     stderr=log,
                     start_new_session=True,
                     preexec_fn=set_parent_death_signal,
+                    **(self.user.popen_kwargs() if self.user else {}),
                 )
             finally:
                 theirs.close()
@@ -514,8 +525,10 @@ async def run_subprocess(
     cwd: str,
     timeout_s: float,
     merge_stderr: bool = False,
+    user: DesktopUser | None = None,
 ) -> CommandResult:
-    """Run a command in its own session; kill its process group on timeout.
+    """Run a command in its own session (as `user` where given); kill its process group on
+    timeout.
 
     The answer comes when the command exits, not when its pipes close: a command that
     leaves a background child (`soffice x.xlsx &`) holding the pipes answers at once
@@ -536,6 +549,7 @@ async def run_subprocess(
         env=env,
         cwd=cwd,
         start_new_session=True,
+        **(user.popen_kwargs() if user else {}),
     )
     own(proc.pid)
     out: list[bytes] = []

@@ -108,8 +108,11 @@ class FleetConfig:
     files_template: str | None = None
     """Directory copied into every home on reset."""
     atspi: bool = False
-    """Each desktop runs a session bus and the AT-SPI registry, so GET /accessibility gives
-    GTK apps' whole trees (`arpo_envs.desktop.atspi`); False: windows as frames only."""
+    """Each desktop runs a session bus, the AT-SPI registry and LibreOffice's GTK 3 plugin,
+    so GET /accessibility gives GTK apps' and LibreOffice's whole trees
+    (`arpo_envs.desktop.atspi`); False: windows as frames only, LibreOffice's X11 plugin."""
+    a11y_max_nodes: int = 10_000
+    """With `atspi`: most nodes one GET /accessibility answer walks (`DesktopConfig`)."""
     state_file: Path = field(default_factory=default_state_file)
     """Where pids and ports are kept for `down`."""
     root_base: str = "/tmp"
@@ -122,6 +125,11 @@ class FleetConfig:
             raise ValueError(f"n must be at least 1, got {self.n}")
         if self.base_port and not 0 < self.base_port + self.n <= 65536:
             raise ValueError(f"ports {self.base_port}..{self.base_port + self.n - 1} out of range")
+        if not 100 <= self.a11y_max_nodes <= 1_000_000:
+            raise ValueError(
+                f"a11y_max_nodes is {self.a11y_max_nodes}: give 100..1000000 (nodes of one "
+                "/accessibility answer; a Calc sheet in view is a few thousand)"
+            )
         if self.tokens_file is not None and not self.tokens:
             raise ValueError("tokens_file needs tokens=True (there is no token to write)")
         if not self.tokens and self.host not in ("127.0.0.1", "localhost", "::1"):
@@ -169,7 +177,7 @@ def _server_cmd(cfg: FleetConfig, i: int, root: str) -> list[str]:
     if cfg.files_template:
         cmd += ["--files-template", cfg.files_template]
     if cfg.atspi:
-        cmd.append("--atspi")
+        cmd += ["--atspi", "--a11y-max-nodes", str(cfg.a11y_max_nodes)]
     return cmd
 
 

@@ -17,7 +17,7 @@ programs) and answers the protocol below for it; `main` is that process.
 | POST /screen_size | - | {width, height} |
 | GET /platform | - | text "Linux" |
 | GET /terminal | - | {output: null, status} (no AT-SPI; a liveness ping) |
-| GET /accessibility | - | {AT: xml}: with `atspi`, the AT-SPI trees of the apps that register (GTK 3) in OSWorld's format (`atspi`); other windows as application > frame (`windows`) |
+| GET /accessibility | - | {AT: xml}: with `atspi`, the AT-SPI trees of the apps that register (GTK 3, LibreOffice) in OSWorld's format (`atspi`), at most `a11y_max_nodes` nodes; other windows as application > frame (`windows`) |
 | GET /cursor_position | - | [x, y] |
 | POST /run_python | {code} | {status, message, need_more, output, error, return_code} |
 | POST /run_bash_script | {script, timeout?, working_dir?} | {status, output (stdout+stderr), error, returncode} |
@@ -55,6 +55,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from arpo_envs.desktop import home as homes
+from arpo_envs.desktop import user as users
 from arpo_envs.desktop.atspi import read_apps
 from arpo_envs.desktop.desktop import Desktop, DesktopConfig
 from arpo_envs.desktop.executor import (
@@ -168,7 +169,9 @@ class DesktopServer:
                     "the desktop's session bus or AT-SPI registry is not running; POST /reset "
                     "restarts it", 503,
                 )  # fmt: skip
-            registered = await asyncio.to_thread(read_apps, bus.a11y, 5.0, ATSPI_DEADLINE_S)
+            registered, _ = await asyncio.to_thread(
+                read_apps, bus.a11y, 5.0, ATSPI_DEADLINE_S, self.config.a11y_max_nodes
+            )
         return web.json_response({"AT": accessibility_xml(windows, registered)})
 
     def _windows(self):
@@ -227,7 +230,12 @@ class DesktopServer:
                 raise RequestError(str(e), 500) from None
         with _spawn_errors(command):
             return await run_subprocess(
-                command, shell, env=self.desk.env, cwd=self.desk.home, timeout_s=timeout
+                command,
+                shell,
+                env=self.desk.env,
+                cwd=self.desk.home,
+                timeout_s=timeout,
+                user=self.desk.user,
             )
 
     async def execute(self, request: web.Request) -> web.Response:
@@ -262,6 +270,8 @@ class DesktopServer:
         tmp = self.desk.root / "run"
         with tempfile.NamedTemporaryFile("w", suffix=".py", dir=tmp, delete=False) as f:
             f.write(body["code"])
+            if self.desk.user is not None:  # the program reads its code as the desktop's user
+                os.fchown(f.fileno(), self.desk.user.uid, self.desk.user.gid)
         try:
             res = await run_subprocess(
                 [sys.executable, f.name],
@@ -269,6 +279,7 @@ class DesktopServer:
                 env=self.desk.env,
                 cwd=self.desk.home,
                 timeout_s=min(30.0, self.config.execute_timeout_s),
+                user=self.desk.user,
             )
         finally:
             os.unlink(f.name)
@@ -318,6 +329,7 @@ class DesktopServer:
                 cwd=cwd,
                 timeout_s=timeout,
                 merge_stderr=True,
+                user=self.desk.user,
             )
         if res.timed_out:
             return web.json_response(
@@ -357,9 +369,12 @@ class DesktopServer:
         if not isinstance(file_path, str) or not file_path or data is None:
             raise RequestError("file_path and file_data are required")
         target = self.desk.path(file_path)
+        user = self.desk.user
 
         def write() -> int:
             _check_kernel_path(os.path.realpath(target), file_path)
+            # what the upload creates (the file, missing folders) is the desktop user's
+            created = [d for d in (target, *target.parents) if not os.path.lexists(d)]
             target.parent.mkdir(parents=True, exist_ok=True)
             # Opened without truncating and without blocking (a FIFO nobody reads), then
             # checked: only a regular file outside the kernel's file systems takes an upload.
@@ -367,6 +382,10 @@ class DesktopServer:
             try:
                 _check_upload_target(fd, file_path)
                 os.set_blocking(fd, True)
+                if user is not None:
+                    for made in created:
+                        with contextlib.suppress(FileNotFoundError):
+                            os.lchown(made, user.uid, user.gid)
                 os.ftruncate(fd, 0)
                 with open(fd, "wb", closefd=False) as out:
                     if isinstance(data, web.FileField):  # aiohttp keeps it in a temporary file
@@ -687,7 +706,25 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--atspi",
         action="store_true",
-        help="a session bus and the AT-SPI registry: /accessibility gives GTK apps' whole trees",
+        help="a session bus, the AT-SPI registry and LibreOffice's GTK 3 plugin: /accessibility "
+        "gives GTK apps' and LibreOffice's whole trees",
+    )
+    p.add_argument(
+        "--a11y-max-nodes",
+        type=int,
+        default=10_000,
+        help="with --atspi: most nodes one /accessibility answer walks (the rest is left out)",
+    )
+    p.add_argument(
+        "--run-as",
+        default="arpo-desktop",
+        help="as root, run the desktop's programs (Xvfb, apps, commands) as this user, created "
+        "if missing, so none can read this server's memory or token; '' for the server's user",
+    )
+    p.add_argument(
+        "--require-own-user",
+        action="store_true",
+        help="refuse to start when the programs cannot run as --run-as (not root)",
     )
     p.add_argument(
         "--vm-guest",
@@ -754,7 +791,10 @@ def main(argv: list[str] | None = None) -> int:
             draw_cursor=not args.no_cursor,
             vm_guest=args.vm_guest,
             atspi=args.atspi,
+            a11y_max_nodes=args.a11y_max_nodes,
             tmp_max_bytes=args.tmp_max_mb << 20,
+            run_as=args.run_as,
+            require_own_user=args.require_own_user,
         )
     except ValueError as e:
         print(f"desktop server: {e}", file=sys.stderr)
@@ -786,7 +826,12 @@ def main(argv: list[str] | None = None) -> int:
                 config, files_template=_host_path(config.files_template, root, host)
             )
         os.environ["ARPO_DESKTOP_CACHE"] = _host_path(str(homes.cache_dir()), root, host)
-    desk = Desktop(config, root, mounted, host_ns, host_tmp)
+    try:
+        user = _desktop_user(config, root, host_ns is not None)
+    except users.DesktopUserError as e:
+        print(f"desktop server: {e}", file=sys.stderr)
+        return 2
+    desk = Desktop(config, root, mounted, host_ns, host_tmp, user)
     try:
         desk.start()
         asyncio.run(_serve(desk))
@@ -797,6 +842,36 @@ def main(argv: list[str] | None = None) -> int:
                 homes.unmount(root / "tmp")
             shutil.rmtree(root, ignore_errors=True)
     return 0
+
+
+def _desktop_user(config: DesktopConfig, root: Path, namespaced: bool) -> users.DesktopUser | None:
+    """The user the desktop's programs run as (None: this process's), with what it needs
+    made reachable: in the private namespace a /proc that hides other users' processes and
+    a view of the server's Python past folders closed to it (`user.open_paths`)."""
+    user = users.resolve(config.run_as, config.require_own_user)
+    if user is None:
+        return None
+    os.chmod(root, 0o711)  # its home, bin and run are reached through it
+    needed = [*users.runtime_paths(), root]
+    if namespaced:
+        users.private_proc()
+        cache = homes.cache_dir()
+        cache.mkdir(parents=True, exist_ok=True)  # the server's, kept in sight for it
+        also = [cache, *([Path(config.files_template)] if config.files_template else [])]
+        users.open_paths(user, needed, [Path(os.path.abspath(p)) for p in also])
+        return user
+    closed = sorted({str(b) for p in needed if (b := user.blocker(p)) is not None})
+    if closed:
+        msg = (
+            f"the user {user.name!r} cannot reach the server's Python or the desktop's folder "
+            f"(closed: {', '.join(closed)}) and without a private mount namespace nothing "
+            "opens them: the desktop's programs run as the server's user"
+        )
+        if config.require_own_user:
+            raise users.DesktopUserError(msg + "; give those folders o+x")
+        log.warning("%s", msg)
+        return None
+    return user
 
 
 def _host_path(path: str, root: Path, host_tmp: str) -> str:
@@ -846,7 +921,9 @@ async def _record_tree(path: Path, every_s: float = 1.0) -> None:
         tree = await asyncio.to_thread(tree_snapshot, os.getpid())
         if tree != last:
             tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(tree))
+            # the server's: 0600, out of reach of the desktop's user (`arpo_envs.desktop.user`)
+            with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+                f.write(json.dumps(tree))
             os.replace(tmp, path)
             last = tree
         await asyncio.sleep(every_s)

@@ -106,6 +106,10 @@ def start_server(args: dict[str, str]) -> subprocess.Popen[bytes]:
         "--port",
         str(SERVER_PORT),
         "--vm-guest",
+        # the programs run as root, as before: the guest server has no token to protect
+        # and the VM is a machine of its own (`arpo_envs.desktop.user`)
+        "--run-as",
+        "",
         "--root",
         DESKTOP_ROOT,
         "--width",
