@@ -544,6 +544,7 @@ class Learner:
             version=lambda: self.version,
             on_trajectory=self._on_trajectory(book),
         )
+        self.ingest.on_actor_heartbeat = book.seen  # a silent actor's grants go to others
         if ckpt is not None and ckpt.journal_segment is not None:
             counts = self.ingest.replay_journal(ckpt.journal_segment)
             log.info("resume: journal replayed into the store: %s", counts)

@@ -36,7 +36,10 @@ A grant is (task, group, slot) plus the task's JSON, so actors need no task file
   temperature and top_p the learner scores log-probs at, and the actor samples with
   them instead of its own settings.
 - Re-issue: a grant not completed within `grant_timeout_s` (its actor died, its
-  environment hung) goes to the next actor that asks, under a new grant id. If both
+  environment hung) goes to the next actor that asks, under a new grant id; so does
+  every grant of an actor not heard from for `silent_actor_s` (no heartbeat on the data
+  link, `seen`, and no request on the control link: its process or its node is gone),
+  without waiting for the grant timeout. If both
   attempts deliver, the first to arrive fills the slot and the other is a surplus
   (`complete` returns False: ingest acknowledges it but does not store it).
 - A trajectory with status env_error / eval_error / timeout does not fill its slot: the
@@ -97,6 +100,13 @@ class GrantConfig:
     )
     grant_timeout_s: float = option(
         1800.0, "A grant not completed this long is given to another actor."
+    )
+    silent_actor_s: float = option(
+        30.0,
+        "Every grant of an actor not heard from this long (no heartbeat, no request; actors "
+        "send a heartbeat every transport.heartbeat_s) goes to the next actor that asks, as "
+        "an expired grant does: a node or actor lost mid-run holds no slot for longer. "
+        "0: only grant_timeout_s re-issues.",
     )
     max_attempts: int = option(
         3, "Grants of one slot whose episodes failed for environment reasons before giving up."
@@ -174,6 +184,7 @@ class GrantConfig:
                 check_range("branch_every", self.branch_every, 1, wire.MAX_BRANCH_EVERY,
                             "turns between branch points")  # fmt: skip
         check_seconds("grant_timeout_s", self.grant_timeout_s)
+        check_seconds("silent_actor_s", self.silent_actor_s, zero="0: never")
         if self.max_attempts < 1:
             fail("max_attempts", "must be >= 1")
         if not 0.0 < self.retry_s <= 60.0:
@@ -316,9 +327,52 @@ class GrantBook:
             maxlen=MAX_GIVEN_UP_KEPT
         )
         """The latest given-up groups: {"group", "task", "reason"}."""
+        self._seen: dict[str, float] = {}
+        """Actor id -> time.monotonic() it was last heard from (`seen`, its requests)."""
+        self._silent: set[str] = set()
+        """Actors whose grants were re-issued for their silence (logged once each)."""
         self.started = time.monotonic()
         self.last_progress = self.started
         """When an `ok` trajectory last filled a slot (time.monotonic())."""
+
+    def seen(self, actor: str, now: float | None = None) -> None:
+        """`actor` is alive (its heartbeat arrived): its grants are not re-issued for silence."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            self._heard(actor, now)
+
+    def _heard(self, actor: str, now: float) -> None:
+        """Note `actor` as heard at `now`; forget actors silent 10 times `silent_actor_s`
+        (bounded: ids come from actors). Called with the lock held."""
+        self._seen[actor] = now
+        self._silent.discard(actor)
+        limit = self.config.silent_actor_s
+        if len(self._seen) > 10_000 or (limit and len(self._seen) > 64):
+            horizon = now - 10 * max(limit, self.config.grant_timeout_s)
+            for a in [a for a, t in self._seen.items() if t < horizon]:
+                del self._seen[a]
+
+    def _reopen_silent(self, now: float) -> None:
+        """Open again every slot granted to an actor silent for `silent_actor_s` (counted
+        as `reissued_silent`). Called with the lock held."""
+        limit = self.config.silent_actor_s
+        if not limit:
+            return
+        for g in self._groups.values():
+            for s in g.slots:
+                if s.state != "granted":
+                    continue
+                last = self._seen.get(s.actor, s.issued)
+                if now - max(last, s.issued) > limit:
+                    s.state = "open"
+                    s.last_error = f"its actor {s.actor} fell silent"
+                    self.counts["reissued_silent"] += 1
+                    if s.actor not in self._silent:
+                        self._silent.add(s.actor)
+                        log.warning(
+                            "actor %s has not been heard from for %.0f s (silent_actor_s): "
+                            "its grants are issued again", s.actor, now - max(last, s.issued),
+                        )  # fmt: skip
 
     def set_version(self, version: int) -> None:
         with self._lock:
@@ -521,6 +575,7 @@ class GrantBook:
         now = time.monotonic() if now is None else now
         out: list[wire.Grant] = []
         with self._lock:
+            self._heard(actor, now)
             if self.closed:
                 self.counts["refused_closed"] += 1
                 return out
@@ -537,6 +592,7 @@ class GrantBook:
                     )
                 return out
             timeout = self.config.grant_timeout_s
+            self._reopen_silent(now)
             for g in self._groups.values():
                 if len(out) >= want:
                     break

@@ -249,6 +249,9 @@ class Ingest:
         """Actor id -> the numeric counters of its last heartbeat (time split, episodes)."""
         self._hb_seq = 0
         self._last_log = 0.0
+        self.on_actor_heartbeat: Callable[[str], None] | None = None
+        """Called with the sender of every actor heartbeat (the learner's grant book notes
+        the actor as alive: `GrantBook.seen`)."""
         self.server = RouterServer(
             self.transport.data,
             self.transport,
@@ -420,6 +423,8 @@ class Ingest:
                 }
             self._hb_seq += 1
             stats = {k: v for k, v in self.counts.items() if isinstance(v, int)}
+        if hb.role == "actor" and self.on_actor_heartbeat is not None:
+            self.on_actor_heartbeat(hb.sender)
         reply = wire.Heartbeat(
             self.config.learner_id,
             "learner",

@@ -37,9 +37,14 @@ What it does, in order (every stage logs what it starts and where its log goes):
    run before training (`<run_dir>/eval_warm/eval.md`, `eval_warm_start`), with standard
    errors, and the checkpoint's path.
 
+With `cluster.address` set (a Ray cluster: `arpo train cluster.address=auto`), stage 3
+places the simulated-desktop actors, one per node offering `arpo_sim`, on the cluster's
+nodes instead, the learner staying here (`cluster.py`; docs/guides/scaling.md).
+
 The package, one file per job: `config.py` (`TrainConfig`, its defaults and checks),
 `supervise.py` (`TrainRun`: the processes of a run, their supervision and clean stop;
-`main`), `report.py` (what a finished run reports: `account`, `plot_curves`, `verdict`,
+`main`), `cluster.py` (`Placement`, `NodeAgent`: the actors on a Ray cluster's nodes),
+`report.py` (what a finished run reports: `account`, `plot_curves`, `verdict`,
 `comparison`, `tasks_out_table`, `preflight_markdown`).
 """
 

@@ -21,6 +21,7 @@ from arpo.env.bringup import EnvironmentsConfig
 from arpo.env.task import pool_problem
 from arpo.learner.learner import LearnerConfig
 from arpo.policy.engine import EngineConfig
+from arpo.train.cluster import ClusterConfig
 
 _SET_BY_TRAIN = SET_BY_TRAIN
 READER_SFT_LR = 5e-5
@@ -207,6 +208,12 @@ class TrainConfig(EnvironmentsConfig):
         _default_actor(),
         "Template of every actor (envs, sim_envs, engine.model, endpoints are set by train).",
     )
+    cluster: ClusterConfig = option(
+        ClusterConfig(),
+        "A Ray cluster to place the simulated-desktop actors on (cluster.address; '' = this "
+        "machine): one actor per node offering cluster.sim_resource, the learner on this "
+        "machine (docs/guides/scaling.md).",
+    )
 
     def validate(self) -> None:
         if not self.run_dir:
@@ -219,6 +226,13 @@ class TrainConfig(EnvironmentsConfig):
             fail("actors", "actors and sim_envs_per_actor must be >= 0")
         if self.seed < 0:
             fail("seed", "must be >= 0")
+        if self.cluster.address and self.actors > 1:
+            fail("actors", f"is {self.actors}; with cluster.address the run places one actor "
+                 f"per node offering {self.cluster.sim_resource!r} (give actors=1 and start "
+                 "more nodes, or more desktops per node: sim_envs_per_actor)")  # fmt: skip
+        if self.cluster.address and not (self.actors and self.sim_envs_per_actor):
+            fail("sim_envs_per_actor", "must be >= 1 with cluster.address (and actors=1): the "
+                 "nodes run simulated desktops")  # fmt: skip
         if self.base not in ("tiny", "reader"):
             fail("base", f"must be 'tiny' or 'reader', got {self.base!r}")
         if self.model and self.base != "tiny":
@@ -340,8 +354,9 @@ class TrainConfig(EnvironmentsConfig):
 
 
 _ONE_MACHINE = (
-    "`arpo train` starts every process and environment on this machine (for more, start "
-    "`arpo-actor` on other machines: docs/guides/scaling.md)"
+    "`arpo train` starts these on this machine (for more, place actors on the nodes of a "
+    "Ray cluster with cluster.address, or start `arpo-actor` on other machines: "
+    "docs/guides/scaling.md)"
 )
 LIMITS = {
     "actors": (256, _ONE_MACHINE),

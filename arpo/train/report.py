@@ -36,7 +36,10 @@ def account(run_dir: Path, checkpoint: Path | None) -> dict[str, Any]:
     (stale, replaced by a replayed success, invalid, ...), still in the store (the final
     checkpoint's snapshot) or in the journal after it, still in an actor's spool (never
     acknowledged), or kept aside there as refused for good by the learner. Each is read by
-    the reader its writer's module keeps beside it. `unaccounted` lists `ok` trajectories
+    the reader its writer's module keeps beside it. The spool of an actor on a Ray node is
+    the driver's copy (`arpo.train.cluster`: its ledger, and its pending ids in `PENDING`);
+    when that node was lost (`LOST_MARK`) what it held unacknowledged and the learner never
+    got is counted as `lost_with_node`, not as in a spool. `unaccounted` lists `ok` trajectories
     found in none of them; `trained_twice` counts fresh trajectories trained in two
     iterations. Both must be 0."""
     import collections
@@ -45,15 +48,22 @@ def account(run_dir: Path, checkpoint: Path | None) -> dict[str, Any]:
     from arpo.learner.checkpoint import load_checkpoint
     from arpo.learner.learner import TRAINED_LOG, read_trained_log
     from arpo.service.journal import journal_trajectory_ids
+    from arpo.train.cluster import LOST_MARK, PENDING
 
     finished: dict[str, tuple[str, str]] = {}
     in_spool: set[str] = set()
+    on_lost_nodes: set[str] = set()
     refused: set[str] = set()
     for d in sorted((run_dir / "spool").glob("*")):
         spool = read_spool(d)
         finished.update(spool.finished)
-        in_spool |= spool.pending
-        refused |= spool.refused
+        copy = read_json_object(d / PENDING)
+        pending = spool.pending | set(copy.get("pending") or [])
+        if (d / LOST_MARK).exists():
+            on_lost_nodes |= pending
+        else:
+            in_spool |= pending
+        refused |= spool.refused | set(copy.get("refused") or [])
     trained: collections.Counter[str] = collections.Counter()
     dropped: dict[str, str] = {}
     for _, tid, what in read_trained_log(run_dir / "learner" / TRAINED_LOG):
@@ -69,7 +79,9 @@ def account(run_dir: Path, checkpoint: Path | None) -> dict[str, Any]:
         if ck.journal_segment is not None:
             in_journal = journal_trajectory_ids(run_dir / "learner" / "journal", ck.journal_segment)
     ok = {tid for tid, (status, _) in finished.items() if status == "ok"}
-    accounted = set(trained) | set(dropped) | in_store | in_journal | in_spool | refused
+    learner_has = set(trained) | set(dropped) | in_store | in_journal
+    lost_with_node = on_lost_nodes - learner_has
+    accounted = learner_has | in_spool | refused | lost_with_node
     unaccounted = sorted(ok - accounted)
     return {
         "finished": len(finished),
@@ -80,6 +92,7 @@ def account(run_dir: Path, checkpoint: Path | None) -> dict[str, Any]:
         "in_journal": len(in_journal & ok),
         "in_spool": len(in_spool & ok),
         "refused": len(refused & ok),
+        "lost_with_node": len(lost_with_node & ok),
         "unaccounted": len(unaccounted),
         "unaccounted_ids": unaccounted[:20],
         # every task out of the run: why, and how many of its trajectories were dropped

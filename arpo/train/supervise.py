@@ -181,6 +181,10 @@ class TrainRun:
         """The starting policy's evaluation (with `eval_warm_start`)."""
         self.prefill: dict[str, Any] | None = None
         """The pre-fill collection's folder and its successes (with `prefill_runs_per_task`)."""
+        self.placement: Any = None
+        """With cluster.address: the Ray placement of the nodes' actors (`arpo.train.cluster`)."""
+        self.keys: dict[str, str] = {}
+        """With cluster.address: the learner's CURVE fields (its links bind beyond loopback)."""
 
     # ---- preparation -------------------------------------------------------------------
 
@@ -284,7 +288,7 @@ class TrainRun:
             seed=cfg.seed,
             trainer=trainer,
             assemble=assemble,
-            transport=replace(cfg.learner.transport, data=data, control=control),
+            transport=replace(cfg.learner.transport, data=data, control=control, **self.keys),
         )
         validate(lc)
         path = self.run_dir / "learner.toml"
@@ -300,11 +304,16 @@ class TrainRun:
 
     def _actor_proc(self, i: int, model: str, data: str, control: str, **kw: Any) -> _Proc:
         cfg = self.config
+        keys = self.run_dir / "keys"
+        curve = (
+            {"curve_secret_key": str(keys / "actor.key_secret"),
+             "curve_server_key": str(keys / "learner.key")} if self.keys else {}
+        )  # fmt: skip
         ac = replace(
             cfg.actor,
             actor_id=f"actor-{i}",
             engine=replace(cfg.actor.engine, model=model),
-            transport=replace(cfg.actor.transport, data=data, control=control),
+            transport=replace(cfg.actor.transport, data=data, control=control, **curve),
             spool_dir=str(self.run_dir / "spool" / f"actor-{i}"),
             file_cache_dir=cfg.actor.file_cache_dir or str(self.run_dir / "task-files"),
             **kw,
@@ -318,6 +327,50 @@ class TrainRun:
         path.chmod(0o600)
         args = [sys.executable, "-m", "arpo.actor.cli", "--config", str(path)]
         return _Proc(f"actor-{i}", args, self.run_dir / "logs" / f"actor-{i}.log")
+
+    def _node_toml(self, model: str, data: str, control: str) -> Any:
+        """`make_toml(actor_id, envs)` for the nodes' actors (`arpo.train.cluster`): this
+        run's actor template with `envs` simulated desktops, its folders in the node's
+        folder (@NODE@), its model @MODEL@, its CURVE keys those the agent writes there."""
+        cfg = self.config
+
+        def make(actor_id: str, envs: int) -> str:
+            ac = replace(
+                cfg.actor,
+                actor_id=actor_id,
+                envs=[],
+                sim_envs=envs,
+                engine=replace(cfg.actor.engine, model=model),
+                transport=replace(
+                    cfg.actor.transport, data=data, control=control,
+                    curve_secret_key="@NODE@/keys/actor.key_secret",
+                    curve_server_key="@NODE@/keys/learner.key",
+                ),
+                spool_dir="@NODE@/spool",
+                file_cache_dir="@NODE@/task-files",
+            )  # fmt: skip
+            validate(ac)
+            return to_toml(replace(ac, engine=replace(ac.engine, model="@MODEL@")))
+
+        return make
+
+    def _join_cluster(self, model: str) -> tuple[str, str, Any]:
+        """Join the Ray cluster (cluster.address), make the run's CURVE keys; the learner's
+        data and control endpoints on the driver's cluster address, and `_node_toml`."""
+        from arpo.train.cluster import Placement
+
+        handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+        self.placement = Placement(
+            self.config.cluster, self.run_dir, self.config.sim_envs_per_actor
+        )
+        for s, h in handlers.items():  # the run's own handlers, whatever Ray installed
+            signal.signal(s, h)
+        host = self.placement.bind_host()
+        self.keys, self._node_keys = self.placement.make_keys()
+        data, control = f"tcp://{host}:{free_port()}", f"tcp://{host}:{free_port()}"
+        log.info("Ray cluster %s: the learner binds %s and %s (CURVE keys in %s)",
+                 self.config.cluster.address, data, control, self.run_dir / "keys")  # fmt: skip
+        return data, control, self._node_toml(model, data, control)
 
     def _vm_fleet(self) -> str:
         """The run's own fleet (vms > 0), in <run_dir>/vms: its state file."""
@@ -393,7 +446,11 @@ class TrainRun:
             self.prefill = self._prefill_demos(model, self.prefill, tasks)
         data = f"tcp://127.0.0.1:{free_port()}"
         control = f"tcp://127.0.0.1:{free_port()}"
+        node_toml = None
         try:
+            if cfg.cluster.address:
+                self._phase = "joining the Ray cluster"
+                data, control, node_toml = self._join_cluster(model)
             self._phase = "starting the local desktops"
             desktops = self._desktops() if cfg.local_desktops else None
             self._phase = "starting the VMs"
@@ -402,7 +459,7 @@ class TrainRun:
             left_out = self._preflight(tasks, desktops, fleet) if cfg.preflight else {}
             self._phase = "starting the learner and the actors"
             self.learner = self._learner_proc(model, tasks, data, control, left_out)
-            for i in range(cfg.actors):
+            for i in range(0 if node_toml else cfg.actors):
                 if cfg.sim_envs_per_actor:
                     self.procs.append(self._actor_proc(i, model, data, control, envs=[],
                                       sim_envs=cfg.sim_envs_per_actor))  # fmt: skip
@@ -423,6 +480,9 @@ class TrainRun:
             self.learner.start()
             for p in self.procs:
                 p.start()
+            if node_toml is not None:
+                self._phase = "placing the actors on the Ray cluster's nodes"
+                self.placement.start(node_toml, self._node_keys, model)
             self._phase = None  # training: a signal stops it and the last checkpoint is evaluated
             self._supervise(stop)
         finally:
@@ -570,8 +630,12 @@ class TrainRun:
         )
         step, step_at = -1, time.monotonic()
         told_out: set[str] = set()
+        last_tick = 0.0
         while not stop["flag"]:
             time.sleep(0.5)
+            if self.placement is not None and time.monotonic() - last_tick >= cfg.cluster.poll_s:
+                last_tick = time.monotonic()
+                self.placement.tick()
             if cfg.minutes and time.monotonic() - start > cfg.minutes * 60:
                 log.info("time budget of %.1f min used: stopping", cfg.minutes)
                 break
@@ -793,6 +857,11 @@ class TrainRun:
         t0 = time.monotonic()
         for p in self.procs:
             p.terminate()
+        if self.placement is not None:
+            try:
+                self.placement.stop(timeout=180)
+            except Exception as e:  # the learner is stopped whatever happened to Ray
+                log.error("stopping the nodes' actors failed: %s", e)
         for p in self.procs:
             p.stop(timeout=180)
         if self.procs:
@@ -851,6 +920,8 @@ class TrainRun:
                 eval_temperature=cfg.eval_temperature, trained=out.get("eval_trained"),
                 rollout_temperature=cfg.learner.trainer.temperature,
             ))  # fmt: skip
+        if self.placement is not None:
+            out["cluster"] = self.placement.summary()
         out["accounting"] = account(self.run_dir, ckpt)
         (self.run_dir / "summary.json").write_text(json.dumps(out, indent=2))
         self.summary = out

@@ -1,0 +1,559 @@
+"""`arpo train` on a Ray cluster: one actor with its simulated desktops on every node that
+holds them, placed by Ray and supervised from the driver; nodes that join get one too.
+
+    ray start --head --node-ip-address=10.0.0.1 --resources='{"arpo_sim": 8}'   # driver's host
+    ray start --address=10.0.0.1:6379 --resources='{"arpo_sim": 8}'             # each env node
+    arpo train cluster.address=auto                                             # on the head
+
+What it does (`Placement`):
+
+- Nodes say what they hold with a Ray resource: `arpo_sim: N` (`cluster.sim_resource`)
+  runs up to N simulated desktops there. Every alive node with it gets one `NodeAgent`, a
+  Ray actor pinned to that node (`NodeAffinitySchedulingStrategy`, not soft), which starts
+  `arpo-actor` with min(N, `sim_envs_per_actor`) simulated desktops as a subprocess in a
+  folder of that node (no shared disk: the spool, the task-file cache and the keys live
+  there), starts it again when it exits (`max_restarts`), and stops it with SIGTERM.
+- The learner stays on the driver: its data and control links bind to the driver's cluster
+  address (Ray's node IP of the driver, or `cluster.bind_host`) with CURVE keys the run
+  makes in `<run_dir>/keys` (one learner pair, one actor pair every actor of the run
+  shares); the agents receive the actor's secret key and the learner's public key as
+  arguments (over Ray's own channel) and write them, readable by the user only, into
+  their node's folder.
+- The driver polls every agent every `cluster.poll_s`: the new bytes of its actor's log
+  go to `<run_dir>/logs/<actor id>.log`, the new lines of its spool ledger and the ids
+  still pending to `<run_dir>/spool/<actor id>/` (the run's accounting reads them there).
+  It also lists the cluster's nodes: a node that joined gets an agent and an actor (the
+  agent's start is answered by a later poll: the driver never waits for one node).
+- A node lost (its agent's call fails, or stays unanswered `cluster.node_lost_s`): the
+  driver marks its spool copy lost (`LOST_MARK`). The learner, on its own, issues that
+  actor's grants again `learner.grants.silent_actor_s` after its last heartbeat. What the
+  node had delivered and had acknowledged is in the store; what it held unacknowledged is
+  counted as `lost_with_node` by the accounting, never trained. A node Ray still lists as
+  alive `node_lost_s` after its agent was lost gets a new agent (a new actor id).
+- The model: a folder of at most `cluster.ship_model_mb` is sent to every node through
+  Ray's object store (put once) and unpacked in its folder; a larger one (or a hub name)
+  is used by its name, so it must be on storage every node reaches.
+
+Not built yet: the learner on another node than the driver (and a restart of it when its
+node is lost), real desktops or VMs placed by resource (they run on the driver as without
+a cluster), GPUs for the policy engines, a measured scaling benchmark.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from arpo.config import check_range, check_seconds, fail, option
+from arpo.errors import ArpoError
+
+log = logging.getLogger("arpo.train.cluster")
+
+LOST_MARK = "node_lost.json"
+"""In `<run_dir>/spool/<actor id>/`: the actor's node was lost; what its last copy of the
+spool lists as pending was lost with the node (`arpo.train.report.account`)."""
+PENDING = "pending.json"
+"""In `<run_dir>/spool/<actor id>/` of a node's actor: the ids its spool held unacknowledged
+and set aside as refused, at the last poll (the node's spool files stay on the node)."""
+MAX_CHUNK = 4 << 20
+"""Most bytes of one log or ledger a poll brings back (the rest comes with the next)."""
+
+
+@dataclass
+class ClusterConfig:
+    """Where `arpo train` places its actors: this machine ('' address) or a Ray cluster."""
+
+    address: str = option(
+        "",
+        "Ray cluster to place the actors on: 'auto' (the cluster this machine joined with "
+        "`ray start`), host:6379 (its head) or ray://host:10001 (Ray Client); '' runs every "
+        "process on this machine (no Ray).",
+    )
+    sim_resource: str = option(
+        "arpo_sim",
+        "Ray resource that marks a node for simulated desktops: a node started with "
+        "--resources='{\"arpo_sim\": N}' runs one actor with min(N, sim_envs_per_actor) "
+        "simulated desktops.",
+    )
+    bind_host: str = option(
+        "",
+        "Address the learner's links bind to on the driver ('' = the driver's Ray node IP); "
+        "never 0.0.0.0: the actors connect to it.",
+    )
+    poll_s: float = option(
+        2.0, "Interval of the driver's polls: agents (logs, spool ledgers) and the node list."
+    )
+    node_lost_s: float = option(
+        60.0,
+        "A node whose agent has not answered a poll this long is taken as lost (Ray usually "
+        "says so sooner: the call fails when its node dies).",
+    )
+    start_timeout_s: float = option(
+        300.0,
+        "Longest wait for the first node with sim_resource, and for an agent to start its "
+        "actor; the run stops and says so after it.",
+    )
+    ship_model_mb: int = option(
+        2048,
+        "A model folder of at most this many MiB is sent to every node through Ray's "
+        "object store and unpacked there (the nodes need no copy); a larger one is loaded "
+        "by its path on every node, so it must be on storage they all reach (or a hub "
+        "name). 0: never sent.",
+    )
+    max_restarts: int = option(5, "Restarts of one node's actor process at most.")
+
+    def validate(self) -> None:
+        a = self.address
+        if a and a != "auto" and not (a.startswith("ray://") or ":" in a):
+            fail("address", f"{a!r}: give 'auto', host:port of the head, or ray://host:port")
+        if not self.sim_resource or not self.sim_resource.replace("_", "").isalnum():
+            fail("sim_resource", f"{self.sim_resource!r}: a Ray resource name (letters, _)")
+        if self.bind_host in ("0.0.0.0", "::", "*"):
+            fail("bind_host", "must be the driver's address on the cluster network, not any")
+        check_seconds("poll_s", self.poll_s, "between polls of the agents")
+        check_seconds("node_lost_s", self.node_lost_s, "unanswered polls before a node is lost")
+        check_seconds("start_timeout_s", self.start_timeout_s, "for the first node and actor")
+        check_range("ship_model_mb", self.ship_model_mb, 0, 1 << 20, "MiB; 0: never ship")
+        check_range("max_restarts", self.max_restarts, 0, 1000, "restarts per node's actor")
+
+
+# ---------------------------------------------------------------------------- on each node
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGKILL when the agent's process dies (a node lost)."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+class NodeAgent:
+    """One node's actor process: started in a folder of that node, polled by the driver.
+
+    Runs inside a Ray actor (`Placement` wraps it with `ray.remote`); plain Python here, so
+    it is tested and read without Ray."""
+
+    def __init__(
+        self,
+        actor_id: str,
+        config_toml: str,
+        keys: dict[str, bytes],
+        model: str,
+        model_tar: bytes | None,
+        run_id: str,
+    ) -> None:
+        self.actor_id = actor_id
+        self.folder = Path(tempfile.gettempdir()) / f"arpo-{run_id}" / actor_id
+        self.folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        keydir = self.folder / "keys"
+        keydir.mkdir(exist_ok=True, mode=0o700)
+        for name, data in keys.items():
+            fd = os.open(keydir / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+        if model_tar is not None:
+            model = str(self.folder / "model")
+            with tarfile.open(fileobj=io.BytesIO(model_tar)) as tar:
+                tar.extractall(model, filter="data")
+        text = (config_toml.replace("@NODE@", str(self.folder))
+                .replace("@MODEL@", model.replace("\\", "\\\\").replace('"', '\\"')))  # fmt: skip
+        self.config = self.folder / "actor.toml"
+        fd = os.open(self.config, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        self.log = self.folder / "actor.log"
+        self.spool = self.folder / "spool"
+        self.popen: subprocess.Popen | None = None
+        self.offsets = {"log": 0, "ledger": 0}
+        self.starts = 0
+
+    def node(self) -> dict[str, Any]:
+        """Where this agent runs: its host name, pid and folder."""
+        import socket
+
+        return {"host": socket.gethostname(), "pid": os.getpid(), "folder": str(self.folder)}
+
+    def start(self) -> int:
+        """Start (or start again) the actor process; its pid."""
+        self.starts += 1
+        args = [sys.executable, "-m", "arpo.actor.cli", "--config", str(self.config)]
+        with self.log.open("ab") as out:
+            self.popen = subprocess.Popen(
+                args, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+                start_new_session=True, preexec_fn=_die_with_parent,
+            )  # fmt: skip
+        return self.popen.pid
+
+    def _read(self, path: Path, key: str) -> bytes:
+        try:
+            with path.open("rb") as f:
+                f.seek(self.offsets[key])
+                data = f.read(MAX_CHUNK)
+        except FileNotFoundError:
+            return b""
+        if key == "ledger":  # whole lines only: the driver appends them to its copy
+            data = data[: data.rfind(b"\n") + 1]
+        self.offsets[key] += len(data)
+        return data
+
+    def poll(self) -> dict[str, Any]:
+        """The actor's state, the new bytes of its log and of its spool ledger, and the ids
+        its spool holds now (pending, refused)."""
+        from arpo.actor.spool import LEDGER, read_spool
+
+        code = None if self.popen is None else self.popen.poll()
+        contents = read_spool(self.spool)
+        return {
+            "alive": self.popen is not None and code is None,
+            "code": code,
+            "starts": self.starts,
+            "log": self._read(self.log, "log"),
+            "ledger": self._read(self.spool / LEDGER, "ledger"),
+            "pending": sorted(contents.pending),
+            "refused": sorted(contents.refused),
+        }
+
+    def stop(self, timeout: float) -> dict[str, Any]:
+        """SIGTERM to the actor (it flushes its spool to the learner), SIGKILL after
+        `timeout`; then the last poll."""
+        p = self.popen
+        if p is not None and p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+            try:
+                p.wait(timeout)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait(30)
+        return self.poll()
+
+    def remove(self) -> None:
+        """Remove this node's folder (after the last poll brought everything back), and the
+        run's folder on this node once it is empty."""
+        shutil.rmtree(self.folder, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            self.folder.parent.rmdir()
+
+
+# ---------------------------------------------------------------------------- on the driver
+
+
+@dataclass
+class _Node:
+    """One agent the driver placed, and what it knows of it."""
+
+    node_id: str
+    ip: str
+    actor_id: str
+    envs: int
+    handle: Any
+    pending_call: Any = None
+    last_answer: float = field(default_factory=time.monotonic)
+    restarts: int = 0
+    lost: str = ""
+    """Why the node was taken as lost ('' while it runs)."""
+    lost_at: float = 0.0
+    starting: bool = False
+    """Its agent is being created and starting the actor (`pending_call` is that start)."""
+    stopped: bool = False
+
+
+def keep_poll(run_dir: Path, actor_id: str, answer: dict[str, Any]) -> None:
+    """What a `NodeAgent.poll` brought back, into the run folder: the log's new bytes
+    appended to `<run_dir>/logs/<actor_id>.log`, the ledger's new lines to the copy of the
+    spool, `<run_dir>/spool/<actor_id>/`, and the ids pending and refused in `PENDING`."""
+    logs = run_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    if answer["log"]:
+        with (logs / f"{actor_id}.log").open("ab") as f:
+            f.write(answer["log"])
+    spool = run_dir / "spool" / actor_id
+    spool.mkdir(parents=True, exist_ok=True)
+    if answer["ledger"]:
+        from arpo.actor.spool import LEDGER
+
+        with (spool / LEDGER).open("ab") as f:
+            f.write(answer["ledger"])
+    tmp = spool / (PENDING + ".tmp")
+    tmp.write_text(json.dumps({"pending": answer["pending"], "refused": answer["refused"]}))
+    tmp.replace(spool / PENDING)
+
+
+def mark_lost(run_dir: Path, actor_id: str, record: dict[str, Any]) -> None:
+    """Mark the copy of `actor_id`'s spool as that of a lost node (`LOST_MARK`, holding
+    `record`: which node, why, when)."""
+    spool = run_dir / "spool" / actor_id
+    spool.mkdir(parents=True, exist_ok=True)
+    (spool / LOST_MARK).write_text(json.dumps(record, indent=1))
+
+
+def model_tar(folder: Path, limit_mb: int) -> bytes | None:
+    """The model folder as an uncompressed tar (for nodes that do not see it), or None when
+    it is not a folder or larger than `limit_mb` MiB."""
+    if not folder.is_dir():
+        return None
+    size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+    if size > limit_mb << 20:
+        return None
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for p in sorted(folder.iterdir()):
+            if p.name != "demos":
+                tar.add(p, arcname=p.name)
+    return buf.getvalue()
+
+
+class Placement:
+    """The driver's side: Ray connection, one `NodeAgent` per node with `sim_resource`,
+    their polls, node losses and joins (module docstring)."""
+
+    def __init__(self, config: ClusterConfig, run_dir: Path, sim_envs: int) -> None:
+        try:
+            import ray
+        except ImportError as e:
+            raise ArpoError(
+                f"cluster.address is set but Ray is not installed ({e}): install the "
+                "`cluster` extra (pip install 'arpo[cluster]'; make setup does), or leave "
+                "cluster.address empty to run on this machine"
+            ) from e
+
+        self.config = config
+        self.run_dir = run_dir
+        self.sim_envs = sim_envs
+        self.nodes: dict[str, _Node] = {}
+        """Ray node id -> its agent (a lost one stays, marked, until the node gets another)."""
+        self.replaced: list[_Node] = []
+        """Lost agents of nodes that Ray still lists as alive, each replaced by a new one."""
+        self.placed = 0
+        self.lost: list[dict[str, Any]] = []
+        """Every node taken as lost: node, actor, why, when (seconds into the run)."""
+        self.joined: list[dict[str, Any]] = []
+        """Every node given an agent: node, ip, actor, envs, when."""
+        self.t0 = time.monotonic()
+        self._last_list = 0.0
+        try:
+            ray.init(
+                address=config.address, logging_level=logging.WARNING, log_to_driver=False,
+                include_dashboard=False if not config.address.startswith("ray://") else None,
+            )  # fmt: skip
+        except (ConnectionError, RuntimeError, ValueError) as e:
+            raise ArpoError(
+                f"cannot join the Ray cluster at {config.address!r} (cluster.address): {e}; "
+                "start one with `ray start --head` (docs/guides/scaling.md)"
+            ) from e
+        self.ray = ray
+        self.run_id = f"{os.getpid()}-{os.urandom(3).hex()}"
+        self._agent_cls = ray.remote(num_cpus=0, max_restarts=0)(NodeAgent)
+
+    def bind_host(self) -> str:
+        """The driver's address on the cluster network (where the learner binds)."""
+        if self.config.bind_host:
+            return self.config.bind_host
+        return str(self.ray.util.get_node_ip_address())
+
+    def make_keys(self) -> tuple[dict[str, str], dict[str, bytes]]:
+        """CURVE keys in `<run_dir>/keys`: (the learner's transport fields, the files every
+        node's actor gets: the actor's secret and the learner's public certificate)."""
+        from arpo.transport import create_keys
+
+        keys = self.run_dir / "keys"
+        shutil.rmtree(keys, ignore_errors=True)
+        keys.mkdir(parents=True, mode=0o700)
+        _, learner_secret = create_keys(keys, "learner")
+        actor_public, actor_secret = create_keys(keys, "actor")
+        (keys / "authorized").mkdir(mode=0o700)
+        shutil.copy(actor_public, keys / "authorized" / actor_public.name)
+        learner = {
+            "curve_secret_key": str(learner_secret),
+            "curve_authorized": str(keys / "authorized"),
+        }
+        files = {
+            "actor.key_secret": actor_secret.read_bytes(),
+            "learner.key": (keys / "learner.key").read_bytes(),
+        }
+        return learner, files
+
+    def start(
+        self, make_toml: Callable[[str, int], str], keys: dict[str, bytes], model: str
+    ) -> None:
+        """Place an agent on every node offering `sim_resource` and wait until the first
+        one's actor has started (the others' starts are answered by later `tick`s);
+        ArpoError when none has within `start_timeout_s`. `make_toml(actor_id, envs)`: the
+        actor's config, its node folder written @NODE@ and its model @MODEL@."""
+        self.make_toml, self.keys, self.model = make_toml, keys, model
+        tar = model_tar(Path(model), self.config.ship_model_mb)
+        self.model_ref = self.ray.put(tar) if tar is not None else None
+        end = time.monotonic() + self.config.start_timeout_s
+        while time.monotonic() < end and not self.joined:
+            self.tick(list_every=min(self.config.poll_s, 2.0))
+            time.sleep(0.2)
+        if not self.joined:
+            raise ArpoError(
+                f"no node of the Ray cluster offers {self.config.sim_resource!r} after "
+                f"{self.config.start_timeout_s:.0f} s (cluster.start_timeout_s): start the "
+                f"environment nodes with `ray start --address=... --resources="
+                f"'{{\"{self.config.sim_resource}\": 8}}'`"
+            )
+
+    def _place_new(self) -> int:
+        """An agent on every alive node with `sim_resource` that has none; how many placed."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        self._last_list = time.monotonic()
+        placed = 0
+        for n in self.ray.nodes():
+            have = float((n.get("Resources") or {}).get(self.config.sim_resource, 0))
+            old = self.nodes.get(n["NodeID"])
+            if not n.get("Alive") or have < 1:
+                continue
+            if old is not None:
+                # A node Ray still lists as alive node_lost_s after its agent was lost (a
+                # call failed, not the node) gets a new agent and a new actor id.
+                if not old.lost or time.monotonic() - old.lost_at < self.config.node_lost_s:
+                    continue
+                self.replaced.append(self.nodes.pop(n["NodeID"]))
+            self.placed += 1
+            actor_id = f"node{self.placed}"
+            envs = max(1, min(int(have), self.sim_envs))
+            ship = self.model_ref if self.model_ref is not None else None
+            handle = self._agent_cls.options(
+                scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False),
+                name=f"arpo-{self.run_id}-{actor_id}",
+            ).remote(
+                actor_id,
+                self.make_toml(actor_id, envs),
+                self.keys, self.model, ship, self.run_id,
+            )  # fmt: skip
+            node = _Node(n["NodeID"], n.get("NodeManagerAddress", "?"), actor_id, envs, handle)
+            node.pending_call, node.starting = handle.start.remote(), True  # `tick` answers
+            self.nodes[n["NodeID"]] = node
+            placed += 1
+        return placed
+
+    def _started(self, node: _Node, pid: int) -> None:
+        node.starting = False
+        when = round(time.monotonic() - self.t0, 1)
+        self.joined.append({"node": node.node_id, "ip": node.ip, "actor": node.actor_id,
+                            "envs": node.envs, "at_s": when})  # fmt: skip
+        log.info("node %s (%s): actor %s with %d simulated desktops, pid %d, log %s",
+                 node.ip, node.node_id[:12], node.actor_id, node.envs, pid,
+                 self.run_dir / "logs" / f"{node.actor_id}.log")  # fmt: skip
+
+    def _lose(self, node: _Node, why: str) -> None:
+        node.lost, node.lost_at = why, time.monotonic()
+        when = round(time.monotonic() - self.t0, 1)
+        self.lost.append({"node": node.node_id, "ip": node.ip, "actor": node.actor_id,
+                          "why": why[:500], "at_s": when})  # fmt: skip
+        mark_lost(self.run_dir, node.actor_id, self.lost[-1])
+        log.warning("node %s (actor %s) is lost: %s; its grants go to the other actors",
+                    node.ip, node.actor_id, why)  # fmt: skip
+        with contextlib.suppress(Exception):
+            self.ray.kill(node.handle, no_restart=True)
+
+    def _keep(self, node: _Node, answer: dict[str, Any]) -> None:
+        keep_poll(self.run_dir, node.actor_id, answer)
+
+    def tick(self, list_every: float | None = None) -> None:
+        """One round (every `poll_s`): collect the answers of the agents (their actors
+        started, their polls), start exited actors again, take unanswering nodes as lost,
+        and every `list_every` (`poll_s`) seconds place agents on nodes that joined. Never
+        waits for an agent."""
+        now = time.monotonic()
+        for node in list(self.nodes.values()):
+            if node.lost or node.stopped:
+                continue
+            if node.pending_call is None:
+                node.pending_call = node.handle.poll.remote()
+                continue
+            ready, _ = self.ray.wait([node.pending_call], timeout=0)
+            if not ready:
+                limit = self.config.start_timeout_s if node.starting else self.config.node_lost_s
+                if now - node.last_answer > limit:
+                    self._lose(node, f"no answer for {now - node.last_answer:.0f} s (cluster."
+                               f"{'start_timeout_s' if node.starting else 'node_lost_s'})")  # fmt: skip
+                continue
+            try:
+                answer = self.ray.get(node.pending_call)
+            except Exception as e:  # the agent or its node died
+                what = "its agent did not start the actor: " if node.starting else ""
+                self._lose(node, f"{what}{type(e).__name__}: {str(e).splitlines()[0][:300]}")
+                continue
+            node.pending_call, node.last_answer = None, now
+            if node.starting:
+                self._started(node, int(answer))
+                continue
+            if isinstance(answer, int):  # the pid of an actor started again
+                log.info("actor %s (node %s): pid %d", node.actor_id, node.ip, answer)
+                continue
+            self._keep(node, answer)
+            if not answer["alive"]:
+                if node.restarts >= self.config.max_restarts:
+                    raise ArpoError(
+                        f"the actor of node {node.ip} ({node.actor_id}) exited with code "
+                        f"{answer['code']} {node.restarts + 1} times; see "
+                        f"{self.run_dir / 'logs' / node.actor_id}.log"
+                    )
+                node.restarts += 1
+                log.warning("actor %s (node %s) exited with code %s: starting it again "
+                            "(%d of %d)", node.actor_id, node.ip, answer["code"],
+                            node.restarts, self.config.max_restarts)  # fmt: skip
+                node.pending_call = node.handle.start.remote()  # answered by a later tick
+        if now - self._last_list >= (self.config.poll_s if list_every is None else list_every):
+            self._place_new()
+
+    def stop(self, timeout: float) -> None:
+        """Every agent stops its actor (all at once), the last polls are kept, the agents
+        remove their folders and go; then the driver leaves the cluster."""
+        for n in self.nodes.values():
+            if n.starting and not n.lost:  # never started: nothing to bring back
+                n.stopped = True
+                with contextlib.suppress(Exception):
+                    self.ray.kill(n.handle, no_restart=True)
+        live = [n for n in self.nodes.values() if not n.lost and not n.stopped]
+        calls = {n.node_id: n.handle.stop.remote(timeout) for n in live}
+        for n in live:
+            try:
+                if n.pending_call is not None:  # a poll in flight: its bytes are kept too
+                    answer = self.ray.get(n.pending_call, timeout=timeout + 60)
+                    if isinstance(answer, dict):
+                        self._keep(n, answer)
+                self._keep(n, self.ray.get(calls[n.node_id], timeout=timeout + 60))
+                while True:  # whatever the last poll left (MAX_CHUNK at a time)
+                    more = self.ray.get(n.handle.poll.remote(), timeout=60)
+                    self._keep(n, more)
+                    if not more["log"] and not more["ledger"]:
+                        break
+                self.ray.get(n.handle.remove.remote(), timeout=60)
+            except Exception as e:  # a node lost during the stop
+                self._lose(n, f"lost while stopping: {e}")
+            n.stopped = True
+            with contextlib.suppress(Exception):
+                self.ray.kill(n.handle, no_restart=True)
+        self.ray.shutdown()
+
+    def summary(self) -> dict[str, Any]:
+        """For summary.json: the nodes placed, lost and restarted."""
+        return {
+            "address": self.config.address,
+            "run_id": self.run_id,
+            "nodes": [{"node": n.node_id, "ip": n.ip, "actor": n.actor_id, "envs": n.envs,
+                       "restarts": n.restarts, "lost": n.lost}
+                      for n in [*self.replaced, *self.nodes.values()]],
+            "joined": self.joined,
+            "lost": self.lost,
+        }  # fmt: skip

@@ -1,0 +1,264 @@
+"""`arpo train cluster.address=...` on a real Ray cluster on this machine: a head and worker
+nodes started with `ray start`, each in its own network namespace on a bridge (so ZeroMQ
+and Ray cross real interfaces), the run's driver beside the head. A short run places one
+actor per node offering `arpo_sim` and accounts for every trajectory; a node whose every
+process is SIGKILLed mid-run has its grants issued again and the run finishes, and a node
+started mid-run gets an actor that delivers.
+
+Needs root (network namespaces) and the `ray` extra; skipped otherwise."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("ray")
+pytest.importorskip("torch")
+
+from train_configs import small_run
+
+from arpo.actor.spool import read_ledger
+from arpo.config import to_toml
+from arpo.learner.metrics import read_metrics
+
+BIN = Path(sys.executable).parent
+RAY_PORT = 6379
+
+
+def _sh(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(args, capture_output=True, text=True, check=check, timeout=120)
+
+
+class Cluster:
+    """A bridge on this machine and one network namespace per Ray node: node 0 is the
+    head (and the driver), nodes 1.. are workers offering `arpo_sim`."""
+
+    def __init__(self, nodes: int) -> None:
+        self.tag = secrets.token_hex(2)
+        self.subnet = f"10.{200 + secrets.randbelow(50)}.{secrets.randbelow(250)}"
+        self.bridge = f"arb{self.tag}"
+        self.temp = Path(tempfile.mkdtemp(prefix=f"ray-{self.tag}-"))
+        self.spaces: list[str] = []
+        _sh("ip", "link", "add", self.bridge, "type", "bridge")
+        _sh("ip", "addr", "add", f"{self.subnet}.1/24", "dev", self.bridge)
+        _sh("ip", "link", "set", self.bridge, "up")
+        for _ in range(nodes):
+            self.add_space()
+
+    def add_space(self) -> str:
+        i = len(self.spaces)
+        ns, a, b = f"arpo{self.tag}n{i}", f"ara{self.tag}{i}", f"arb{self.tag}{i}"
+        self.spaces.append(ns)
+        _sh("ip", "netns", "add", ns)
+        _sh("ip", "link", "add", a, "type", "veth", "peer", "name", b)
+        _sh("ip", "link", "set", b, "netns", ns)
+        _sh("ip", "link", "set", a, "master", self.bridge, "up")
+        _sh("ip", "netns", "exec", ns, "ip", "addr", "add", f"{self.ip(i)}/24", "dev", b)
+        _sh("ip", "netns", "exec", ns, "ip", "link", "set", b, "up")
+        _sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
+        return ns
+
+    def ip(self, i: int) -> str:
+        return f"{self.subnet}.{i + 2}"
+
+    def env(self) -> dict[str, str]:
+        return {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "RAY_USAGE_STATS_ENABLED": "0"}
+
+    def ray_start(self, i: int, sim: int = 0) -> None:
+        """`ray start` of node `i` in its namespace (the head for 0)."""
+        if i == len(self.spaces):
+            self.add_space()
+        common = [f"--node-ip-address={self.ip(i)}", "--num-cpus=1", "--disable-usage-stats"]
+        if sim:
+            common.append("--resources=" + json.dumps({"arpo_sim": sim}))
+        if i == 0:
+            args = ["--head", f"--port={RAY_PORT}", "--include-dashboard=false",
+                    f"--temp-dir={self.temp}"]  # fmt: skip
+        else:
+            args = [f"--address={self.ip(0)}:{RAY_PORT}"]
+        cmd = ["ip", "netns", "exec", self.spaces[i], str(BIN / "ray"), "start", *args, *common]
+        out = subprocess.run(cmd, capture_output=True, text=True, env=self.env(), timeout=120)
+        assert out.returncode == 0, f"ray start of node {i} failed:\n{out.stdout}\n{out.stderr}"
+
+    def kill(self, i: int) -> int:
+        """SIGKILL every process of node `i` (its raylet, its workers, their children)."""
+        pids = [int(p) for p in _sh("ip", "netns", "pids", self.spaces[i]).stdout.split()]
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        return len(pids)
+
+    def close(self) -> None:
+        for i in reversed(range(len(self.spaces))):
+            with contextlib.suppress(Exception):
+                self.kill(i)
+        time.sleep(0.5)
+        for ns in self.spaces:
+            _sh("ip", "netns", "del", ns, check=False)
+        _sh("ip", "link", "del", self.bridge, check=False)
+        shutil.rmtree(self.temp, ignore_errors=True)
+
+
+@pytest.fixture
+def cluster() -> Iterator[Cluster]:
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("needs root and iproute2 (network namespaces)")
+    c = Cluster(nodes=3)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def _train(c: Cluster, tmp_path: Path, iterations: int, **cluster: object) -> subprocess.Popen:
+    """`python -m arpo.train` in the head's namespace against the cluster, in the background."""
+    from arpo_envs.sim.tasks import write_tasks
+
+    from arpo.policy.tiny import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "tiny", seed=0)
+    write_tasks(tmp_path / "tasks", ["click_button"], 4, seed=0)
+    (tmp_path / "tasks" / "test_all.json").unlink()
+    cfg = small_run(
+        tmp_path, model, tmp_path / "tasks", iterations=iterations, max_new_tokens=16,
+        prefill_runs_per_task=0, preflight=False, progress_s=5,
+        actor={"shutdown_deadline_s": 30.0},
+    )  # fmt: skip
+    cfg = replace(
+        cfg,
+        cluster=replace(cfg.cluster, address=f"{c.ip(0)}:{RAY_PORT}", poll_s=1.0, **cluster),
+        learner=replace(cfg.learner, grants=replace(cfg.learner.grants, silent_actor_s=10.0)),
+    )
+    path = tmp_path / "run.toml"
+    path.write_text(to_toml(cfg))
+    cmd = ["ip", "netns", "exec", c.spaces[0], sys.executable, "-m", "arpo.train",
+           "--config", str(path)]  # fmt: skip
+    with (tmp_path / "train.out").open("wb") as out:
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=c.env())
+
+
+def _finish(proc: subprocess.Popen, tmp_path: Path, timeout: float) -> dict:
+    try:
+        code = proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(120)
+        raise AssertionError(f"arpo train did not finish in {timeout} s") from None
+    text = (tmp_path / "train.out").read_text(errors="replace")
+    assert code == 0, text[-4000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    run_id = summary.get("cluster", {}).get("run_id")
+    if run_id:  # the folders a lost node's agent could not remove
+        shutil.rmtree(Path(tempfile.gettempdir()) / f"arpo-{run_id}", ignore_errors=True)
+    return summary
+
+
+def _wait(cond, what: str, timeout: float) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, f"timed out after {timeout} s waiting for {what}"
+        time.sleep(0.5)
+
+
+def test_a_run_places_one_actor_per_node_and_accounts_for_everything(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    cluster.ray_start(0)  # the head holds no simulated desktops: no actor there
+    cluster.ray_start(1, sim=2)
+    cluster.ray_start(2, sim=8)  # at most sim_envs_per_actor (4) of them
+    summary = _finish(_train(cluster, tmp_path, iterations=2), tmp_path, timeout=240)
+    assert summary["finished"], summary
+    nodes = {n["ip"]: n for n in summary["cluster"]["nodes"]}
+    assert set(nodes) == {cluster.ip(1), cluster.ip(2)}, nodes
+    assert nodes[cluster.ip(1)]["envs"] == 2 and nodes[cluster.ip(2)]["envs"] == 4
+    acc = summary["accounting"]
+    assert acc["unaccounted"] == 0 and acc["trained_twice"] == 0, acc
+    assert acc["trained"] >= 2 * 4, acc  # 2 iterations of 2 groups of 2
+    run = tmp_path / "run"
+    for n in nodes.values():  # each node's log and ledger came back to the driver
+        assert "actor " + n["actor"] in (run / "logs" / f"{n['actor']}.log").read_text()
+        assert read_ledger(run / "spool" / n["actor"]), n
+    learner = (run / "learner.toml").read_text()
+    assert f"tcp://{cluster.ip(0)}:" in learner and "curve_secret_key" in learner
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_lost_node_is_replaced_and_nothing_is_lost_or_trained_twice(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    cluster.ray_start(0)
+    cluster.ray_start(1, sim=2)
+    cluster.ray_start(2, sim=2)
+    proc = _train(cluster, tmp_path, iterations=30)  # long enough for a node to join
+    metrics = tmp_path / "run" / "learner" / "metrics.jsonl"
+
+    def step() -> int:
+        rows = read_metrics(metrics) if metrics.exists() else []
+        return rows[-1]["step"] if rows else 0
+
+    try:
+        _wait(lambda: step() >= 2, "iteration 2", 240)
+        killed = cluster.kill(1)  # node 1: raylet, workers, its actor and desktops
+        assert killed > 0
+        cluster.ray_start(3, sim=2)  # a node joins mid-run
+    except BaseException:
+        proc.kill()
+        raise
+    summary = _finish(proc, tmp_path, timeout=420)
+    print(json.dumps({"cluster": summary["cluster"], "accounting": summary["accounting"]}))
+    run = tmp_path / "run"
+    assert summary["finished"], summary
+    lost = summary["cluster"]["lost"]
+    assert [x["ip"] for x in lost] == [cluster.ip(1)], summary["cluster"]
+    joined = {x["ip"]: x["actor"] for x in summary["cluster"]["joined"]}
+    assert cluster.ip(3) in joined, summary["cluster"]
+    assert read_ledger(run / "spool" / joined[cluster.ip(3)]), "the new node delivered nothing"
+    learner_log = (run / "logs" / "learner.log").read_text()
+    assert f"actor {joined[cluster.ip(1)]} has not been heard from" in learner_log
+    acc = summary["accounting"]
+    assert acc["unaccounted"] == 0 and acc["trained_twice"] == 0, acc
+
+
+@pytest.mark.slow
+def test_sigterm_stops_every_nodes_actor_and_accounts_for_everything(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    cluster.ray_start(0)
+    cluster.ray_start(1, sim=2)
+    proc = _train(cluster, tmp_path, iterations=50)
+    metrics = tmp_path / "run" / "learner" / "metrics.jsonl"
+    try:
+        _wait(lambda: metrics.exists() and read_metrics(metrics), "iteration 1", 240)
+    except BaseException:
+        proc.kill()
+        raise
+    os.kill(proc.pid, signal.SIGTERM)  # `ip netns exec` execs: this is arpo train itself
+    code = proc.wait(300)
+    assert code == 128 + signal.SIGTERM, (tmp_path / "train.out").read_text()[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    shutil.rmtree(
+        Path(tempfile.gettempdir()) / f"arpo-{summary['cluster']['run_id']}", ignore_errors=True
+    )
+    assert not summary["finished"] and summary["signal"] == signal.SIGTERM
+    acc = summary["accounting"]
+    assert acc["unaccounted"] == 0 and acc["trained_twice"] == 0, acc
+    assert acc["in_spool"] == 0, acc  # the node's actor flushed its spool before it stopped
+    node = summary["cluster"]["nodes"][0]
+    assert (
+        node["lost"] == ""
+        and "stopping" in (tmp_path / "run" / "logs" / f"{node['actor']}.log").read_text().lower()
+    )
