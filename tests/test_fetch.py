@@ -1029,22 +1029,25 @@ def test_ctrl_c_ends_fetch_with_a_line_not_a_traceback(hostile: Hostile, tmp_pat
     cache = tmp_path / "cache"
     part = cache / f"{osworld_name(url, 'slow.bin')}{F.PART_SUFFIX}"
     env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
-    proc = subprocess.Popen(
+    # SIGINT as a terminal delivers it: a test run started in the background (make test &)
+    # hands its children SIGINT ignored, and Python then never raises KeyboardInterrupt.
+    with subprocess.Popen(
         [sys.executable, "-m", "arpo.env.fetch", "--tasks", str(tasks), "--cache", str(cache)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         env=env,
         text=True,
-    )
-    try:
-        deadline = time.monotonic() + 60
-        while not (part.exists() and part.stat().st_size > 0):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-            time.sleep(0.05)
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=30)
-    finally:
-        proc.kill()
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    ) as proc:
+        try:
+            deadline = time.monotonic() + 60
+            while not (part.exists() and part.stat().st_size > 0):
+                assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+                time.sleep(0.05)
+            proc.send_signal(signal.SIGINT)
+            _, err = proc.communicate(timeout=30)
+        finally:
+            proc.kill()
     assert proc.returncode == 130, err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
     assert "fetch: interrupted" in err
