@@ -343,7 +343,7 @@ def test_uploads_onto_kernel_files_devices_fifos_and_under_a_file_are_4xx(clean:
         "/proc/self/mem": "file of the kernel",
         "/dev/full": "file of the kernel",
         "/home/user/plain.txt/inside": "a folder on its path is a file",
-        "/home/user/plain.txt/a/b": "not a directory",
+        "/home/user/plain.txt/a/b": "a folder on its path is a file",
         "/home/user/fifo": "not a regular file",
     }
 

@@ -127,6 +127,28 @@ def test_a_program_on_the_desktop_is_another_user_and_cannot_reach_the_token(
                     assert "1 bytes" in await env.upload("/home/user/new/up.txt", b"x")
 
             asyncio.run(upload())
+            # a link the desktop's user plants never sends a write of the server elsewhere:
+            # not as the file, not as a folder on the path (a root-owned link still works)
+            victim = keys / "victim.txt"
+            victim.write_text("root's\n")
+            victim.chmod(0o644)
+            plant = d.sh(f"ln -s {victim} ~/trap && ln -s {keys} ~/trapdir && echo ok")
+            assert plant["output"].strip() == "ok", plant
+
+            async def through_links() -> list[str]:
+                out = []
+                async with EnvClient(ClientConfig(base_url=d.url, token=SECRET)) as env:
+                    for path in ("/home/user/trap", "/home/user/trapdir/planted.txt"):
+                        try:
+                            await env.upload(path, b"owned")
+                            out.append(f"{path}: written")
+                        except Exception as e:
+                            out.append(f"{path}: {e}")
+                return out
+
+            refused = asyncio.run(through_links())
+            assert all("symbolic link the desktop's user made" in r for r in refused), refused
+            assert victim.read_text() == "root's\n" and not (keys / "planted.txt").exists()
             w = d.sh("echo more >> ~/new/up.txt && echo more >> ~/Documents/task.txt "
                      "&& touch ~/new/made && stat -c %u ~/new ~/new/up.txt ~/Documents/task.txt")  # fmt: skip
             assert w["returncode"] == 0, w

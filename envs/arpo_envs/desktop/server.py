@@ -373,16 +373,19 @@ class DesktopServer:
 
         def write() -> int:
             _check_kernel_path(os.path.realpath(target), file_path)
-            # what the upload creates (the file, missing folders) is the desktop user's
-            created = [d for d in (target, *target.parents) if not os.path.lexists(d)]
-            target.parent.mkdir(parents=True, exist_ok=True)
             # Opened without truncating and without blocking (a FIFO nobody reads), then
             # checked: only a regular file outside the kernel's file systems takes an upload.
-            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK | os.O_NOCTTY, 0o666)
+            if user is None:  # the desktop's programs are the server's user: nothing to guard
+                created = [d for d in (target, *target.parents) if not os.path.lexists(d)]
+                target.parent.mkdir(parents=True, exist_ok=True)
+                fd = os.open(target, _UPLOAD_FLAGS, 0o666)
+            else:  # a link the desktop's user made is never followed (_open_unlinked)
+                fd, created = _open_unlinked(target)
             try:
                 _check_upload_target(fd, file_path)
                 os.set_blocking(fd, True)
                 if user is not None:
+                    # what the upload creates (the file, missing folders) is the desktop user's
                     for made in created:
                         with contextlib.suppress(FileNotFoundError):
                             os.lchown(made, user.uid, user.gid)
@@ -589,6 +592,75 @@ async def cannot_fork(request: web.Request) -> web.Response:
         "processes); fork the simulated desktop or a VM of the fleet",
         501,
     )
+
+
+_UPLOAD_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+MAX_UPLOAD_LINKS = 40
+"""Symbolic links an upload's path may pass through (the kernel's own limit)."""
+
+
+def _open_unlinked(target: Path) -> tuple[int, list[Path]]:
+    """`target` opened for an upload (`_UPLOAD_FLAGS`), its missing folders made, walking
+    the path one name at a time from / with O_NOFOLLOW: a symbolic link is followed only
+    when root owns it (the system's own, e.g. /lib), so a link that the desktop's user
+    planted (in its home, in /tmp) can never send a write of the server (root) elsewhere.
+    Returns the descriptor and the paths made. OSError(ELOOP) for a link the desktop's user
+    owns, FileExistsError when a folder on the path is a file."""
+    created: list[Path] = []
+    links = 0
+    names = list(target.parts[1:])
+    at = Path("/")
+    dirfd = os.open("/", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        while names:
+            name = names.pop(0)
+            last = not names
+            if name in ("", "."):
+                continue
+            try:
+                st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
+            except FileNotFoundError:
+                st = None
+            if st is not None and stat.S_ISLNK(st.st_mode):
+                if st.st_uid != 0:
+                    raise OSError(
+                        errno.ELOOP,
+                        f"{at / name} is a symbolic link the desktop's user made; an upload "
+                        "never follows one",
+                    )
+                links += 1
+                if links > MAX_UPLOAD_LINKS:
+                    raise OSError(errno.ELOOP, f"more than {MAX_UPLOAD_LINKS} links on the path")
+                link = os.readlink(name, dir_fd=dirfd)
+                names = [*Path(link).parts, *names]
+                if link.startswith("/"):
+                    names = names[1:]
+                    os.close(dirfd)
+                    dirfd, at = os.open("/", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC), Path("/")
+                continue
+            if last:
+                return os.open(name, _UPLOAD_FLAGS | os.O_NOFOLLOW, 0o666, dir_fd=dirfd), [
+                    *created,
+                    *([] if st is not None else [at / name]),
+                ]
+            if name == "..":
+                nxt = os.open("..", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=dirfd)
+                at = at.parent
+            else:
+                if st is None:
+                    os.mkdir(name, 0o777, dir_fd=dirfd)
+                    created.append(at / name)
+                elif not stat.S_ISDIR(st.st_mode):
+                    raise FileExistsError(errno.EEXIST, f"{at / name} is not a folder")
+                nxt = os.open(
+                    name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dirfd
+                )
+                at = at / name
+            os.close(dirfd)
+            dirfd = nxt
+        raise IsADirectoryError(errno.EISDIR, f"{target} names a folder")
+    finally:
+        os.close(dirfd)
 
 
 def _check_upload_target(fd: int, file_path: str) -> None:
