@@ -7,7 +7,8 @@
 #
 #   make demo       the main job: a short training run (see README)
 #   make test       the whole test suite (what .ci/run calls)
-#   make test-all   the test suite plus the slow tests
+#   make test-all   the test suite plus the slow tests (the 30-minute soak's figures go to
+#                   benchmarks/results)
 #   make soak       the 30-minute soak alone, its figures in benchmarks/results (run alone)
 #   make bench      the side-by-side benchmarks (run alone on the machine)
 #   make docs       the documentation site into site/ (the layout page written again first)
@@ -178,7 +179,7 @@ test:
 	$(MAKE) lint rust-test py-test
 
 test-all: lint rust-test osworld-evaluator
-	$(PY) -m pytest -q -m "slow or not slow"
+	ARPO_SOAK_RESULTS=benchmarks/results $(PY) -m pytest -q -m "slow or not slow"
 
 # Every local task's oracle on the fleet's VMs (about 2 hours on one VM under software emulation;
 # two play at once here, not yet timed); `make test-all` plays one third, a different third each day.
