@@ -6,6 +6,15 @@ of the `cluster` section. tests/test_train_ray.py runs them on a real cluster.""
 from __future__ import annotations
 
 import dataclasses
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +26,8 @@ from arpo.errors import ConfigError
 from arpo.learner.learner import TRAINED_LOG, trained_log_lines
 from arpo.record import Trajectory
 from arpo.train import TrainConfig, account
-from arpo.train.cluster import ClusterConfig, NodeAgent, keep_poll, mark_lost
+from arpo.train.cluster import ClusterConfig, keep_poll, mark_lost
+from arpo.train.node import NodeAgent
 
 
 def _traj(tid: str) -> Trajectory:
@@ -83,3 +93,96 @@ def test_a_cluster_run_refuses_local_simulated_actors() -> None:
         validate(TrainConfig(actors=3, cluster=ClusterConfig(address="auto")))
     with pytest.raises(ConfigError, match="sim_envs_per_actor"):
         validate(TrainConfig(sim_envs_per_actor=0, cluster=ClusterConfig(address="auto")))
+
+
+DESKTOP_BINS = [b for b in ("Xvfb", "openbox") if not shutil.which(b)]
+
+
+def _desktop_state(agent: NodeAgent) -> list[tuple[int, str]]:
+    from arpo_envs.desktop.fleet import read_state
+
+    state = read_state(agent.folder / "desktops.json")
+    return [(s.pid, s.root) for s in state.servers] if state is not None else []
+
+
+def _get(url: str, token: str) -> int:
+    req = urllib.request.Request(url + "/platform", headers={"Authorization": f"Bearer {token}"})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def _gone(pids: list[int], roots: list[str], timeout: float = 60.0) -> bool:
+    from arpo_envs.desktop.fleet import orphans
+    from arpo_envs.procs import alive
+
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if not any(alive(p) for p in pids) and not orphans(roots):
+            return True
+        time.sleep(0.3)
+    return False
+
+
+@pytest.mark.skipif(bool(DESKTOP_BINS), reason=f"missing {DESKTOP_BINS} (make sysdeps)")
+def test_a_node_agent_runs_its_desktops_restarts_them_and_takes_them_down_when_it_dies(
+    tmp_path: Path,
+) -> None:
+    """A node with local desktops: the agent starts them (each its own token, written into
+    its actor's config), starts them again after one died, and when the agent's process is
+    SIGKILLed (its node lost) the desktops stop too: nothing is left running."""
+    from arpo.actor.config import ActorConfig
+    from arpo.config import load_config
+
+    toml = 'actor_id = "nodeD"\nspool_dir = "@NODE@/spool"\n[engine]\nmodel = "@MODEL@"\n'
+    agent = NodeAgent("nodeD", toml, {}, "/no/model", None, f"test-{tmp_path.name}",
+                      desktops=1, start_timeout_s=90)  # fmt: skip
+    try:
+        agent.start()  # the actor exits at once (no model): the desktops are what is tested
+        ac = load_config(ActorConfig, agent.config)
+        assert len(ac.envs) == 1 and ac.envs[0].startswith("http://127.0.0.1:")
+        assert _get(ac.envs[0], ac.env_tokens[0]) == 200
+        assert _get(ac.envs[0], "wrong") == 401
+        first = _desktop_state(agent)
+        os.kill(first[0][0], signal.SIGKILL)  # the desktop dies: its fleet goes down
+        deadline = time.monotonic() + 60
+        while agent.poll()["desktops"] and time.monotonic() < deadline:
+            time.sleep(0.3)
+        answer = agent.poll()
+        assert answer["desktops"] == 0 and not answer["alive"], answer
+        agent.start()  # both again, on a new port with a new token
+        again = load_config(ActorConfig, agent.config)
+        assert again.env_tokens != ac.env_tokens and _get(again.envs[0], again.env_tokens[0]) == 200
+        second = _desktop_state(agent)
+        agent.stop(10)
+        assert _gone([p for p, _ in first + second], [r for _, r in first + second])
+    finally:
+        agent.remove()
+
+    # The agent's own process killed hard: the desktops it started stop as well.
+    code = (
+        "import sys, time\n"
+        "from arpo.train.node import NodeAgent\n"
+        f"a = NodeAgent('nodeE', {toml!r}, {{}}, '/no/model', None, 'test-{tmp_path.name}-e',"
+        " desktops=1, start_timeout_s=90)\n"
+        "a.start()\nprint(a.folder, flush=True)\ntime.sleep(600)\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        folder = Path(child.stdout.readline().strip())  # type: ignore[union-attr]
+        agent_e = NodeAgent.__new__(NodeAgent)
+        agent_e.folder = folder
+        servers = _desktop_state(agent_e)
+        assert servers, "the child's agent started no desktop"
+        child.kill()
+        child.wait(30)
+        assert _gone([p for p, _ in servers], [r for _, r in servers])
+    finally:
+        child.kill()
+        child.wait(30)
+        child.stdout.close()  # type: ignore[union-attr]
+        shutil.rmtree(
+            Path(tempfile.gettempdir()) / f"arpo-test-{tmp_path.name}-e", ignore_errors=True
+        )

@@ -106,7 +106,8 @@ class EnvironmentsConfig:
         "Real local desktops (Xvfb + openbox + apps, `arpo-envs up --tokens`, each with its "
         "own bearer token) started for the tasks of pool 'desktop'. `arpo train` drives them "
         "with one more actor, and with an observation type that shows a table they serve "
-        "their apps' AT-SPI trees (`arpo-envs up --atspi`).",
+        "their apps' AT-SPI trees (`arpo-envs up --atspi`). With `arpo train cluster."
+        "address`: the most on each node offering cluster.desktop_resource (none here).",
     )
     vms: int = option(
         0,

@@ -1,18 +1,30 @@
-"""`arpo train` on a Ray cluster: one actor with its simulated desktops on every node that
-holds them, placed by Ray and supervised from the driver; nodes that join get one too.
+"""`arpo train` on a Ray cluster: one actor with its environments on every node that holds
+them, placed by Ray and supervised from the driver; nodes that join get one too.
 
-    ray start --head --node-ip-address=10.0.0.1 --resources='{"arpo_sim": 8}'   # driver's host
-    ray start --address=10.0.0.1:6379 --resources='{"arpo_sim": 8}'             # each env node
-    arpo train cluster.address=auto                                             # on the head
+    ray start --head --node-ip-address=10.0.0.1                                 # driver's host
+    ray start --address=10.0.0.1:6379 --resources='{"arpo_sim": 8}'             # sim nodes
+    ray start --address=10.0.0.1:6379 --resources='{"arpo_desktops": 4}'        # desktop nodes
+    arpo train cluster.address=auto local_desktops=4                            # on the head
 
 What it does (`Placement`):
 
-- Nodes say what they hold with a Ray resource: `arpo_sim: N` (`cluster.sim_resource`)
-  runs up to N simulated desktops there. Every alive node with it gets one `NodeAgent`, a
-  Ray actor pinned to that node (`NodeAffinitySchedulingStrategy`, not soft), which starts
-  `arpo-actor` with min(N, `sim_envs_per_actor`) simulated desktops as a subprocess in a
-  folder of that node (no shared disk: the spool, the task-file cache and the keys live
-  there), starts it again when it exits (`max_restarts`), and stops it with SIGTERM.
+- Nodes say what they hold with Ray resources: `arpo_sim: N` (`cluster.sim_resource`) runs
+  up to min(N, `sim_envs_per_actor`) simulated desktops there, `arpo_desktops: N`
+  (`cluster.desktop_resource`) up to min(N, `local_desktops`) real local desktops (Xvfb,
+  openbox, LibreOffice...: the node needs `make sysdeps`). In a cluster run
+  `local_desktops` is a number per node: the driver starts none of its own. Every alive
+  node offering either gets one `NodeAgent` (`arpo.train.node`), a Ray actor pinned to
+  that node (`NodeAffinitySchedulingStrategy`, not soft), which starts the node's
+  desktops and one `arpo-actor` driving them as subprocesses in a folder of that node (no
+  shared disk: the spool, the task-file cache and the keys live there), starts them again
+  when the actor exits (`max_restarts`), and stops them with SIGTERM.
+- The run waits (at most `start_timeout_s`) until a node offers each kind the run asks for
+  (simulated desktops when `sim_envs_per_actor` > 0, local desktops when `local_desktops`
+  > 0), and says which resource no node offers when none does.
+- The preflight (the tasks set up once before training) runs on the driver's own
+  simulated desktops; the local-desktop tasks are not preflighted in a cluster run (their
+  desktops are on the nodes), so a broken one leaves the run during training instead
+  (`learner.tasks_out`).
 - The learner stays on the driver: its data and control links bind to the driver's cluster
   address (Ray's node IP of the driver, or `cluster.bind_host`) with CURVE keys the run
   makes in `<run_dir>/keys` (one learner pair, one actor pair every actor of the run
@@ -30,13 +42,15 @@ What it does (`Placement`):
   node had delivered and had acknowledged is in the store; what it held unacknowledged is
   counted as `lost_with_node` by the accounting, never trained. A node Ray still lists as
   alive `node_lost_s` after its agent was lost gets a new agent (a new actor id).
+- The learner's node is the driver's: when it is lost the run (the driver) is lost with
+  it. `arpo train ... resume=true` on another machine that reaches `run_dir` continues it
+  from the learner's last checkpoint and journal (docs/guides/scaling.md).
 - The model: a folder of at most `cluster.ship_model_mb` is sent to every node through
   Ray's object store (put once) and unpacked in its folder; a larger one (or a hub name)
   is used by its name, so it must be on storage every node reaches.
 
-Not built yet: the learner on another node than the driver (and a restart of it when its
-node is lost), real desktops or VMs placed by resource (they run on the driver as without
-a cluster), GPUs for the policy engines, a measured scaling benchmark.
+Not built yet: the learner on another node than the driver, VMs placed by resource (a
+run's `vms` start on the driver as without a cluster), GPUs for the policy engines.
 """
 
 from __future__ import annotations
@@ -47,11 +61,7 @@ import json
 import logging
 import os
 import shutil
-import signal
-import subprocess
-import sys
 import tarfile
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -69,8 +79,6 @@ spool lists as pending was lost with the node (`arpo.train.report.account`)."""
 PENDING = "pending.json"
 """In `<run_dir>/spool/<actor id>/` of a node's actor: the ids its spool held unacknowledged
 and set aside as refused, at the last poll (the node's spool files stay on the node)."""
-MAX_CHUNK = 4 << 20
-"""Most bytes of one log or ledger a poll brings back (the rest comes with the next)."""
 
 
 @dataclass
@@ -88,6 +96,12 @@ class ClusterConfig:
         "Ray resource that marks a node for simulated desktops: a node started with "
         "--resources='{\"arpo_sim\": N}' runs one actor with min(N, sim_envs_per_actor) "
         "simulated desktops.",
+    )
+    desktop_resource: str = option(
+        "arpo_desktops",
+        "Ray resource that marks a node for real local desktops: a node started with "
+        "--resources='{\"arpo_desktops\": N}' runs min(N, local_desktops) of them (`arpo-envs "
+        "up` there) and one actor driving them.",
     )
     bind_host: str = option(
         "",
@@ -120,8 +134,12 @@ class ClusterConfig:
         a = self.address
         if a and a != "auto" and not (a.startswith("ray://") or ":" in a):
             fail("address", f"{a!r}: give 'auto', host:port of the head, or ray://host:port")
-        if not self.sim_resource or not self.sim_resource.replace("_", "").isalnum():
-            fail("sim_resource", f"{self.sim_resource!r}: a Ray resource name (letters, _)")
+        for name in ("sim_resource", "desktop_resource"):
+            value = getattr(self, name)
+            if not value or not value.replace("_", "").isalnum():
+                fail(name, f"{value!r}: a Ray resource name (letters, digits, _)")
+        if self.sim_resource == self.desktop_resource:
+            fail("desktop_resource", f"is sim_resource's name too ({self.sim_resource!r})")
         if self.bind_host in ("0.0.0.0", "::", "*"):
             fail("bind_host", "must be the driver's address on the cluster network, not any")
         check_seconds("poll_s", self.poll_s, "between polls of the agents")
@@ -129,125 +147,6 @@ class ClusterConfig:
         check_seconds("start_timeout_s", self.start_timeout_s, "for the first node and actor")
         check_range("ship_model_mb", self.ship_model_mb, 0, 1 << 20, "MiB; 0: never ship")
         check_range("max_restarts", self.max_restarts, 0, 1000, "restarts per node's actor")
-
-
-# ---------------------------------------------------------------------------- on each node
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGKILL when the agent's process dies (a node lost)."""
-    import ctypes
-
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
-class NodeAgent:
-    """One node's actor process: started in a folder of that node, polled by the driver.
-
-    Runs inside a Ray actor (`Placement` wraps it with `ray.remote`); plain Python here, so
-    it is tested and read without Ray."""
-
-    def __init__(
-        self,
-        actor_id: str,
-        config_toml: str,
-        keys: dict[str, bytes],
-        model: str,
-        model_tar: bytes | None,
-        run_id: str,
-    ) -> None:
-        self.actor_id = actor_id
-        self.folder = Path(tempfile.gettempdir()) / f"arpo-{run_id}" / actor_id
-        self.folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-        keydir = self.folder / "keys"
-        keydir.mkdir(exist_ok=True, mode=0o700)
-        for name, data in keys.items():
-            fd = os.open(keydir / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-        if model_tar is not None:
-            model = str(self.folder / "model")
-            with tarfile.open(fileobj=io.BytesIO(model_tar)) as tar:
-                tar.extractall(model, filter="data")
-        text = (config_toml.replace("@NODE@", str(self.folder))
-                .replace("@MODEL@", model.replace("\\", "\\\\").replace('"', '\\"')))  # fmt: skip
-        self.config = self.folder / "actor.toml"
-        fd = os.open(self.config, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        self.log = self.folder / "actor.log"
-        self.spool = self.folder / "spool"
-        self.popen: subprocess.Popen | None = None
-        self.offsets = {"log": 0, "ledger": 0}
-        self.starts = 0
-
-    def node(self) -> dict[str, Any]:
-        """Where this agent runs: its host name, pid and folder."""
-        import socket
-
-        return {"host": socket.gethostname(), "pid": os.getpid(), "folder": str(self.folder)}
-
-    def start(self) -> int:
-        """Start (or start again) the actor process; its pid."""
-        self.starts += 1
-        args = [sys.executable, "-m", "arpo.actor.cli", "--config", str(self.config)]
-        with self.log.open("ab") as out:
-            self.popen = subprocess.Popen(
-                args, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
-                start_new_session=True, preexec_fn=_die_with_parent,
-            )  # fmt: skip
-        return self.popen.pid
-
-    def _read(self, path: Path, key: str) -> bytes:
-        try:
-            with path.open("rb") as f:
-                f.seek(self.offsets[key])
-                data = f.read(MAX_CHUNK)
-        except FileNotFoundError:
-            return b""
-        if key == "ledger":  # whole lines only: the driver appends them to its copy
-            data = data[: data.rfind(b"\n") + 1]
-        self.offsets[key] += len(data)
-        return data
-
-    def poll(self) -> dict[str, Any]:
-        """The actor's state, the new bytes of its log and of its spool ledger, and the ids
-        its spool holds now (pending, refused)."""
-        from arpo.actor.spool import LEDGER, read_spool
-
-        code = None if self.popen is None else self.popen.poll()
-        contents = read_spool(self.spool)
-        return {
-            "alive": self.popen is not None and code is None,
-            "code": code,
-            "starts": self.starts,
-            "log": self._read(self.log, "log"),
-            "ledger": self._read(self.spool / LEDGER, "ledger"),
-            "pending": sorted(contents.pending),
-            "refused": sorted(contents.refused),
-        }
-
-    def stop(self, timeout: float) -> dict[str, Any]:
-        """SIGTERM to the actor (it flushes its spool to the learner), SIGKILL after
-        `timeout`; then the last poll."""
-        p = self.popen
-        if p is not None and p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-            try:
-                p.wait(timeout)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, signal.SIGKILL)
-                p.wait(30)
-        return self.poll()
-
-    def remove(self) -> None:
-        """Remove this node's folder (after the last poll brought everything back), and the
-        run's folder on this node once it is empty."""
-        shutil.rmtree(self.folder, ignore_errors=True)
-        with contextlib.suppress(OSError):
-            self.folder.parent.rmdir()
 
 
 # ---------------------------------------------------------------------------- on the driver
@@ -261,7 +160,10 @@ class _Node:
     ip: str
     actor_id: str
     envs: int
+    """Simulated desktops of its actor."""
     handle: Any
+    desktops: int = 0
+    """Local desktops of its actor (started on its node)."""
     pending_call: Any = None
     last_answer: float = field(default_factory=time.monotonic)
     restarts: int = 0
@@ -319,10 +221,17 @@ def model_tar(folder: Path, limit_mb: int) -> bytes | None:
 
 
 class Placement:
-    """The driver's side: Ray connection, one `NodeAgent` per node with `sim_resource`,
+    """The driver's side: Ray connection, one `NodeAgent` per node offering the run's resources,
     their polls, node losses and joins (module docstring)."""
 
-    def __init__(self, config: ClusterConfig, run_dir: Path, sim_envs: int) -> None:
+    def __init__(
+        self,
+        config: ClusterConfig,
+        run_dir: Path,
+        sim_envs: int,
+        desktops: int = 0,
+        atspi: bool = False,
+    ) -> None:
         try:
             import ray
         except ImportError as e:
@@ -335,6 +244,11 @@ class Placement:
         self.config = config
         self.run_dir = run_dir
         self.sim_envs = sim_envs
+        """Most simulated desktops of one node's actor (0: the run has none)."""
+        self.desktops = desktops
+        """Most local desktops of one node (0: the run has none)."""
+        self.atspi = atspi
+        """The local desktops serve their apps' accessibility trees."""
         self.nodes: dict[str, _Node] = {}
         """Ray node id -> its agent (a lost one stays, marked, until the node gets another)."""
         self.replaced: list[_Node] = []
@@ -358,6 +272,8 @@ class Placement:
             ) from e
         self.ray = ray
         self.run_id = f"{os.getpid()}-{os.urandom(3).hex()}"
+        from arpo.train.node import NodeAgent
+
         self._agent_cls = ray.remote(num_cpus=0, max_restarts=0)(NodeAgent)
 
     def bind_host(self) -> str:
@@ -391,24 +307,33 @@ class Placement:
     def start(
         self, make_toml: Callable[[str, int], str], keys: dict[str, bytes], model: str
     ) -> None:
-        """Place an agent on every node offering `sim_resource` and wait until the first
-        one's actor has started (the others' starts are answered by later `tick`s);
-        ArpoError when none has within `start_timeout_s`. `make_toml(actor_id, envs)`: the
-        actor's config, its node folder written @NODE@ and its model @MODEL@."""
+        """Place an agent on every node offering the run's resources and wait until, for
+        each kind of environment the run asks for, one node's actor has started (the
+        others' starts are answered by later `tick`s); ArpoError naming the resource no
+        node offers within `start_timeout_s`. `make_toml(actor_id, sim_envs)`: the actor's
+        config, its node folder written @NODE@ and its model @MODEL@."""
         self.make_toml, self.keys, self.model = make_toml, keys, model
         tar = model_tar(Path(model), self.config.ship_model_mb)
         self.model_ref = self.ray.put(tar) if tar is not None else None
         end = time.monotonic() + self.config.start_timeout_s
-        while time.monotonic() < end and not self.joined:
+        while time.monotonic() < end and self.missing():
             self.tick(list_every=min(self.config.poll_s, 2.0))
             time.sleep(0.2)
-        if not self.joined:
+        if missing := self.missing():
             raise ArpoError(
-                f"no node of the Ray cluster offers {self.config.sim_resource!r} after "
-                f"{self.config.start_timeout_s:.0f} s (cluster.start_timeout_s): start the "
-                f"environment nodes with `ray start --address=... --resources="
-                f"'{{\"{self.config.sim_resource}\": 8}}'`"
+                f"no node of the Ray cluster offers {' or '.join(map(repr, missing))} with its "
+                f"actor started after {self.config.start_timeout_s:.0f} s (cluster."
+                f"start_timeout_s): start such nodes with `ray start --address=... "
+                f"--resources='{{\"{missing[0]}\": 4}}'`; the actors' logs are in "
+                f"{self.run_dir / 'logs'}"
             )
+
+    def missing(self) -> list[str]:
+        """The resources of the kinds the run asks for that no started node offers yet."""
+        have = {k for j in self.joined for k, n in j["kinds"].items() if n}
+        want = {self.config.sim_resource: self.sim_envs,
+                self.config.desktop_resource: self.desktops}  # fmt: skip
+        return [r for r, n in want.items() if n and r not in have]
 
     def _place_new(self) -> int:
         """An agent on every alive node with `sim_resource` that has none; how many placed."""
@@ -417,9 +342,11 @@ class Placement:
         self._last_list = time.monotonic()
         placed = 0
         for n in self.ray.nodes():
-            have = float((n.get("Resources") or {}).get(self.config.sim_resource, 0))
+            offers = n.get("Resources") or {}
+            sims = min(int(offers.get(self.config.sim_resource, 0)), self.sim_envs)
+            desktops = min(int(offers.get(self.config.desktop_resource, 0)), self.desktops)
             old = self.nodes.get(n["NodeID"])
-            if not n.get("Alive") or have < 1:
+            if not n.get("Alive") or sims + desktops < 1:
                 continue
             if old is not None:
                 # A node Ray still lists as alive node_lost_s after its agent was lost (a
@@ -429,17 +356,16 @@ class Placement:
                 self.replaced.append(self.nodes.pop(n["NodeID"]))
             self.placed += 1
             actor_id = f"node{self.placed}"
-            envs = max(1, min(int(have), self.sim_envs))
-            ship = self.model_ref if self.model_ref is not None else None
             handle = self._agent_cls.options(
                 scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False),
                 name=f"arpo-{self.run_id}-{actor_id}",
             ).remote(
-                actor_id,
-                self.make_toml(actor_id, envs),
-                self.keys, self.model, ship, self.run_id,
+                actor_id, self.make_toml(actor_id, sims), self.keys, self.model,
+                self.model_ref, self.run_id, desktops=desktops, atspi=self.atspi,
+                start_timeout_s=self.config.start_timeout_s,
             )  # fmt: skip
-            node = _Node(n["NodeID"], n.get("NodeManagerAddress", "?"), actor_id, envs, handle)
+            node = _Node(n["NodeID"], n.get("NodeManagerAddress", "?"), actor_id, sims, handle,
+                         desktops=desktops)  # fmt: skip
             node.pending_call, node.starting = handle.start.remote(), True  # `tick` answers
             self.nodes[n["NodeID"]] = node
             placed += 1
@@ -448,11 +374,13 @@ class Placement:
     def _started(self, node: _Node, pid: int) -> None:
         node.starting = False
         when = round(time.monotonic() - self.t0, 1)
+        kinds = {self.config.sim_resource: node.envs, self.config.desktop_resource: node.desktops}
         self.joined.append({"node": node.node_id, "ip": node.ip, "actor": node.actor_id,
-                            "envs": node.envs, "at_s": when})  # fmt: skip
-        log.info("node %s (%s): actor %s with %d simulated desktops, pid %d, log %s",
-                 node.ip, node.node_id[:12], node.actor_id, node.envs, pid,
-                 self.run_dir / "logs" / f"{node.actor_id}.log")  # fmt: skip
+                            "envs": node.envs, "desktops": node.desktops, "kinds": kinds,
+                            "at_s": when})  # fmt: skip
+        log.info("node %s (%s): actor %s with %d simulated and %d local desktops, pid %d, "
+                 "log %s", node.ip, node.node_id[:12], node.actor_id, node.envs, node.desktops,
+                 pid, self.run_dir / "logs" / f"{node.actor_id}.log")  # fmt: skip
 
     def _lose(self, node: _Node, why: str) -> None:
         node.lost, node.lost_at = why, time.monotonic()
@@ -552,7 +480,7 @@ class Placement:
             "address": self.config.address,
             "run_id": self.run_id,
             "nodes": [{"node": n.node_id, "ip": n.ip, "actor": n.actor_id, "envs": n.envs,
-                       "restarts": n.restarts, "lost": n.lost}
+                       "desktops": n.desktops, "restarts": n.restarts, "lost": n.lost}
                       for n in [*self.replaced, *self.nodes.values()]],
             "joined": self.joined,
             "lost": self.lost,

@@ -210,9 +210,9 @@ class TrainConfig(EnvironmentsConfig):
     )
     cluster: ClusterConfig = option(
         ClusterConfig(),
-        "A Ray cluster to place the simulated-desktop actors on (cluster.address; '' = this "
-        "machine): one actor per node offering cluster.sim_resource, the learner on this "
-        "machine (docs/guides/scaling.md).",
+        "A Ray cluster to place the actors on (cluster.address; '' = this machine): one "
+        "actor per node offering cluster.sim_resource or cluster.desktop_resource, with its "
+        "simulated and local desktops; the learner on this machine (docs/guides/scaling.md).",
     )
 
     def validate(self) -> None:
@@ -230,9 +230,11 @@ class TrainConfig(EnvironmentsConfig):
             fail("actors", f"is {self.actors}; with cluster.address the run places one actor "
                  f"per node offering {self.cluster.sim_resource!r} (give actors=1 and start "
                  "more nodes, or more desktops per node: sim_envs_per_actor)")  # fmt: skip
-        if self.cluster.address and not (self.actors and self.sim_envs_per_actor):
-            fail("sim_envs_per_actor", "must be >= 1 with cluster.address (and actors=1): the "
-                 "nodes run simulated desktops")  # fmt: skip
+        if self.cluster.address and not (
+            (self.actors and self.sim_envs_per_actor) or self.local_desktops
+        ):
+            fail("sim_envs_per_actor", "must be >= 1 with cluster.address (and actors=1), or "
+                 "local_desktops >= 1: the nodes run simulated or local desktops")  # fmt: skip
         if self.base not in ("tiny", "reader"):
             fail("base", f"must be 'tiny' or 'reader', got {self.base!r}")
         if self.model and self.base != "tiny":

@@ -331,7 +331,8 @@ class TrainRun:
     def _node_toml(self, model: str, data: str, control: str) -> Any:
         """`make_toml(actor_id, envs)` for the nodes' actors (`arpo.train.cluster`): this
         run's actor template with `envs` simulated desktops, its folders in the node's
-        folder (@NODE@), its model @MODEL@, its CURVE keys those the agent writes there."""
+        folder (@NODE@), its model @MODEL@, its CURVE keys those the agent writes there.
+        The agent of a node with local desktops writes their URLs and tokens in."""
         cfg = self.config
 
         def make(actor_id: str, envs: int) -> str:
@@ -349,7 +350,7 @@ class TrainRun:
                 spool_dir="@NODE@/spool",
                 file_cache_dir="@NODE@/task-files",
             )  # fmt: skip
-            validate(ac)
+            validate(replace(ac, sim_envs=max(envs, 1)))  # a desktops-only node's come later
             return to_toml(replace(ac, engine=replace(ac.engine, model="@MODEL@")))
 
         return make
@@ -360,9 +361,12 @@ class TrainRun:
         from arpo.train.cluster import Placement
 
         handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+        cfg = self.config
         self.placement = Placement(
-            self.config.cluster, self.run_dir, self.config.sim_envs_per_actor
-        )
+            cfg.cluster, self.run_dir, cfg.sim_envs_per_actor if cfg.actors else 0,
+            desktops=cfg.local_desktops,
+            atspi=self._desktop_trees(),
+        )  # fmt: skip
         for s, h in handlers.items():  # the run's own handlers, whatever Ray installed
             signal.signal(s, h)
         host = self.placement.bind_host()
@@ -376,11 +380,13 @@ class TrainRun:
         """The run's own fleet (vms > 0), in <run_dir>/vms: its state file."""
         return str(self.envs.start_vms(self.config.vms, self.run_dir / "vms"))
 
+    def _desktop_trees(self) -> bool:
+        """Local desktops serve their apps' AT-SPI trees: the observation type shows one."""
+        return self.config.actor.episode.observation_type != "screenshot"
+
     def _desktops(self) -> list[EnvSpec]:
-        """The run's local desktops, each with its own bearer token; with an observation
-        type that shows a tree they serve their apps' AT-SPI trees."""
-        tree = self.config.actor.episode.observation_type != "screenshot"
-        return self.envs.start_desktops(self.config.local_desktops, atspi=tree)
+        """The run's local desktops, each with its own bearer token (`_desktop_trees`)."""
+        return self.envs.start_desktops(self.config.local_desktops, atspi=self._desktop_trees())
 
     # ---- the run -----------------------------------------------------------------------
 
@@ -452,7 +458,8 @@ class TrainRun:
                 self._phase = "joining the Ray cluster"
                 data, control, node_toml = self._join_cluster(model)
             self._phase = "starting the local desktops"
-            desktops = self._desktops() if cfg.local_desktops else None
+            # In a cluster run local_desktops are started on the nodes offering them.
+            desktops = self._desktops() if cfg.local_desktops and not node_toml else None
             self._phase = "starting the VMs"
             fleet = self._vm_fleet() if cfg.vms else cfg.vm_fleet
             self._phase = "the preflight"
@@ -547,6 +554,13 @@ class TrainRun:
         cfg = self.config
         index = TaskFiles()
         pool = load_pool(tasks, index)
+        if self.placement is not None and cfg.local_desktops:
+            from arpo.env.task import task_pool
+
+            on_nodes = [t for t in pool if task_pool(t.task) == DESKTOP_POOL]
+            pool = [t for t in pool if task_pool(t.task) != DESKTOP_POOL]
+            log.info("preflight: the %d tasks of pool %r are not set up beforehand: their "
+                     "desktops run on the cluster's nodes", len(on_nodes), DESKTOP_POOL)  # fmt: skip
         runner = cfg.actor.runner.runner_config(reset_before_setup=cfg.actor.reset_before_setup)
         specs: dict[str, list[EnvSpec]] = {}
         if desktops is not None:

@@ -1,0 +1,249 @@
+"""What `arpo train` runs on each node of a Ray cluster: `NodeAgent`, one per node.
+
+    agent = NodeAgent("node1", actor_toml, keys, model, None, run_id, desktops=2)
+    agent.start()      # the node's desktops (if any), then `arpo-actor`; its pid
+    agent.poll()       # the actor's state, new log bytes, new spool-ledger lines, pending ids
+    agent.stop(30)     # SIGTERM (the actor flushes its spool), then the desktops go down
+    agent.remove()     # the node's folder
+
+The driver (`arpo.train.cluster.Placement`) wraps it with `ray.remote` and pins it to its
+node; here it is plain Python, so it is tested and read without Ray. Everything it starts
+lives in a folder of its node (`<tmp>/arpo-<run id>/<actor id>`, mode 0700): the actor's
+config, the CURVE keys the driver handed over, the spool, the task-file cache, the model
+when the driver shipped it, and the desktops' state and token files. No shared disk.
+
+- **Simulated desktops** run inside the actor (`sim_envs` of its config).
+- **Real local desktops** (`desktops` > 0): `arpo-envs up -n N --tokens` runs in the
+  foreground as a child of the agent, each desktop with its own bearer token written to a
+  0600 file in the node's folder; once they answer, the agent writes their URLs and tokens
+  into the actor's config and starts the actor. The desktops serve loopback only: their
+  actor is on the same node.
+- Every child gets a parent-death signal (`prctl(PR_SET_PDEATHSIG)`): when the agent dies
+  with its node's Ray processes, the actor is killed and the desktops' `up` is sent SIGTERM,
+  which stops every desktop as `arpo-envs down` does. A node lost leaves nothing running.
+- A desktop that dies takes its fleet's `up` with it; the next `poll` then stops the actor
+  too and reports it exited, and the driver's `start` brings both up again (new ports,
+  new tokens).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from arpo.errors import ArpoError
+
+MAX_CHUNK = 4 << 20
+"""Most bytes of one log or ledger a poll brings back (the rest comes with the next)."""
+TOKENS_FILE = "desktop-tokens.json"
+"""In the node's `keys/` folder: URL -> bearer token of each desktop (`arpo-envs up`)."""
+
+
+def _die_with_parent(sig: int) -> Any:
+    """For `preexec_fn`: the child gets `sig` when the agent's process dies (a node lost)."""
+
+    def set_it() -> None:
+        import ctypes
+
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
+
+    return set_it
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+
+
+class NodeAgent:
+    """One node's actor process and the desktops it drives (module docstring)."""
+
+    def __init__(
+        self,
+        actor_id: str,
+        config_toml: str,
+        keys: dict[str, bytes],
+        model: str,
+        model_tar: bytes | None,
+        run_id: str,
+        *,
+        desktops: int = 0,
+        atspi: bool = False,
+        start_timeout_s: float = 300.0,
+    ) -> None:
+        self.actor_id = actor_id
+        self.desktops = desktops
+        """Real local desktops this node's actor drives (0: none)."""
+        self.atspi = atspi
+        """Start them with their apps' accessibility trees (`arpo-envs up --atspi`)."""
+        self.start_timeout_s = start_timeout_s
+        self.folder = Path(tempfile.gettempdir()) / f"arpo-{run_id}" / actor_id
+        self.folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.keydir = self.folder / "keys"
+        self.keydir.mkdir(exist_ok=True, mode=0o700)
+        for name, data in keys.items():
+            _write_private(self.keydir / name, data)
+        if model_tar is not None:
+            model = str(self.folder / "model")
+            with tarfile.open(fileobj=io.BytesIO(model_tar)) as tar:
+                tar.extractall(model, filter="data")
+        text = (config_toml.replace("@NODE@", str(self.folder))
+                .replace("@MODEL@", model.replace("\\", "\\\\").replace('"', '\\"')))  # fmt: skip
+        self.config = self.folder / "actor.toml"
+        _write_private(self.config, text.encode())
+        self.log = self.folder / "actor.log"
+        self.spool = self.folder / "spool"
+        self.popen: subprocess.Popen | None = None
+        self.fleet: subprocess.Popen | None = None
+        """The foreground `arpo-envs up` of the desktops (None: none started)."""
+        self.offsets = {"log": 0, "ledger": 0}
+        self.starts = 0
+
+    def node(self) -> dict[str, Any]:
+        """Where this agent runs: its host name, pid and folder."""
+        import socket
+
+        return {"host": socket.gethostname(), "pid": os.getpid(), "folder": str(self.folder)}
+
+    # ---- the desktops --------------------------------------------------------------------
+
+    def _desktops_up(self) -> None:
+        """Start the desktops (again) and write their URLs and tokens into the actor's
+        config; ArpoError naming the fleet's log when they do not answer in time."""
+        self._desktops_down()
+        tokens = self.keydir / TOKENS_FILE
+        tokens.unlink(missing_ok=True)
+        cmd = [sys.executable, "-m", "arpo_envs.cli", "up", "-n", str(self.desktops),
+               "--base-port", "0", "--tokens", "--tokens-file", str(tokens),
+               "--state", str(self.folder / "desktops.json")]  # fmt: skip
+        if self.atspi:
+            cmd.append("--atspi")
+        with (self.folder / "desktops.log").open("ab") as out:
+            self.fleet = subprocess.Popen(
+                cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+                start_new_session=True, preexec_fn=_die_with_parent(signal.SIGTERM),
+            )  # fmt: skip
+        end = time.monotonic() + self.start_timeout_s
+        while not tokens.exists():  # `up` writes it once every desktop answers
+            if self.fleet.poll() is not None or time.monotonic() > end:
+                why = (f"exited with code {self.fleet.returncode}" if self.fleet.poll()
+                       is not None else f"did not answer in {self.start_timeout_s:.0f} s")  # fmt: skip
+                self._desktops_down()
+                tail = (self.folder / "desktops.log").read_text(errors="replace")[-1500:]
+                raise ArpoError(f"the {self.desktops} desktops of {self.actor_id} {why}: {tail}")
+            time.sleep(0.2)
+        urls = json.loads(tokens.read_text())
+
+        import tomllib
+
+        from arpo.actor.config import ActorConfig
+        from arpo.config import from_dict, to_toml
+
+        data = tomllib.loads(self.config.read_text())
+        data.update(envs=list(urls), env_tokens=[urls[u] for u in urls])
+        _write_private(self.config, to_toml(from_dict(ActorConfig, data)).encode())
+
+    def _desktops_down(self) -> None:
+        """SIGTERM to the fleet's `up` (it stops every desktop), SIGKILL after its grace."""
+        p, self.fleet = self.fleet, None
+        if p is None or p.poll() is not None:
+            return
+        p.send_signal(signal.SIGTERM)
+        try:
+            p.wait(60)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait(30)
+
+    # ---- the actor -----------------------------------------------------------------------
+
+    def start(self) -> int:
+        """Start (or start again) the desktops, if any, and the actor process; its pid."""
+        self.starts += 1
+        self._stop_actor(30.0)  # a desktop died under a running actor: both start again
+        if self.desktops and (self.fleet is None or self.fleet.poll() is not None):
+            self._desktops_up()
+        args = [sys.executable, "-m", "arpo.actor.cli", "--config", str(self.config)]
+        with self.log.open("ab") as out:
+            self.popen = subprocess.Popen(
+                args, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+                start_new_session=True, preexec_fn=_die_with_parent(signal.SIGKILL),
+            )  # fmt: skip
+        return self.popen.pid
+
+    def _read(self, path: Path, key: str) -> bytes:
+        try:
+            with path.open("rb") as f:
+                f.seek(self.offsets[key])
+                data = f.read(MAX_CHUNK)
+        except FileNotFoundError:
+            return b""
+        if key == "ledger":  # whole lines only: the driver appends them to its copy
+            data = data[: data.rfind(b"\n") + 1]
+        self.offsets[key] += len(data)
+        return data
+
+    def poll(self) -> dict[str, Any]:
+        """The actor's state, the new bytes of its log and of its spool ledger, and the ids
+        its spool holds now (pending, refused). Desktops that went down stop the actor
+        first (it reports as exited; the driver's `start` brings both up again)."""
+        from arpo.actor.spool import LEDGER, read_spool
+
+        lost_desktops = self.desktops and (self.fleet is None or self.fleet.poll() is not None)
+        if lost_desktops and self.popen is not None and self.popen.poll() is None:
+            with self.log.open("ab") as out:
+                out.write(b"node agent: the desktops went down: stopping the actor\n")
+            self._stop_actor(30.0)
+        code = None if self.popen is None else self.popen.poll()
+        contents = read_spool(self.spool)
+        return {
+            "alive": self.popen is not None and code is None,
+            "code": code,
+            "starts": self.starts,
+            "desktops": 0 if lost_desktops else self.desktops,
+            "log": self._read(self.log, "log"),
+            "ledger": self._read(self.spool / LEDGER, "ledger"),
+            "pending": sorted(contents.pending),
+            "refused": sorted(contents.refused),
+        }
+
+    def _stop_actor(self, timeout: float) -> None:
+        p = self.popen
+        if p is not None and p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+            try:
+                p.wait(timeout)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait(30)
+
+    def stop(self, timeout: float) -> dict[str, Any]:
+        """SIGTERM to the actor (it flushes its spool to the learner), SIGKILL after
+        `timeout`; then the desktops go down; then the last poll."""
+        self._stop_actor(timeout)
+        answer = self.poll()
+        self._desktops_down()
+        return answer
+
+    def remove(self) -> None:
+        """Remove this node's folder (after the last poll brought everything back), and the
+        run's folder on this node once it is empty."""
+        self._desktops_down()
+        shutil.rmtree(self.folder, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            self.folder.parent.rmdir()
