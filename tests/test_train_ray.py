@@ -35,6 +35,7 @@ from arpo.config import to_toml
 from arpo.learner.metrics import read_metrics
 
 BIN = Path(sys.executable).parent
+DESKTOP_BINS = [b for b in ("Xvfb", "openbox") if not shutil.which(b)]
 RAY_PORT = 6379
 
 
@@ -77,13 +78,15 @@ class Cluster:
     def env(self) -> dict[str, str]:
         return {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "RAY_USAGE_STATS_ENABLED": "0"}
 
-    def ray_start(self, i: int, sim: int = 0) -> None:
-        """`ray start` of node `i` in its namespace (the head for 0)."""
+    def ray_start(self, i: int, sim: int = 0, desktops: int = 0) -> None:
+        """`ray start` of node `i` in its namespace (the head for 0), offering `sim`
+        simulated and `desktops` local desktops."""
         if i == len(self.spaces):
             self.add_space()
         common = [f"--node-ip-address={self.ip(i)}", "--num-cpus=1", "--disable-usage-stats"]
-        if sim:
-            common.append("--resources=" + json.dumps({"arpo_sim": sim}))
+        offers = {k: v for k, v in (("arpo_sim", sim), ("arpo_desktops", desktops)) if v}
+        if offers:
+            common.append("--resources=" + json.dumps(offers))
         if i == 0:
             args = ["--head", f"--port={RAY_PORT}", "--include-dashboard=false",
                     f"--temp-dir={self.temp}"]  # fmt: skip
@@ -123,8 +126,12 @@ def cluster() -> Iterator[Cluster]:
         c.close()
 
 
-def _train(c: Cluster, tmp_path: Path, iterations: int, **cluster: object) -> subprocess.Popen:
-    """`python -m arpo.train` in the head's namespace against the cluster, in the background."""
+def _train(
+    c: Cluster, tmp_path: Path, iterations: int, local_desktops: int = 0, **cluster: object
+) -> subprocess.Popen:
+    """`python -m arpo.train` in the head's namespace against the cluster, in the background;
+    with `local_desktops`, the tasks of the local suite's `os` domain too (pool 'desktop')."""
+    import arpo_envs.tasks as suite
     from arpo_envs.sim.tasks import write_tasks
 
     from arpo.policy.tiny import build_tiny_model
@@ -132,9 +139,14 @@ def _train(c: Cluster, tmp_path: Path, iterations: int, **cluster: object) -> su
     model = build_tiny_model(tmp_path / "tiny", seed=0)
     write_tasks(tmp_path / "tasks", ["click_button"], 4, seed=0)
     (tmp_path / "tasks" / "test_all.json").unlink()
+    if local_desktops:
+        local = Path(suite.__file__).parent / "local" / "os"
+        (tmp_path / "tasks" / "os").mkdir()
+        for task in sorted(local.glob("*.json"))[:4]:
+            shutil.copy(task, tmp_path / "tasks" / "os" / task.name)
     cfg = small_run(
         tmp_path, model, tmp_path / "tasks", iterations=iterations, max_new_tokens=16,
-        prefill_runs_per_task=0, preflight=False, progress_s=5,
+        prefill_runs_per_task=0, preflight=False, progress_s=5, local_desktops=local_desktops,
         actor={"shutdown_deadline_s": 30.0},
     )  # fmt: skip
     cfg = replace(
@@ -173,24 +185,31 @@ def _wait(cond, what: str, timeout: float) -> None:
         time.sleep(0.5)
 
 
-def test_a_run_places_one_actor_per_node_and_accounts_for_everything(
+@pytest.mark.skipif(bool(DESKTOP_BINS), reason=f"missing {DESKTOP_BINS} (make sysdeps)")
+def test_a_run_places_simulated_and_local_desktops_by_resource_and_accounts_for_everything(
     cluster: Cluster, tmp_path: Path
 ) -> None:
-    cluster.ray_start(0)  # the head holds no simulated desktops: no actor there
-    cluster.ray_start(1, sim=2)
-    cluster.ray_start(2, sim=8)  # at most sim_envs_per_actor (4) of them
-    summary = _finish(_train(cluster, tmp_path, iterations=2), tmp_path, timeout=240)
+    cluster.ray_start(0)  # the head offers no environment: no actor there
+    cluster.ray_start(1, sim=8)  # at most sim_envs_per_actor (4) of them
+    cluster.ray_start(2, desktops=1)  # a real local desktop, started on that node
+    proc = _train(cluster, tmp_path, iterations=3, local_desktops=2)
+    summary = _finish(proc, tmp_path, timeout=300)
     assert summary["finished"], summary
     nodes = {n["ip"]: n for n in summary["cluster"]["nodes"]}
     assert set(nodes) == {cluster.ip(1), cluster.ip(2)}, nodes
-    assert nodes[cluster.ip(1)]["envs"] == 2 and nodes[cluster.ip(2)]["envs"] == 4
+    assert (nodes[cluster.ip(1)]["envs"], nodes[cluster.ip(1)]["desktops"]) == (4, 0)
+    assert (nodes[cluster.ip(2)]["envs"], nodes[cluster.ip(2)]["desktops"]) == (0, 1)
     acc = summary["accounting"]
     assert acc["unaccounted"] == 0 and acc["trained_twice"] == 0, acc
-    assert acc["trained"] >= 2 * 4, acc  # 2 iterations of 2 groups of 2
+    assert acc["trained"] >= 3 * 4, acc  # 3 iterations of 2 groups of 2
     run = tmp_path / "run"
     for n in nodes.values():  # each node's log and ledger came back to the driver
         assert "actor " + n["actor"] in (run / "logs" / f"{n['actor']}.log").read_text()
         assert read_ledger(run / "spool" / n["actor"]), n
+    # The desktop node's episodes ran the local tasks on its own desktop (not the driver's).
+    desktop_ids = {json.loads(t.read_text())["id"] for t in (tmp_path / "tasks" / "os").iterdir()}
+    ledger = read_ledger(run / "spool" / nodes[cluster.ip(2)]["actor"])
+    assert ledger and {task for _, task in ledger.values()} <= desktop_ids, ledger
     learner = (run / "learner.toml").read_text()
     assert f"tcp://{cluster.ip(0)}:" in learner and "curve_secret_key" in learner
 
