@@ -147,6 +147,16 @@ class TrainConfig(EnvironmentsConfig):
         "has why the default decays).",
     )
     restart: bool = option(True, "Start a dead actor again, and a dead learner with --resume.")
+    resume: bool = option(
+        False,
+        "Continue the run in run_dir after `arpo train` itself was lost (killed, its machine "
+        "or Ray node gone): the learner starts from its last checkpoint and journal, the "
+        "starting policy, its evaluation, the pre-fill and the preflight of the first start "
+        "are reused, the actors start again (a local actor's spool sends what was not "
+        "acknowledged; what a lost node held is counted lost with it), and the accounting "
+        "spans every start. Run it with the same config; run_dir must be on storage this "
+        "machine reaches.",
+    )
     max_restarts: int = option(5, "Restarts per process at most.")
     progress_s: float = option(10.0, "Interval of the progress line (0: none).")
     preflight: bool = option(

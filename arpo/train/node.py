@@ -50,14 +50,28 @@ TOKENS_FILE = "desktop-tokens.json"
 """In the node's `keys/` folder: URL -> bearer token of each desktop (`arpo-envs up`)."""
 
 
-def _die_with_parent(sig: int) -> Any:
-    """For `preexec_fn`: the child gets `sig` when the agent's process dies (a node lost)."""
+def _prctl() -> Any:
+    import ctypes
+
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # not Linux: no parent-death signal
+        return None
+
+
+_PRCTL = _prctl()
+"""libc's prctl, looked up once here: the child calls it between fork and exec, where
+loading a library could wait on a lock another thread of the parent held."""
+
+
+def die_with_parent(sig: int) -> Any:
+    """For `preexec_fn`: the child gets `sig` when the process (the thread) that started it
+    dies: an agent with its node, `arpo train` killed. None where there is no prctl."""
+    if _PRCTL is None:
+        return None
 
     def set_it() -> None:
-        import ctypes
-
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
+        _PRCTL(1, sig)  # PR_SET_PDEATHSIG
 
     return set_it
 
@@ -134,7 +148,7 @@ class NodeAgent:
         with (self.folder / "desktops.log").open("ab") as out:
             self.fleet = subprocess.Popen(
                 cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
-                start_new_session=True, preexec_fn=_die_with_parent(signal.SIGTERM),
+                start_new_session=True, preexec_fn=die_with_parent(signal.SIGTERM),
             )  # fmt: skip
         end = time.monotonic() + self.start_timeout_s
         while not tokens.exists():  # `up` writes it once every desktop answers
@@ -181,7 +195,7 @@ class NodeAgent:
         with self.log.open("ab") as out:
             self.popen = subprocess.Popen(
                 args, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
-                start_new_session=True, preexec_fn=_die_with_parent(signal.SIGKILL),
+                start_new_session=True, preexec_fn=die_with_parent(signal.SIGKILL),
             )  # fmt: skip
         return self.popen.pid
 

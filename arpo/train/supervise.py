@@ -25,6 +25,7 @@ from arpo.errors import EXIT_STALLED, ArpoError, RunStalled
 from arpo.learner.checkpoint import latest_checkpoint
 from arpo.learner.metrics import read_metrics
 from arpo.train.config import READER_SFT_LR, TrainConfig
+from arpo.train.node import die_with_parent
 from arpo.train.report import (
     account,
     comparison,
@@ -36,6 +37,10 @@ from arpo.train.report import (
 )
 
 log = logging.getLogger("arpo.train")
+
+RESUME_FILE = "resume.json"
+"""In run_dir: what `resume` reuses of the run's earlier starts (the starting policy's
+evaluation, the pre-fill, the preflight's left-out tasks) and when each start began."""
 
 
 @dataclass
@@ -51,10 +56,11 @@ class _Proc:
     def start(self, restarted: bool = False) -> None:
         self.log.parent.mkdir(parents=True, exist_ok=True)
         args = self.args + (self.extra_on_restart if restarted else [])
-        with self.log.open("ab") as out:
+        with self.log.open("ab") as out:  # SIGKILLed when `arpo train` dies (`resume`)
             self.popen = subprocess.Popen(
-                args, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True
-            )
+                args, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True,
+                preexec_fn=die_with_parent(signal.SIGKILL),
+            )  # fmt: skip
         log.info("%s: pid %d, log %s", self.name, self.popen.pid, self.log)
 
     def alive(self) -> bool:
@@ -426,18 +432,66 @@ class TrainRun:
             for s, h in old.items():
                 signal.signal(s, h)
 
+    def _resumed(self) -> dict[str, Any]:
+        """With `resume`: what the run's earlier starts left (RESUME_FILE: the starting
+        policy's evaluation, the pre-fill, the preflight's left-out tasks) and the record
+        of this start; ArpoError when run_dir holds nothing to continue."""
+        learner = self.run_dir / "learner"
+        if not (learner / "checkpoints").is_dir() and not (learner / "journal").is_dir():
+            raise ArpoError(
+                f"resume=true: {learner} holds no checkpoint and no journal, so there is no "
+                "run to continue there; give the run_dir of the run, or leave resume unset "
+                "to start one"
+            )
+        state = read_json_object(self.run_dir / RESUME_FILE)
+        starts = [*state.get("starts", []), {"at": time.time(), "pid": os.getpid()}]
+        self.warm_eval = state.get("warm_eval")
+        self.prefill = state.get("prefill")
+        left_out = state.get("left_out")
+        self.resumes = len(starts) - 1
+        log.info("resume=true: continuing the run in %s (start %d); the learner resumes "
+                 "from its last checkpoint and journal", self.run_dir, len(starts))  # fmt: skip
+        # The nodes of the earlier starts went with their driver: what their spools held
+        # unacknowledged is lost with them (their agents and actors died with the driver).
+        from arpo.train.cluster import LOST_MARK, mark_lost
+
+        for spool in sorted((self.run_dir / "spool").glob("node*")):
+            if spool.is_dir() and not (spool / LOST_MARK).exists():
+                mark_lost(self.run_dir, spool.name, {"actor": spool.name, "why": "its driver "
+                          "(an earlier start of arpo train) was lost", "at": time.time()})  # fmt: skip
+        self._save_resume_state(starts=starts, left_out=left_out)
+        return {"left_out": left_out, "nodes": len(list((self.run_dir / "spool").glob("node*")))}
+
+    def _save_resume_state(self, **changed: Any) -> None:
+        """Keep what a later `resume` reuses in RESUME_FILE (written whole, then renamed)."""
+        path = self.run_dir / RESUME_FILE
+        state = {**read_json_object(path), "warm_eval": self.warm_eval, "prefill": self.prefill}
+        state.update(changed)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state, indent=1))
+        tmp.replace(path)
+
     def _run(self, stop: dict[str, bool]) -> dict[str, Any]:
         cfg = self.config
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        resumed = self._resumed() if cfg.resume else None
+        if resumed is None:
+            self._save_resume_state(starts=[{"at": time.time(), "pid": os.getpid()}],
+                                    left_out=None)  # fmt: skip
         model = self.policy()  # phase "building the starting policy", set by `run`
         self._phase = "writing the task pool"
         tasks = self.task_pool()
-        if cfg.eval_warm_start and cfg.eval_runs_per_task and cfg.sim_envs_per_actor:
+        if resumed is not None:
+            pass  # the earlier start's evaluation and pre-fill (RESUME_FILE)
+        elif cfg.eval_warm_start and cfg.eval_runs_per_task and cfg.sim_envs_per_actor:
             self._phase = "the starting policy's evaluation"
             log.info("evaluating the starting policy (the same protocol as the final one)")
             self.warm_eval = self._evaluate(tasks, {"model": model}, self.run_dir / "eval_warm")
+            self._save_resume_state()
         self._phase = "the replay pre-fill"
-        if cfg.learner.assemble.replay.prefill:
+        if resumed is not None:
+            pass
+        elif cfg.learner.assemble.replay.prefill:
             log.info(
                 "replay pre-fill: the successes in %s (learner.assemble.replay.prefill); no "
                 "pre-fill collection", cfg.learner.assemble.replay.prefill,
@@ -447,9 +501,10 @@ class TrainRun:
         elif cfg.prefill_runs_per_task:
             log.info("replay pre-fill skipped: the run has no simulated desktops to run it on")
         if (cfg.prefill_demos or cfg.prefill_demos_from_turns) and not (
-            cfg.learner.assemble.replay.prefill
+            cfg.learner.assemble.replay.prefill or resumed is not None
         ):
             self.prefill = self._prefill_demos(model, self.prefill, tasks)
+        self._save_resume_state()
         data = f"tcp://127.0.0.1:{free_port()}"
         control = f"tcp://127.0.0.1:{free_port()}"
         node_toml = None
@@ -457,13 +512,19 @@ class TrainRun:
             if cfg.cluster.address:
                 self._phase = "joining the Ray cluster"
                 data, control, node_toml = self._join_cluster(model)
+                if resumed is not None:  # new actor ids: node<k> after the earlier starts'
+                    self.placement.placed = resumed["nodes"]
             self._phase = "starting the local desktops"
             # In a cluster run local_desktops are started on the nodes offering them.
             desktops = self._desktops() if cfg.local_desktops and not node_toml else None
             self._phase = "starting the VMs"
             fleet = self._vm_fleet() if cfg.vms else cfg.vm_fleet
             self._phase = "the preflight"
-            left_out = self._preflight(tasks, desktops, fleet) if cfg.preflight else {}
+            if resumed is not None and resumed["left_out"] is not None:
+                left_out = resumed["left_out"]  # the first start's preflight
+            else:
+                left_out = self._preflight(tasks, desktops, fleet) if cfg.preflight else {}
+                self._save_resume_state(left_out=left_out)
             self._phase = "starting the learner and the actors"
             self.learner = self._learner_proc(model, tasks, data, control, left_out)
             for i in range(0 if node_toml else cfg.actors):
@@ -484,7 +545,7 @@ class TrainRun:
                                                    envs=list(cfg.env_urls), sim_envs=0,
                                                    env_tokens=list(cfg.env_tokens),
                                                    env_pool=cfg.env_pool))  # fmt: skip
-            self.learner.start()
+            self.learner.start(restarted=resumed is not None)  # --resume
             for p in self.procs:
                 p.start()
             if node_toml is not None:
@@ -517,6 +578,8 @@ class TrainRun:
     there); None while it trains."""
     signalled: int | None = None
     """The signal that stopped the run (None: it was not stopped by one)."""
+    resumes: int = 0
+    """Earlier starts of this run that this one continues (`resume`)."""
     preflight_report: dict[str, Any] | None = None
     """The preflight's outcome: its report files and the tasks it left out."""
     stalled: str | None = None
@@ -936,6 +999,8 @@ class TrainRun:
             ))  # fmt: skip
         if self.placement is not None:
             out["cluster"] = self.placement.summary()
+        if self.resumes:
+            out["resumes"] = self.resumes
         out["accounting"] = account(self.run_dir, ckpt)
         (self.run_dir / "summary.json").write_text(json.dumps(out, indent=2))
         self.summary = out
