@@ -127,7 +127,12 @@ def cluster() -> Iterator[Cluster]:
 
 
 def _train(
-    c: Cluster, tmp_path: Path, iterations: int, local_desktops: int = 0, **cluster: object
+    c: Cluster,
+    tmp_path: Path,
+    iterations: int,
+    local_desktops: int = 0,
+    extra: tuple[str, ...] = (),
+    **cluster: object,
 ) -> subprocess.Popen:
     """`python -m arpo.train` in the head's namespace against the cluster, in the background;
     with `local_desktops`, the tasks of the local suite's `os` domain too (pool 'desktop')."""
@@ -138,7 +143,7 @@ def _train(
 
     model = build_tiny_model(tmp_path / "tiny", seed=0)
     write_tasks(tmp_path / "tasks", ["click_button"], 4, seed=0)
-    (tmp_path / "tasks" / "test_all.json").unlink()
+    (tmp_path / "tasks" / "test_all.json").unlink(missing_ok=True)
     if local_desktops:
         local = Path(suite.__file__).parent / "local" / "os"
         (tmp_path / "tasks" / "os").mkdir()
@@ -157,8 +162,8 @@ def _train(
     path = tmp_path / "run.toml"
     path.write_text(to_toml(cfg))
     cmd = ["ip", "netns", "exec", c.spaces[0], sys.executable, "-m", "arpo.train",
-           "--config", str(path)]  # fmt: skip
-    with (tmp_path / "train.out").open("wb") as out:
+           "--config", str(path), *extra]  # fmt: skip
+    with (tmp_path / "train.out").open("ab") as out:
         return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=c.env())
 
 
@@ -281,3 +286,42 @@ def test_sigterm_stops_every_nodes_actor_and_accounts_for_everything(
         node["lost"] == ""
         and "stopping" in (tmp_path / "run" / "logs" / f"{node['actor']}.log").read_text().lower()
     )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_run_whose_driver_was_lost_is_resumed_on_the_cluster(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """The driver (and with it the learner) SIGKILLed: Ray ends its job, so the nodes'
+    agents go and their actors die with them; `arpo train resume=true` places new actors
+    (new ids), counts what the old node held unacknowledged as lost with it, and the
+    learner continues from its last checkpoint to the end."""
+    cluster.ray_start(0)
+    cluster.ray_start(1, sim=2)
+    first = _train(cluster, tmp_path, iterations=4)
+    metrics = tmp_path / "run" / "learner" / "metrics.jsonl"
+    try:
+        _wait(lambda: metrics.exists() and read_metrics(metrics), "iteration 1", 240)
+    finally:
+        first.kill()
+        first.wait(30)
+
+    def node_actors() -> list[str]:
+        pids = _sh("ip", "netns", "pids", cluster.spaces[1]).stdout.split()
+        cmds = []
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                cmds.append(Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"))
+        return [c for c in cmds if "arpo.actor.cli" in c]
+
+    _wait(lambda: not node_actors(), "the lost driver's node actor to stop", 120)
+    summary = _finish(_train(cluster, tmp_path, iterations=4, extra=("resume=true",)),
+                      tmp_path, timeout=420)  # fmt: skip
+    assert summary["finished"] and summary["resumes"] == 1, summary
+    actors = [n["actor"] for n in summary["cluster"]["nodes"]]
+    assert actors == ["node2"], summary["cluster"]  # node1 was the first start's
+    assert (tmp_path / "run" / "spool" / "node1" / "node_lost.json").exists()
+    acc = summary["accounting"]
+    assert acc["unaccounted"] == 0 and acc["trained_twice"] == 0, acc
+    assert read_metrics(metrics)[-1]["step"] == 4
