@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import secrets
 import shutil
 import signal
 import subprocess
@@ -28,91 +27,14 @@ import pytest
 pytest.importorskip("ray")
 pytest.importorskip("torch")
 
+from ray_cluster import RAY_PORT, Cluster, sh
 from train_configs import small_run
 
 from arpo.actor.spool import read_ledger
 from arpo.config import to_toml
 from arpo.learner.metrics import read_metrics
 
-BIN = Path(sys.executable).parent
 DESKTOP_BINS = [b for b in ("Xvfb", "openbox") if not shutil.which(b)]
-RAY_PORT = 6379
-
-
-def _sh(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(args, capture_output=True, text=True, check=check, timeout=120)
-
-
-class Cluster:
-    """A bridge on this machine and one network namespace per Ray node: node 0 is the
-    head (and the driver), nodes 1.. are workers offering `arpo_sim`."""
-
-    def __init__(self, nodes: int) -> None:
-        self.tag = secrets.token_hex(2)
-        self.subnet = f"10.{200 + secrets.randbelow(50)}.{secrets.randbelow(250)}"
-        self.bridge = f"arb{self.tag}"
-        self.temp = Path(tempfile.mkdtemp(prefix=f"ray-{self.tag}-"))
-        self.spaces: list[str] = []
-        _sh("ip", "link", "add", self.bridge, "type", "bridge")
-        _sh("ip", "addr", "add", f"{self.subnet}.1/24", "dev", self.bridge)
-        _sh("ip", "link", "set", self.bridge, "up")
-        for _ in range(nodes):
-            self.add_space()
-
-    def add_space(self) -> str:
-        i = len(self.spaces)
-        ns, a, b = f"arpo{self.tag}n{i}", f"ara{self.tag}{i}", f"arb{self.tag}{i}"
-        self.spaces.append(ns)
-        _sh("ip", "netns", "add", ns)
-        _sh("ip", "link", "add", a, "type", "veth", "peer", "name", b)
-        _sh("ip", "link", "set", b, "netns", ns)
-        _sh("ip", "link", "set", a, "master", self.bridge, "up")
-        _sh("ip", "netns", "exec", ns, "ip", "addr", "add", f"{self.ip(i)}/24", "dev", b)
-        _sh("ip", "netns", "exec", ns, "ip", "link", "set", b, "up")
-        _sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
-        return ns
-
-    def ip(self, i: int) -> str:
-        return f"{self.subnet}.{i + 2}"
-
-    def env(self) -> dict[str, str]:
-        return {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "RAY_USAGE_STATS_ENABLED": "0"}
-
-    def ray_start(self, i: int, sim: int = 0, desktops: int = 0) -> None:
-        """`ray start` of node `i` in its namespace (the head for 0), offering `sim`
-        simulated and `desktops` local desktops."""
-        if i == len(self.spaces):
-            self.add_space()
-        common = [f"--node-ip-address={self.ip(i)}", "--num-cpus=1", "--disable-usage-stats"]
-        offers = {k: v for k, v in (("arpo_sim", sim), ("arpo_desktops", desktops)) if v}
-        if offers:
-            common.append("--resources=" + json.dumps(offers))
-        if i == 0:
-            args = ["--head", f"--port={RAY_PORT}", "--include-dashboard=false",
-                    f"--temp-dir={self.temp}"]  # fmt: skip
-        else:
-            args = [f"--address={self.ip(0)}:{RAY_PORT}"]
-        cmd = ["ip", "netns", "exec", self.spaces[i], str(BIN / "ray"), "start", *args, *common]
-        out = subprocess.run(cmd, capture_output=True, text=True, env=self.env(), timeout=120)
-        assert out.returncode == 0, f"ray start of node {i} failed:\n{out.stdout}\n{out.stderr}"
-
-    def kill(self, i: int) -> int:
-        """SIGKILL every process of node `i` (its raylet, its workers, their children)."""
-        pids = [int(p) for p in _sh("ip", "netns", "pids", self.spaces[i]).stdout.split()]
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        return len(pids)
-
-    def close(self) -> None:
-        for i in reversed(range(len(self.spaces))):
-            with contextlib.suppress(Exception):
-                self.kill(i)
-        time.sleep(0.5)
-        for ns in self.spaces:
-            _sh("ip", "netns", "del", ns, check=False)
-        _sh("ip", "link", "del", self.bridge, check=False)
-        shutil.rmtree(self.temp, ignore_errors=True)
 
 
 @pytest.fixture
@@ -308,7 +230,7 @@ def test_a_run_whose_driver_was_lost_is_resumed_on_the_cluster(
         first.wait(30)
 
     def node_actors() -> list[str]:
-        pids = _sh("ip", "netns", "pids", cluster.spaces[1]).stdout.split()
+        pids = sh("ip", "netns", "pids", cluster.spaces[1]).stdout.split()
         cmds = []
         for pid in pids:
             with contextlib.suppress(OSError):
