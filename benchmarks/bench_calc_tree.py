@@ -18,10 +18,8 @@ bound: the answer stops at the budget and costs less.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from _machine import cpu_model  # noqa: E402
+from _machine import run_header  # noqa: E402
 from test_desktop_common import Desk, start_desk, stop_desk_proc  # noqa: E402
 
 from arpo.env import a11y  # noqa: E402
@@ -139,14 +137,12 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="2 rounds, no results file")
     args = p.parse_args()
     results = run(2 if args.quick else args.rounds)
-    commit = subprocess.run(
-        ["git", "-C", str(ROOT), "describe", "--always", "--dirty"],
-        capture_output=True, text=True, check=False,
-    ).stdout.strip()  # fmt: skip
+    header = run_header()
+    day = str(header["date"])[:10]
     lines = [
-        f"# Calc's accessibility tree per step, {datetime.date.today()}, commit {commit}",
+        f"# Calc's accessibility tree per step, {day}, commit {header['commit']}",
         "",
-        f"`.venv/bin/python benchmarks/bench_calc_tree.py` on {cpu_model()}; a local desktop "
+        f"`.venv/bin/python benchmarks/bench_calc_tree.py` on {header['machine']}; a local desktop "
         f"with `--atspi` (LibreOffice {_lo_version()}, GTK 3 plugin, 1280x720), a sheet of "
         f"{ROWS} x {COLS} filled cells open in Calc; median of {args.rounds if not args.quick else 2} "
         "reads of GET /accessibility.",
@@ -164,10 +160,9 @@ def main() -> None:
     report = "\n".join(lines)
     print(report)
     if not args.quick:
-        out = ROOT / "benchmarks" / "results" / f"calc-tree-{datetime.date.today()}"
+        out = ROOT / "benchmarks" / "results" / f"calc-tree-{day}"
         out.with_suffix(".md").write_text(report + "\n")
-        meta = {"date": str(datetime.date.today()), "commit": commit, "machine": cpu_model(),
-                "rows": ROWS, "cols": COLS}  # fmt: skip
+        meta = {**header, "rows": ROWS, "cols": COLS}
         out.with_suffix(".json").write_text(json.dumps({**meta, "results": results}, indent=2))
 
 

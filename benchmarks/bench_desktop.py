@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime as dt
 import io
 import json
 import os
@@ -38,7 +37,7 @@ import time
 from pathlib import Path
 
 import aiohttp
-from _machine import cpu_model
+from _machine import cpu_model, run_header
 from arpo_envs.desktop.fleet import FleetConfig, down, up
 from arpo_envs.procs import marked_pids
 from PIL import Image
@@ -230,11 +229,6 @@ def machine() -> dict:
     }
 
 
-def commit() -> str:
-    r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True)
-    return r.stdout.decode().strip() or "unknown"
-
-
 def render(results: dict) -> str:
     lines = [
         f"# Local desktop vs simulated desktop ({results['date']})",
@@ -294,8 +288,6 @@ def main() -> int:
         print(f"warning: load average {info['load_at_start'][0]:.2f}; results will be pessimistic")
     state = Path(tempfile.mkdtemp(prefix="bench-desktop-")) / "state.json"
     results: dict = {
-        "date": dt.datetime.now().strftime("%Y-%m-%d %H:%M"),
-        "commit": commit(),
         "machine": info,
         "seconds": seconds,
         "real": [],
@@ -318,12 +310,19 @@ def main() -> int:
     finally:
         down(state, announce=lambda s: None)
     print(f"reset: {json.dumps(results['reset'])}")
+    header = run_header()
+    results = {
+        "date": header["date"],
+        "commit": header["commit"],
+        **results,
+        "load_average": header["load_average"],
+    }
     md = render(results)
     print(md)
     if not args.quick:
         out = ROOT / "benchmarks" / "results"
         out.mkdir(parents=True, exist_ok=True)
-        day = dt.date.today().isoformat()
+        day = results["date"][:10]
         (out / f"desktop-{day}.json").write_text(json.dumps(results, indent=2))
         (out / f"desktop-{day}.md").write_text(md)
         print(f"wrote {out}/desktop-{day}.md and .json")

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime as dt
 import io
 import json
 import os
@@ -39,7 +38,7 @@ import urllib.request
 from pathlib import Path
 
 import numpy as np
-from _machine import cpu_model
+from _machine import cpu_model, run_header
 from arpo_envs.procs import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -89,15 +88,6 @@ def machine() -> dict:
         "platform": platform.platform(),
         "python": platform.python_version(),
     }
-
-
-def commit() -> str:
-    try:
-        return subprocess.check_output(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True
-        ).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def start_server(model_dir: Path, log: Path) -> tuple[subprocess.Popen, str]:
@@ -237,13 +227,14 @@ def main(argv: list[str] | None = None) -> int:
         results.append(res)
         print(json.dumps(res), flush=True)
 
-    date = dt.date.today().isoformat()
+    header = run_header()
+    date = str(header["date"])[:10]
     report = {
-        "date": dt.datetime.now().isoformat(timespec="seconds"),
-        "commit": commit(),
+        "date": header["date"],
+        "commit": header["commit"],
         "machine": machine(),
         "load_average_before": [round(x, 2) for x in load_before],
-        "load_average_after": [round(x, 2) for x in os.getloadavg()],
+        "load_average_after": header["load_average"],
         "model": "tiny Qwen2.5-VL (arpo.policy.tiny, 2.5 M parameters, float32)",
         "prompt_tokens": len(args.prompt[0]),
         "images_per_prompt": args.images,

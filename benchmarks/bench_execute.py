@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime as dt
 import json
 import os
 import select
@@ -28,6 +27,8 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
+
+from _machine import run_header
 
 PREFIX = "import pyautogui; import time; pyautogui.FAILSAFE = False; "
 
@@ -84,13 +85,11 @@ def main() -> int:
                 res = execute(url, f"pyautogui.moveTo({100 + i % 500}, 200)")
                 times[name].append(time.perf_counter() - t0)
                 assert res["returncode"] == 0, res
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
+    header = run_header()
     print(
         f"/execute of one pyautogui.moveTo, {args.calls} calls per row, "
-        f"{dt.datetime.now():%Y-%m-%d %H:%M}, commit {commit}, "
-        f"load average {os.getloadavg()[0]:.2f}, {os.cpu_count()} CPUs"
+        f"{header['date']}, commit {header['commit']}, "
+        f"load average {header['load_average'][0]:.2f}, {header['machine']}"
     )
     print("| row | median ms | p90 ms | min ms |\n|---|---:|---:|---:|")
     for name, xs in times.items():

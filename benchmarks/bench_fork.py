@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import datetime as dt
 import json
 import os
 import platform
@@ -54,7 +53,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from _machine import cpu_model
+from _machine import cpu_model, run_header
 from arpo_envs.sim.desktop import Desktop
 from arpo_envs.sim.tasks import load_scene
 
@@ -559,10 +558,6 @@ def main() -> int:
         p.error(f"unknown kinds {unknown}; use a comma-separated list of {', '.join(KINDS)}")
     repeats = 3 if args.quick else args.repeats
     r: dict[str, Any] = {
-        "date": dt.date.today().isoformat(),
-        "commit": subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
-        ).stdout.strip(),
         "machine": {
             "cpu": cpu_model(),
             "cores": os.cpu_count(),
@@ -574,10 +569,17 @@ def main() -> int:
     }
     for kind in kinds:
         r[kind] = KINDS[kind][0](repeats)
+    header = run_header()
+    r = {
+        "date": header["date"],
+        "commit": header["commit"],
+        **r,
+        "load_average": header["load_average"],
+    }
     text = render(r)
     print(text)
     if not args.quick:
-        out = ROOT / "benchmarks" / "results" / f"fork-{'-'.join(kinds)}-{r['date']}"
+        out = ROOT / "benchmarks" / "results" / f"fork-{'-'.join(kinds)}-{r['date'][:10]}"
         out.with_suffix(".json").write_text(json.dumps(r, indent=2))
         out.with_suffix(".md").write_text(text + "\n")
     return 0

@@ -25,18 +25,16 @@ date, machine, commit and load average. Run it alone on the machine.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
-from _machine import cpu_model
+from _machine import cpu_model, run_header
 
 ROOT = Path(__file__).resolve().parent.parent
 STAGES = ["wait", "sequences", "proximal_forward", "forward_backward", "optimizer", "publish",
@@ -162,12 +160,10 @@ def main() -> int:
     del maker
     results = [run_setting(model_dir, args, int(m), trajs) for m in args.micro.split(",")]
 
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
-    ).stdout.strip()
+    header = run_header()
     meta = {
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "commit": commit,
+        "date": header["date"],
+        "commit": header["commit"],
         "machine": {
             "cpu": cpu_model(),
             "cores": os.cpu_count(),
@@ -175,10 +171,11 @@ def main() -> int:
             "torch": torch.__version__,
         },
         "load_before": load,
+        "load_average": header["load_average"],
         "args": vars(args),
     }
     lines = [
-        f"# Learner throughput ({meta['date']}, commit {commit})",
+        f"# Learner throughput ({meta['date']}, commit {meta['commit']})",
         "",
         f"{meta['machine']['cpu']}, {meta['machine']['cores']} cores, load before "
         f"{load[0]:.2f}; tiny Qwen2.5-VL; {args.groups} groups x 4 trajectories per iteration, "
@@ -203,7 +200,7 @@ def main() -> int:
     if not args.quick:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        stem = f"learner-{dt.date.today().isoformat()}"
+        stem = f"learner-{str(meta['date'])[:10]}"
         (out / f"{stem}.json").write_text(json.dumps({**meta, "results": results}, indent=2))
         (out / f"{stem}.md").write_text(text)
     return 0

@@ -76,7 +76,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime as dt
 import json
 import os
 import platform
@@ -91,7 +90,7 @@ import types
 from pathlib import Path
 
 import numpy as np
-from _machine import cpu_model
+from _machine import run_header
 
 from arpo.record import OBSERVATION_TYPES
 
@@ -498,14 +497,14 @@ def main() -> int:
             rows += measure(args, model, tmp, families, kinds, lengths, px)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    date = dt.date.today().isoformat()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()  # fmt: skip
+    header = run_header()
+    date = str(header["date"])[:10]
     res = {
-        "date": date,
-        "machine": f"{cpu_model()}, {os.cpu_count()} cores, {platform.platform()}",
-        "commit": commit,
+        "date": header["date"],
+        "machine": f"{header['machine']}, {platform.platform()}",
+        "commit": header["commit"],
         "load": [round(x, 2) for x in load],
+        "load_average": header["load_average"],
         "command": " ".join(["python", "benchmarks/bench_long_context.py", *sys.argv[1:]]),
         "a11y_max_tokens": args.a11y_max_tokens,
         "response": args.response,

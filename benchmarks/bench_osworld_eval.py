@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from _machine import cpu_model  # noqa: E402
+from _machine import run_header  # noqa: E402
 from osworld_fixtures.peer import Peer  # noqa: E402
 from osworld_fixtures.xlsx_writer import write_xlsx  # noqa: E402
 
@@ -115,13 +113,11 @@ def main() -> int:
         write_xlsx(cache / "calc" / "a.xlsx", {"Sheet1": rows})
         write_xlsx(cache / "calc" / "gold.xlsx", {"Sheet1": rows})
         results = {e: asyncio.run(measure(e, cache, rounds)) for e in ("own", "osworld")}
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
-    ).stdout.strip()
+    header = run_header()
     lines = [
-        f"# OSWorld evaluation cost, {datetime.date.today()}, commit {commit}",
+        f"# OSWorld evaluation cost, {header['date']}, commit {header['commit']}",
         "",
-        f"Machine: {cpu_model()}; {rounds} rounds per evaluator; loopback peer.",
+        f"Machine: {header['machine']}; {rounds} rounds per evaluator; loopback peer.",
         "",
         "| evaluator | setup median s | evaluate median s | worker start s | worker RSS MiB |",
         "|---|---:|---:|---:|---:|",
@@ -135,7 +131,7 @@ def main() -> int:
     report = "\n".join(lines)
     print(report)
     if not args.quick:
-        out = ROOT / "benchmarks" / "results" / f"osworld-eval-{datetime.date.today()}"
+        out = ROOT / "benchmarks" / "results" / f"osworld-eval-{str(header['date'])[:10]}"
         out.with_suffix(".md").write_text(report + "\n")
         out.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")
     return 0

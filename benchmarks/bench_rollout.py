@@ -272,7 +272,7 @@ def main() -> int:
         )
     info = machine()
     info["load_before"] = [round(x, 2) for x in load]
-    info["load_after"] = [round(x, 2) for x in os.getloadavg()]
+    info["load_after"] = info.pop("load_average")
     lines += ["", f"{seconds:g} s measured per mode and setting; " + json.dumps(info)]
     text = "\n".join(lines)
     print(text)

@@ -354,7 +354,7 @@ def main() -> int:
         )
     info = machine()
     info["load_before"] = [round(x, 2) for x in load]
-    info["load_after"] = [round(x, 2) for x in os.getloadavg()]
+    info["load_after"] = info.pop("load_average")
     costs = step_costs(trajs)
     lines += [
         "",

@@ -26,7 +26,6 @@ import os
 import pickle
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -36,7 +35,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from _machine import cpu_model  # noqa: E402
+from _machine import cpu_model, run_header  # noqa: E402
 from conftest import make_png, make_trajectory  # noqa: E402
 
 from arpo import wire  # noqa: E402
@@ -44,26 +43,17 @@ from arpo.record import Trajectory  # noqa: E402
 
 
 def machine() -> dict[str, object]:
-    cpu = cpu_model()
+    header = run_header()
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
     return {
-        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "cpu": cpu,
+        "date": header["date"],
+        "cpu": cpu_model(),
         "cores": os.cpu_count(),
         "memory_gib": round(mem / 2**30, 1),
         "python": platform.python_version(),
         "numpy": np.__version__,
-        "commit": commit,
+        "commit": header["commit"],
+        "load_average": header["load_average"],
     }
 
 

@@ -194,6 +194,7 @@ def test_arpo_sft_stops_at_the_target_nll(tiny: Path, tmp_path: Path, capsys) ->
         ("max_steps=1", "max_steps"),
         ("out=''", "out"),
         ("target_nll=-1", "target_nll"),
+        ("marks_source=ocr", "marks_source"),  # the screenshot shows no marks
     ],
 )
 def test_sft_config_errors_name_the_field(override: str, field: str) -> None:
@@ -278,3 +279,20 @@ def test_demonstrations_scored_by_a_model_are_replayable_at_its_settings(demos, 
         lps = np.concatenate([t.logprobs for t in s.turns])
         assert np.isfinite(lps).all() and (lps <= 0).all() and lps.sum() < -1.0
         assert s.checker_score == 1.0 and s.trajectory_id != d.trajectory_id
+
+
+def test_a_warm_start_on_tree_marks_is_not_reused_for_a_run_on_ocr_marks(tmp_path: Path) -> None:
+    """`arpo train` keeps its warm start in run_dir/sft; a run whose marks come from OCR
+    refuses one made on tree marks (its prompts differ), naming both."""
+    from arpo.train import TrainConfig, TrainRun
+
+    sft = tmp_path / "run" / "sft"
+    sft.mkdir(parents=True)
+    (sft / "config.json").write_text("{}")
+    (sft / "offline.json").write_text(
+        json.dumps({"sft": {"observation_type": "som", "marks_source": "tree"}})
+    )
+    cfg = load_config(TrainConfig, None, [f"run_dir={str(tmp_path / 'run')!r}",
+                      "actor.episode.observation_type=som", "actor.episode.marks_source=ocr"])  # fmt: skip
+    with pytest.raises(ArpoError, match=r"marks: tree.*marks: ocr"):
+        TrainRun(cfg).policy()

@@ -309,9 +309,10 @@ def evaluate_greedy(
     max_new_tokens: int = 64,
     device: str = "cpu",
     observation_type: str = "screenshot",
+    marks_source: str = "tree",
 ) -> dict[str, float]:
     """Greedy episodes of the model on every task (the real engine, parser and checker),
-    showing it `observation_type`.
+    showing it `observation_type` (with `som`, marks made by `marks_source`).
 
     Returns success_rate (checker score 1 among ok episodes), score_mean, parsed_rate (of
     all turns), steps_mean, episodes, not_ok."""
@@ -320,7 +321,7 @@ def evaluate_greedy(
 
     cfg = EpisodeConfig(
         max_steps=max_steps, temperature=0.0, max_new_tokens=max_new_tokens,
-        observation_type=observation_type,
+        observation_type=observation_type, marks_source=marks_source,  # type: ignore[arg-type]
     )  # fmt: skip
 
     async def go() -> list[Trajectory | None]:

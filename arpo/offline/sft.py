@@ -82,6 +82,12 @@ class SFTConfig:
         "episode.observation_type: a warm start learns to read what it is shown; with 'som' "
         "the oracle's clicks name their mark).",
     )
+    marks_source: Literal["tree", "ocr", "auto"] = option(
+        "tree",
+        "With 'som': what makes the mark table of each demonstration's prompts and of the "
+        "evaluation (the actors' episode.marks_source: a warm start for OCR marks learns on "
+        "OCR tables).",
+    )
     dtype: Literal["float32", "bfloat16"] = option("float32", "Parameter dtype.")
     device: str = option("cpu", "Torch device.")
     lr: float = option(1e-3, "AdamW learning rate (high: the tiny model starts from random).")
@@ -124,6 +130,9 @@ class SFTConfig:
             fail("max_optimizer_steps", "must be >= 0 (0: no limit)")
         if self.target_nll < 0:
             fail("target_nll", "must be >= 0 (0: no target, run all epochs)")
+        if self.marks_source != "tree" and self.observation_type != "som":
+            fail("marks_source", f"is {self.marks_source!r} but only observation_type='som' "
+                 "shows marks: give observation_type=som, or leave marks_source at 'tree'")  # fmt: skip
         # The optimizer fields are checked by OfflineConfig.validate.
 
     def offline_config(self) -> OfflineConfig:
@@ -168,6 +177,7 @@ def run(cfg: SFTConfig) -> dict[str, Any]:
             max_steps=cfg.max_steps,
             max_new_tokens=cfg.max_new_tokens,
             observation_type=cfg.observation_type,
+            marks_source=cfg.marks_source,
         )
         write_trajectories(Path(cfg.out) / "demos", demos)
     if cfg.max_sequences:
@@ -191,7 +201,7 @@ def run(cfg: SFTConfig) -> dict[str, Any]:
         tasks = tasks or task_pool(cfg)
         res = evaluate_greedy(
             cfg.out, tasks[: cfg.eval_tasks], n_envs=cfg.n_envs, max_steps=cfg.max_steps,
-            observation_type=cfg.observation_type,
+            observation_type=cfg.observation_type, marks_source=cfg.marks_source,
         )  # fmt: skip
         summary.update({f"eval_{k}": v for k, v in res.items()})
     return summary

@@ -222,13 +222,15 @@ class TrainRun:
             return str(tiny)
         sft_dir = self.run_dir / ("sft" if cfg.base == "tiny" else f"sft-{tiny.name}")
         shown = cfg.actor.episode.observation_type
+        marks = cfg.actor.episode.marks_source
         if (sft_dir / "config.json").exists():
             made = _warm_start_observation(sft_dir)
-            if made != shown:
+            if made != (shown, marks if shown == "som" else "tree"):
                 raise ArpoError(
-                    f"{sft_dir} is a warm start on {made!r} prompts, and this run shows the "
-                    f"policy {shown!r} (actor.episode.observation_type): give another "
-                    "run_dir, or remove that folder to warm-start again"
+                    f"{sft_dir} is a warm start on {made[0]!r} prompts (marks: {made[1]}), and "
+                    f"this run shows the policy {shown!r} (marks: {marks}; actor.episode."
+                    "observation_type, marks_source): give another run_dir, or remove that "
+                    "folder to warm-start again"
                 )
         else:
             from arpo.offline.sft import SFTConfig
@@ -250,6 +252,7 @@ class TrainRun:
                     max_steps=cfg.actor.episode.max_steps,
                     max_new_tokens=cfg.actor.episode.max_new_tokens,
                     observation_type=shown,
+                    marks_source=cfg.actor.episode.marks_source,
                     lr=cfg.sft_lr or (1e-3 if cfg.base == "tiny" else READER_SFT_LR),
                 )
             )
@@ -387,8 +390,12 @@ class TrainRun:
         return str(self.envs.start_vms(self.config.vms, self.run_dir / "vms"))
 
     def _desktop_trees(self) -> bool:
-        """Local desktops serve their apps' AT-SPI trees: the observation type shows one."""
-        return self.config.actor.episode.observation_type != "screenshot"
+        """Local desktops serve their apps' AT-SPI trees: the observation type shows one
+        (set-of-marks whose marks are read from pixels alone needs none)."""
+        ep = self.config.actor.episode
+        return ep.observation_type != "screenshot" and not (
+            ep.observation_type == "som" and ep.marks_source == "ocr"
+        )
 
     def _desktops(self) -> list[EnvSpec]:
         """The run's local desktops, each with its own bearer token (`_desktop_trees`)."""
@@ -1016,14 +1023,16 @@ def _tiny_max_pixels(model: Path) -> int:
     return int(pixel_bounds(AutoProcessor.from_pretrained(str(model)))[1])
 
 
-def _warm_start_observation(sft_dir: Path) -> str:
-    """The observation type the warm start in `sft_dir` was trained on (`arpo sft`'s saved
-    config; 'screenshot' for one saved before the field existed)."""
+def _warm_start_observation(sft_dir: Path) -> tuple[str, str]:
+    """The observation type and marks source the warm start in `sft_dir` was trained on
+    (`arpo sft`'s saved config; 'screenshot' and 'tree' for one saved before the fields
+    existed)."""
     try:
         info = json.loads((sft_dir / "offline.json").read_text())
     except (OSError, ValueError):
-        return "screenshot"
-    return str((info.get("sft") or {}).get("observation_type", "screenshot"))
+        return "screenshot", "tree"
+    sft = info.get("sft") or {}
+    return str(sft.get("observation_type", "screenshot")), str(sft.get("marks_source", "tree"))
 
 
 def _local_suite() -> Path:
