@@ -56,7 +56,6 @@ import array
 import collections
 import concurrent.futures
 import dataclasses
-import datetime
 import gc
 import importlib
 import json
@@ -73,7 +72,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _machine import cpu_model
+from _machine import cpu_model, run_header
 
 REPO = Path(__file__).resolve().parent.parent
 STORES = ("arpo", "dict-copy", "dict-ref", "torchrl-lazy", "torchrl-list", "cpprb")
@@ -737,13 +736,9 @@ def _spawn(which: str, cfg: BenchConfig) -> dict[str, Any]:
 
 
 def machine_info() -> dict[str, Any]:
-    cpu = cpu_model()
+    header = run_header()
+    commit = str(header["commit"])
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-    def git(*args: str) -> str:
-        r = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True)
-        return r.stdout.strip()
-
     versions: dict[str, str] = {"python": platform.python_version(), "numpy": np.__version__}
     for mod in ("torch", "torchrl", "tensordict", "cpprb"):
         try:
@@ -753,13 +748,14 @@ def machine_info() -> dict[str, Any]:
         except Exception:
             versions[mod] = "not installed"
     return {
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "cpu": cpu,
+        "date": header["date"],
+        "cpu": cpu_model(),
         "cores": os.cpu_count(),
         "ram_gib": round(mem / 2**30, 1),
         "kernel": platform.release(),
-        "commit": git("rev-parse", "--short", "HEAD"),
-        "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+        "commit": commit.removesuffix("+changes"),
+        "dirty": commit.endswith("+changes"),
+        "load_average": header["load_average"],
         "versions": versions,
     }
 

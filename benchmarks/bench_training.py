@@ -25,18 +25,14 @@ average. Run it alone on the machine: every process here competes for the same c
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
-import os
-import platform
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 from _earlier import EARLIER_DEFAULTS, earlier_config
-from _machine import cpu_model
+from _machine import run_header
 
 ROOT = Path(__file__).resolve().parent.parent
 SETTINGS: dict[str, list[str]] = {
@@ -162,20 +158,11 @@ def main(argv: list[str] | None = None) -> int:
     md = table(runs)
     print(md)
     if not args.no_save:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
-        ).stdout.strip()
-        meta = {
-            "date": dt.datetime.now().isoformat(timespec="seconds"),
-            "machine": f"{platform.node()}, {os.cpu_count()} cores, {cpu_model()}",
-            "commit": commit,
-            "load_average": os.getloadavg(),
-            "args": vars(args),
-        }
-        stem = ROOT / "benchmarks" / "results" / f"training-{dt.date.today().isoformat()}"
+        meta = {**run_header(), "args": vars(args)}
+        stem = ROOT / "benchmarks" / "results" / f"training-{str(meta['date'])[:10]}"
         stem.with_suffix(".json").write_text(json.dumps({**meta, "runs": runs}, indent=2))
         stem.with_suffix(".md").write_text(
-            f"`benchmarks/bench_training.py` at {commit}, {meta['date']}, {meta['machine']}, "
+            f"`benchmarks/bench_training.py` at {meta['commit']}, {meta['date']}, {meta['machine']}, "
             f"load average at the end {meta['load_average'][0]:.2f}. Medians over "
             f"{args.repeats} alternating runs per setting (each run's value in brackets), "
             f"{args.iterations} iterations, the first {args.skip} not measured.\n\n{md}\n"

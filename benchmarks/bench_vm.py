@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime as dt
 import json
 import os
 import platform
@@ -40,7 +39,7 @@ import time
 from pathlib import Path
 
 import aiohttp
-from _machine import cpu_model
+from _machine import cpu_model, run_header
 from arpo_envs.fleet_records import Reverted, RevertRequest, decode, encode
 from arpo_envs.procs import free_port
 from arpo_envs.vm.fleet import FleetConfig, VMFleet, down, status, up
@@ -161,10 +160,6 @@ def run(args: argparse.Namespace) -> dict:
     img = build()
     tmp = Path(tempfile.mkdtemp(prefix="bench-vm-"))
     results: dict = {
-        "date": dt.date.today().isoformat(),
-        "commit": subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
-        ).stdout.strip(),
         "machine": {
             "cpu": cpu_model(),
             "cores": os.cpu_count(),
@@ -213,7 +208,13 @@ def run(args: argparse.Namespace) -> dict:
         "fleet_steps_per_s": sum(r["steps_per_s"] for r in results["steps_fleet"]),
     }
     results["episode_steps"], results["reserve_gib"] = args.episode_steps, args.reserve_gib
-    return results
+    header = run_header()
+    return {
+        "date": header["date"],
+        "commit": header["commit"],
+        **results,
+        "load_average": header["load_average"],
+    }
 
 
 def render(r: dict) -> str:
@@ -276,7 +277,7 @@ def main() -> int:
     r = run(args)
     print(render(r))
     if not args.quick:
-        out = ROOT / "benchmarks" / "results" / f"vm-{r['date']}"
+        out = ROOT / "benchmarks" / "results" / f"vm-{r['date'][:10]}"
         out.with_suffix(".json").write_text(json.dumps(r, indent=2))
         out.with_suffix(".md").write_text(render(r))
         print(f"wrote {out}.md and .json")

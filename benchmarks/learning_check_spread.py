@@ -19,18 +19,14 @@ machine, commit and load average. Times are wall seconds on whatever else the ma
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
-import os
-import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from _machine import cpu_model
+from _machine import run_header
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
@@ -143,23 +139,11 @@ def main() -> int:
         for name in SABOTAGES:
             for s in seeds[: args.sabotage_seeds]:
                 one(name, s)
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
-    ).stdout.strip()
-    dirty = subprocess.run(
-        ["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True
-    ).stdout.strip()
-    meta = {
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "machine": f"{platform.node()}, {os.cpu_count()} cores, {cpu_model()}",
-        "commit": commit + (" with uncommitted changes" if dirty else ""),
-        "load_average": os.getloadavg(),
-        "argv": sys.argv[1:],
-    }
+    meta = {**run_header(), "argv": sys.argv[1:]}
     md = markdown(meta, rows, same)
     print(md)
     if not args.no_save:
-        stem = ROOT / "benchmarks" / "results" / f"learning-check-spread-{dt.date.today()}"
+        stem = ROOT / "benchmarks" / "results" / f"learning-check-spread-{str(meta['date'])[:10]}"
         stem.with_suffix(".json").write_text(json.dumps({**meta, "runs": rows}, indent=2))
         stem.with_suffix(".md").write_text(md)
     for b in bad:

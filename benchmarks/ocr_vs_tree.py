@@ -28,17 +28,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import datetime as dt
 import os
 import platform
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from _machine import cpu_model
+from _machine import run_header
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -176,13 +174,12 @@ def main() -> int:
     cfg = OcrConfig(threads=args.threads)
     load = [round(x, 2) for x in os.getloadavg()]
     out = measure(families, args.tasks, args.seed, cfg)
-    date = dt.date.today().isoformat()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()  # fmt: skip
+    header = run_header()
+    date = str(header["date"])[:10]
     res = {
-        "date": date,
-        "machine": f"{cpu_model()}, {os.cpu_count()} cores, {platform.platform()}",
-        "commit": commit,
+        "date": header["date"],
+        "machine": f"{header['machine']}, {platform.platform()}",
+        "commit": header["commit"],
         "load": load,
         "command": shlex.join(["python", "benchmarks/ocr_vs_tree.py", *sys.argv[1:]]),
         "threads": args.threads,

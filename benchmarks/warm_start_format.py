@@ -26,12 +26,13 @@ Results: benchmarks/results/<save-as>.{json,md} (date, machine, commit). Run it 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from _machine import run_header
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO_TASK_SEED = 100
@@ -133,14 +134,13 @@ def main(argv: list[str] | None = None) -> int:
                 )
         res["bases"][base] = row
         print(base, json.dumps(row), flush=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                            capture_output=True, text=True).stdout.strip()  # fmt: skip
+    header = run_header()
     md = [
-        f"# Warm start at the rollout temperature, {dt.date.today()}",
+        f"# Warm start at the rollout temperature, {header['date']}",
         "",
         f"`python benchmarks/warm_start_format.py --bases {args.bases} --reader-layers "
         f"{args.reader_layers} --demos {args.demos} --tasks {args.tasks} --runs {args.runs}` "
-        f"(commit {commit}); `som`, {args.tasks} tasks per pool, {args.runs} episodes per task.",
+        f"(commit {header['commit']}); `som`, {args.tasks} tasks per pool, {args.runs} episodes per task.",
         "",
         "| base | sft steps | NLL after | pool | T | success | actions not parsed | mean steps |",
         "|---|---:|---:|---|---:|---:|---:|---:|",
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     text = "\n".join(md) + "\n"
     print(text)
     if args.save_as:
-        res.update(date=str(dt.date.today()), commit=commit)
+        res.update(header)
         dest = ROOT / "benchmarks" / "results"
         (dest / f"{args.save_as}.json").write_text(json.dumps(res, indent=1) + "\n")
         (dest / f"{args.save_as}.md").write_text(text)

@@ -60,6 +60,7 @@ import dataclasses
 import itertools
 import json
 import logging
+import math
 import os
 import random
 import threading
@@ -331,6 +332,8 @@ class GrantBook:
         """Actor id -> time.monotonic() it was last heard from (`seen`, its requests)."""
         self._silent: set[str] = set()
         """Actors whose grants were re-issued for their silence (logged once each)."""
+        self._last_reopen = -math.inf
+        """When `_reopen_silent` last walked the granted slots (monotonic seconds)."""
         self.started = time.monotonic()
         self.last_progress = self.started
         """When an `ok` trajectory last filled a slot (time.monotonic())."""
@@ -354,10 +357,13 @@ class GrantBook:
 
     def _reopen_silent(self, now: float) -> None:
         """Open again every slot granted to an actor silent for `silent_actor_s` (counted
-        as `reissued_silent`). Called with the lock held."""
+        as `reissued_silent`). The walk over the granted slots runs at most once every
+        min(1 s, silent_actor_s / 4), however often grants are asked for. Called with the
+        lock held."""
         limit = self.config.silent_actor_s
-        if not limit:
+        if not limit or now - self._last_reopen < min(1.0, limit / 4):
             return
+        self._last_reopen = now
         for g in self._groups.values():
             for s in g.slots:
                 if s.state != "granted":
