@@ -27,8 +27,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from _machine import run_header  # noqa: E402
+from arpo_envs.tasks.xlsx_writer import write_xlsx  # noqa: E402
 from osworld_fixtures.peer import Peer  # noqa: E402
-from osworld_fixtures.xlsx_writer import write_xlsx  # noqa: E402
 
 from arpo.env.client import ClientConfig, EnvClient  # noqa: E402
 from arpo.env.osworld.client import OSWorldEvaluator  # noqa: E402

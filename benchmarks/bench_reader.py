@@ -29,10 +29,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime as dt
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -41,7 +39,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from _machine import cpu_model
+from _machine import cpu_model, run_header
 
 ROOT = Path(__file__).resolve().parent.parent
 INSTRUCTION = "Click the 'Restore' button."
@@ -202,11 +200,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         r["turn_x_tiny"] = round(base["turns_per_s_1"] / r["turns_per_s_1"], 1)
     b = args.batch
+    header = run_header()
     md = [
-        f"# Reader cost, {dt.date.today()}",
+        f"# Reader cost, {header['date']}",
         "",
-        f"`python benchmarks/bench_reader.py --layers {args.layers}` on {cpu_model()} "
-        f"({os.cpu_count()} cores), commit {_commit()}; medians of {args.repeats} repeats; "
+        f"`python benchmarks/bench_reader.py --layers {args.layers}` on {header['machine']}, "
+        f"commit {header['commit']}; medians of {args.repeats} repeats; "
         f"a `som` turn of {args.rows} marks and a 1920x1080 screenshot; answers of "
         f"{args.response} tokens; {b} requests / trajectories at once.",
         "",
@@ -226,17 +225,10 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     if args.save_as:
         res = ROOT / "benchmarks" / "results"
-        meta = {"date": str(dt.date.today()), "machine": platform.node(), "cpu": cpu_model(),
-                "commit": _commit(), "args": vars(args), "rows": rows}  # fmt: skip
+        meta = {**header, "cpu": cpu_model(), "args": vars(args), "rows": rows}
         (res / f"{args.save_as}.json").write_text(json.dumps(meta, indent=1) + "\n")
         (res / f"{args.save_as}.md").write_text(text)
     return 0
-
-
-def _commit() -> str:
-    p = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                       text=True)  # fmt: skip
-    return p.stdout.strip() or "unknown"
 
 
 if __name__ == "__main__":
