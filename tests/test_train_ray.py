@@ -247,3 +247,20 @@ def test_a_run_whose_driver_was_lost_is_resumed_on_the_cluster(
     acc = summary["accounting"]
     assert acc["unaccounted"] == 0 and acc["trained_twice"] == 0, acc
     assert read_metrics(metrics)[-1]["step"] == 4
+
+
+@pytest.mark.slow
+def test_gpus_per_actor_places_actors_only_on_nodes_with_gpus_and_hands_them_over(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """`cluster.gpus_per_actor=1`: the node without a GPU gets no actor; the one with a GPU
+    gets one, and Ray's device for it reaches the agent (and so its actor's engine)."""
+    cluster.ray_start(0)
+    cluster.ray_start(1, sim=2, gpus=1)
+    cluster.ray_start(2, sim=2)  # no GPU: no actor
+    summary = _finish(_train(cluster, tmp_path, iterations=2, gpus_per_actor=1.0), tmp_path,
+                      timeout=300)  # fmt: skip
+    nodes = summary["cluster"]["nodes"]
+    assert [(n["ip"], n["gpus"]) for n in nodes] == [(cluster.ip(1), "0")], nodes
+    acc = summary["accounting"]
+    assert acc["unaccounted"] == 0 and acc["trained_twice"] == 0, acc

@@ -49,8 +49,12 @@ What it does (`Placement`):
   Ray's object store (put once) and unpacked in its folder; a larger one (or a hub name)
   is used by its name, so it must be on storage every node reaches.
 
+- GPUs: with `cluster.gpus_per_actor` > 0 only nodes with that many GPUs get an actor,
+  and Ray reserves them for its agent (CUDA_VISIBLE_DEVICES), which its actor and policy
+  engine inherit (`actor.engine.device=cuda`).
+
 Not built yet: the learner on another node than the driver, VMs placed by resource (a
-run's `vms` start on the driver as without a cluster), GPUs for the policy engines.
+run's `vms` start on the driver as without a cluster), shared policy-engine servers.
 """
 
 from __future__ import annotations
@@ -129,6 +133,12 @@ class ClusterConfig:
         "name). 0: never sent.",
     )
     max_restarts: int = option(5, "Restarts of one node's actor process at most.")
+    gpus_per_actor: float = option(
+        0.0,
+        "GPUs Ray reserves for each node's actor (its policy engine: actor.engine.device="
+        "cuda): only nodes with that many GPUs (`ray start --num-gpus`) get an actor, and Ray "
+        "gives it those devices (CUDA_VISIBLE_DEVICES). 0: none (engines on CPU).",
+    )
 
     def validate(self) -> None:
         a = self.address
@@ -147,6 +157,7 @@ class ClusterConfig:
         check_seconds("start_timeout_s", self.start_timeout_s, "for the first node and actor")
         check_range("ship_model_mb", self.ship_model_mb, 0, 1 << 20, "MiB; 0: never ship")
         check_range("max_restarts", self.max_restarts, 0, 1000, "restarts per node's actor")
+        check_range("gpus_per_actor", self.gpus_per_actor, 0, 64, "GPUs per node's actor")
 
 
 # ---------------------------------------------------------------------------- on the driver
@@ -164,6 +175,8 @@ class _Node:
     handle: Any
     desktops: int = 0
     """Local desktops of its actor (started on its node)."""
+    gpus: str = ""
+    """The devices Ray gave its agent (CUDA_VISIBLE_DEVICES, '' for none), from its polls."""
     pending_call: Any = None
     last_answer: float = field(default_factory=time.monotonic)
     restarts: int = 0
@@ -346,7 +359,8 @@ class Placement:
             sims = min(int(offers.get(self.config.sim_resource, 0)), self.sim_envs)
             desktops = min(int(offers.get(self.config.desktop_resource, 0)), self.desktops)
             old = self.nodes.get(n["NodeID"])
-            if not n.get("Alive") or sims + desktops < 1:
+            gpus = self.config.gpus_per_actor
+            if not n.get("Alive") or sims + desktops < 1 or offers.get("GPU", 0) < gpus:
                 continue
             if old is not None:
                 # A node Ray still lists as alive node_lost_s after its agent was lost (a
@@ -359,6 +373,7 @@ class Placement:
             handle = self._agent_cls.options(
                 scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False),
                 name=f"arpo-{self.run_id}-{actor_id}",
+                num_gpus=gpus,  # Ray sets the agent's CUDA_VISIBLE_DEVICES; its actor inherits
             ).remote(
                 actor_id, self.make_toml(actor_id, sims), self.keys, self.model,
                 self.model_ref, self.run_id, desktops=desktops, atspi=self.atspi,
@@ -394,6 +409,7 @@ class Placement:
             self.ray.kill(node.handle, no_restart=True)
 
     def _keep(self, node: _Node, answer: dict[str, Any]) -> None:
+        node.gpus = str(answer.get("gpus", ""))
         keep_poll(self.run_dir, node.actor_id, answer)
 
     def tick(self, list_every: float | None = None) -> None:
@@ -480,7 +496,8 @@ class Placement:
             "address": self.config.address,
             "run_id": self.run_id,
             "nodes": [{"node": n.node_id, "ip": n.ip, "actor": n.actor_id, "envs": n.envs,
-                       "desktops": n.desktops, "restarts": n.restarts, "lost": n.lost}
+                       "desktops": n.desktops, "gpus": n.gpus, "restarts": n.restarts,
+                       "lost": n.lost}
                       for n in [*self.replaced, *self.nodes.values()]],
             "joined": self.joined,
             "lost": self.lost,

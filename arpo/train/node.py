@@ -229,6 +229,7 @@ class NodeAgent:
             "code": code,
             "starts": self.starts,
             "desktops": 0 if lost_desktops else self.desktops,
+            "gpus": os.environ.get("CUDA_VISIBLE_DEVICES", ""),  # Ray's, for the actor too
             "log": self._read(self.log, "log"),
             "ledger": self._read(self.spool / LEDGER, "ledger"),
             "pending": sorted(contents.pending),
