@@ -67,15 +67,19 @@ class Cluster:
     def env(self) -> dict[str, str]:
         return {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "RAY_USAGE_STATS_ENABLED": "0"}
 
-    def ray_start(self, i: int, sim: int = 0, desktops: int = 0, gpus: int = 0) -> None:
+    def ray_start(
+        self, i: int, sim: int = 0, desktops: int = 0, gpus: int = 0, learner: int = 0
+    ) -> None:
         """`ray start` of node `i` in its namespace (the head for 0), offering `sim`
-        simulated and `desktops` local desktops, and `gpus` GPUs (declared: Ray hands out
-        their indices whether or not the devices exist)."""
+        simulated and `desktops` local desktops, `gpus` GPUs (declared: Ray hands out
+        their indices whether or not the devices exist) and, with `learner`, a place for
+        the learner (`arpo_learner`)."""
         if i == len(self.spaces):
             self.add_space()
         common = [f"--node-ip-address={self.ip(i)}", "--num-cpus=1", "--disable-usage-stats",
                   f"--num-gpus={gpus}"]  # fmt: skip
-        offers = {k: v for k, v in (("arpo_sim", sim), ("arpo_desktops", desktops)) if v}
+        offers = {k: v for k, v in (("arpo_sim", sim), ("arpo_desktops", desktops),
+                                    ("arpo_learner", learner)) if v}  # fmt: skip
         if offers:
             common.append("--resources=" + json.dumps(offers))
         if i == 0:

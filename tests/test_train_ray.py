@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -264,3 +265,59 @@ def test_gpus_per_actor_places_actors_only_on_nodes_with_gpus_and_hands_them_ove
     assert [(n["ip"], n["gpus"]) for n in nodes] == [(cluster.ip(1), "0")], nodes
     acc = summary["accounting"]
     assert acc["unaccounted"] == 0 and acc["trained_twice"] == 0, acc
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_learner_on_a_node_of_its_own_moves_when_its_node_is_lost(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """`cluster.learner_resource`: the learner runs on a node offering it (run_dir is on
+    storage it reaches: this machine's disk); its node SIGKILLed mid-run, the run starts it
+    again from its last checkpoint on the other such node, re-points the actor, and
+    finishes with 0 unaccounted."""
+    cluster.ray_start(0)
+    cluster.ray_start(1, learner=1)
+    cluster.ray_start(2, learner=1)
+    cluster.ray_start(3, sim=2)
+    proc = _train(cluster, tmp_path, iterations=6, learner_resource="arpo_learner")
+    metrics = tmp_path / "run" / "learner" / "metrics.jsonl"
+    log = tmp_path / "run" / "logs" / "learner.log"
+    try:
+        _wait(lambda: metrics.exists() and len(read_metrics(metrics)) >= 2, "iteration 2", 300)
+        first = re.findall(r"learner bound to tcp://([0-9.]+):", log.read_text())
+        assert len(first) == 1, log.read_text()[-2000:]
+        cluster.kill(next(i for i in (1, 2) if cluster.ip(i) == first[0]))
+    except BaseException:
+        proc.kill()
+        raise
+    summary = _finish(proc, tmp_path, timeout=600)
+    learners = summary["cluster"]["learners"]
+    assert len(learners) == 2 and learners[0]["ip"] == first[0], learners
+    assert learners[1]["ip"] != first[0] and learners[1]["resumed"], learners
+    assert any(x["actor"] == "learner" for x in summary["cluster"]["lost"]), summary["cluster"]
+    assert summary["finished"] and read_metrics(metrics)[-1]["step"] == 6
+    acc = summary["accounting"]
+    assert acc["unaccounted"] == 0 and acc["trained_twice"] == 0, acc
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_lost_learner_node_with_none_to_take_over_stops_the_run_with_code_3(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    cluster.ray_start(0)
+    cluster.ray_start(1, learner=1)
+    cluster.ray_start(2, sim=2)
+    proc = _train(cluster, tmp_path, iterations=50, learner_resource="arpo_learner",
+                  start_timeout_s=20.0, node_lost_s=10.0)  # fmt: skip
+    metrics = tmp_path / "run" / "learner" / "metrics.jsonl"
+    try:
+        _wait(lambda: metrics.exists() and read_metrics(metrics), "iteration 1", 300)
+        cluster.kill(1)
+        code = proc.wait(300)
+    finally:
+        proc.kill()
+    out = (tmp_path / "train.out").read_text(errors="replace")
+    assert code == 3, out[-3000:]
+    assert "arpo_learner" in out and "resume=true" in out, out[-3000:]

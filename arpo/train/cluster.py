@@ -107,6 +107,14 @@ class ClusterConfig:
         "--resources='{\"arpo_desktops\": N}' runs min(N, local_desktops) of them (`arpo-envs "
         "up` there) and one actor driving them.",
     )
+    learner_resource: str = option(
+        "",
+        "Ray resource of the nodes that may run the learner (e.g. 'arpo_learner' on GPU "
+        "nodes): the run starts it on one of them and, when that node is lost, again from "
+        "its last checkpoint on another (or the same, come back), re-pointing every actor; "
+        "exit code 3 when none is there within start_timeout_s. run_dir must be on storage "
+        "those nodes reach at the same path. '' = the learner runs on the driver.",
+    )
     bind_host: str = option(
         "",
         "Address the learner's links bind to on the driver ('' = the driver's Ray node IP); "
@@ -148,6 +156,10 @@ class ClusterConfig:
             value = getattr(self, name)
             if not value or not value.replace("_", "").isalnum():
                 fail(name, f"{value!r}: a Ray resource name (letters, digits, _)")
+        if self.learner_resource and not self.learner_resource.replace("_", "").isalnum():
+            fail("learner_resource", f"{self.learner_resource!r}: a Ray resource name or ''")
+        if self.learner_resource and not self.address:
+            fail("learner_resource", "places the learner on a Ray node: give cluster.address")
         if self.sim_resource == self.desktop_resource:
             fail("desktop_resource", f"is sim_resource's name too ({self.sim_resource!r})")
         if self.bind_host in ("0.0.0.0", "::", "*"):
@@ -273,6 +285,11 @@ class Placement:
         """Every node given an agent: node, ip, actor, envs, when."""
         self.t0 = time.monotonic()
         self._last_list = 0.0
+        self.learner_agent: Any = None
+        """With `learner_resource`: the agent running the learner on its node."""
+        self.learner_node = ""
+        self.learners: list[dict[str, Any]] = []
+        """Every start of the learner on a node: where, when, its endpoints."""
         try:
             ray.init(
                 address=config.address, logging_level=logging.WARNING, log_to_driver=False,
@@ -460,9 +477,116 @@ class Placement:
         if now - self._last_list >= (self.config.poll_s if list_every is None else list_every):
             self._place_new()
 
+    # ---- the learner on a node (cluster.learner_resource) -------------------------------
+
+    def start_learner(self, resume: bool) -> dict[str, Any]:
+        """Start the learner on an alive node offering `learner_resource` (waiting up to
+        `start_timeout_s` for one); its endpoints {"data", "control", "pid", "host", "ip"}.
+        RunStalled naming the resource when none comes, or when none could start it."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from arpo.errors import RunStalled
+        from arpo.train.node import MARKER_FILE, LearnerAgent
+
+        if self.learner_agent is not None:
+            with contextlib.suppress(Exception):
+                self.ray.kill(self.learner_agent, no_restart=True)
+            self.learner_agent = None
+        marker = (self.run_dir / MARKER_FILE).read_text()
+        cls = self.ray.remote(num_cpus=0, max_restarts=0)(LearnerAgent)
+        end = time.monotonic() + self.config.start_timeout_s
+        tried: list[str] = []
+        while time.monotonic() < end:
+            res = self.config.learner_resource
+            for n in self.ray.nodes():
+                if not n.get("Alive") or (n.get("Resources") or {}).get(res, 0) < 1:
+                    continue
+                ip = n.get("NodeManagerAddress", "?")
+                agent = cls.options(
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False),
+                ).remote(str(self.run_dir), marker)  # fmt: skip
+                try:
+                    out = self.ray.get(agent.start.remote(ip, resume), timeout=120)
+                except Exception as e:  # the node died, or it cannot reach run_dir
+                    tried.append(f"{ip}: {type(e).__name__}: {str(e).splitlines()[-1][:300]}")
+                    with contextlib.suppress(Exception):
+                        self.ray.kill(agent, no_restart=True)
+                    continue
+                self.learner_agent, self.learner_node = agent, n["NodeID"]
+                out["ip"] = ip
+                self.learners.append({**out, "at_s": round(time.monotonic() - self.t0, 1),
+                                      "resumed": resume})  # fmt: skip
+                log.info("the learner runs on node %s (%s), pid %d, bound to %s", ip,
+                         out["host"], out["pid"], out["data"])  # fmt: skip
+                return out
+            time.sleep(1.0)
+        raise RunStalled(
+            f"no node of the Ray cluster offering {self.config.learner_resource!r} "
+            f"(cluster.learner_resource) could run the learner within "
+            f"{self.config.start_timeout_s:.0f} s (cluster.start_timeout_s)"
+            + (f"; tried: {'; '.join(tried[-5:])}" if tried else "")
+            + "; start one with `ray start --address=... --resources="
+            f"'{{\"{self.config.learner_resource}\": 1}}'` and run again with resume=true"
+        )
+
+    def learner_code(self) -> tuple[bool, int | None, str]:
+        """(alive, exit code, why not alive) of the learner on its node; a node lost (its
+        agent gone, or silent for `node_lost_s`) is (False, None, why)."""
+        if self.learner_agent is None:
+            return False, None, "not started"
+        try:
+            code = self.ray.get(self.learner_agent.poll.remote(), timeout=self.config.node_lost_s)
+        except Exception as e:
+            why = f"its node was lost ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+            self.lost.append({"node": self.learner_node, "actor": "learner", "why": why,
+                              "at_s": round(time.monotonic() - self.t0, 1)})  # fmt: skip
+            self.learner_agent = None
+            return False, None, why
+        return code is None, code, "" if code is None else f"it exited with code {code}"
+
+    def stop_learner(self, timeout: float, now: bool = False) -> int | None:
+        """SIGTERM to the learner (it checkpoints and exits), its exit code; with `now`, the
+        agent killed at once (the learner dies with it)."""
+        agent, self.learner_agent = self.learner_agent, None
+        if agent is None:
+            return None
+        try:
+            if now:
+                return None
+            return self.ray.get(agent.stop.remote(timeout), timeout=timeout + 60)
+        except Exception as e:
+            log.error("stopping the learner on its node failed: %s", e)
+            return None
+        finally:
+            with contextlib.suppress(Exception):
+                self.ray.kill(agent, no_restart=True)
+
+    def repoint(self, make_toml: Callable[[str, int], str]) -> None:
+        """The learner moved: every node's actor gets `make_toml`'s config (the new
+        endpoints) and starts again (its spool resends what was not acknowledged); nodes
+        placed later get it too. Answers in flight are kept first."""
+        self.make_toml = make_toml
+        for node in self.nodes.values():
+            if node.lost or node.stopped:
+                continue
+            if node.pending_call is not None:
+                try:
+                    answer = self.ray.get(node.pending_call, timeout=self.config.node_lost_s)
+                except Exception as e:
+                    self._lose(node, f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
+                    continue
+                if isinstance(answer, dict):
+                    self._keep(node, answer)
+                elif node.starting:
+                    self._started(node, int(answer))
+            node.handle.reconfigure.remote(make_toml(node.actor_id, node.envs))
+            node.pending_call = node.handle.start.remote()  # after the reconfigure: in order
+            node.last_answer = time.monotonic()
+        log.info("every node's actor starts again against the learner's new address")
+
     def stop(self, timeout: float) -> None:
         """Every agent stops its actor (all at once), the last polls are kept, the agents
-        remove their folders and go; then the driver leaves the cluster."""
+        remove their folders and go (`close` then leaves the cluster)."""
         for n in self.nodes.values():
             if n.starting and not n.lost:  # never started: nothing to bring back
                 n.stopped = True
@@ -488,6 +612,9 @@ class Placement:
             n.stopped = True
             with contextlib.suppress(Exception):
                 self.ray.kill(n.handle, no_restart=True)
+
+    def close(self) -> None:
+        """Leave the cluster (after `stop` and `stop_learner`)."""
         self.ray.shutdown()
 
     def summary(self) -> dict[str, Any]:
@@ -501,4 +628,5 @@ class Placement:
                       for n in [*self.replaced, *self.nodes.values()]],
             "joined": self.joined,
             "lost": self.lost,
+            **({"learners": self.learners} if self.learners else {}),
         }  # fmt: skip

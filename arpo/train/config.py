@@ -245,6 +245,10 @@ class TrainConfig(EnvironmentsConfig):
         ):
             fail("sim_envs_per_actor", "must be >= 1 with cluster.address (and actors=1), or "
                  "local_desktops >= 1: the nodes run simulated or local desktops")  # fmt: skip
+        if self.cluster.learner_resource and (self.vms or self.vm_fleet or self.env_urls):
+            fail("cluster.learner_resource", "with the learner on a node of its own the run's "
+                 "actors are the nodes' (their simulated and local desktops): leave vms, "
+                 "vm_fleet and env_urls empty")  # fmt: skip
         if self.base not in ("tiny", "reader"):
             fail("base", f"must be 'tiny' or 'reader', got {self.base!r}")
         if self.model and self.base != "tiny":

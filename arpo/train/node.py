@@ -46,6 +46,8 @@ from arpo.errors import ArpoError
 
 MAX_CHUNK = 4 << 20
 """Most bytes of one log or ledger a poll brings back (the rest comes with the next)."""
+MARKER_FILE = "cluster-marker"
+"""In run_dir: a random token the driver writes; a learner node must read the same there."""
 TOKENS_FILE = "desktop-tokens.json"
 """In the node's `keys/` folder: URL -> bearer token of each desktop (`arpo-envs up`)."""
 
@@ -114,10 +116,9 @@ class NodeAgent:
             model = str(self.folder / "model")
             with tarfile.open(fileobj=io.BytesIO(model_tar)) as tar:
                 tar.extractall(model, filter="data")
-        text = (config_toml.replace("@NODE@", str(self.folder))
-                .replace("@MODEL@", model.replace("\\", "\\\\").replace('"', '\\"')))  # fmt: skip
+        self.model = model
         self.config = self.folder / "actor.toml"
-        _write_private(self.config, text.encode())
+        self._write_config(config_toml)
         self.log = self.folder / "actor.log"
         self.spool = self.folder / "spool"
         self.popen: subprocess.Popen | None = None
@@ -125,6 +126,18 @@ class NodeAgent:
         """The foreground `arpo-envs up` of the desktops (None: none started)."""
         self.offsets = {"log": 0, "ledger": 0}
         self.starts = 0
+
+    def _write_config(self, config_toml: str) -> None:
+        text = (config_toml.replace("@NODE@", str(self.folder))
+                .replace("@MODEL@", self.model.replace("\\", "\\\\").replace('"', '\\"')))  # fmt: skip
+        _write_private(self.config, text.encode())
+
+    def reconfigure(self, config_toml: str) -> None:
+        """A new actor config (the learner moved to another node): written as at the start,
+        with the running desktops' URLs and tokens; the next `start` runs the actor on it."""
+        self._write_config(config_toml)
+        if self.desktops and self.fleet is not None and self.fleet.poll() is None:
+            self._patch_envs()
 
     def node(self) -> dict[str, Any]:
         """Where this agent runs: its host name, pid and folder."""
@@ -159,13 +172,16 @@ class NodeAgent:
                 tail = (self.folder / "desktops.log").read_text(errors="replace")[-1500:]
                 raise ArpoError(f"the {self.desktops} desktops of {self.actor_id} {why}: {tail}")
             time.sleep(0.2)
-        urls = json.loads(tokens.read_text())
+        self._patch_envs()
 
+    def _patch_envs(self) -> None:
+        """Write the desktops' URLs and tokens (`TOKENS_FILE`) into the actor's config."""
         import tomllib
 
         from arpo.actor.config import ActorConfig
         from arpo.config import from_dict, to_toml
 
+        urls = json.loads((self.keydir / TOKENS_FILE).read_text())
         data = tomllib.loads(self.config.read_text())
         data.update(envs=list(urls), env_tokens=[urls[u] for u in urls])
         _write_private(self.config, to_toml(from_dict(ActorConfig, data)).encode())
@@ -262,3 +278,68 @@ class NodeAgent:
         shutil.rmtree(self.folder, ignore_errors=True)
         with contextlib.suppress(OSError):
             self.folder.parent.rmdir()
+
+
+class LearnerAgent:
+    """The learner on a node offering `cluster.learner_resource`: `arpo-learner` with the
+    run's config (`<run_dir>/learner.toml`), its data and control links bound to this node's
+    cluster address, its files in the run's folder, which must be on storage this node and
+    the driver both reach (checked with a marker the driver wrote). Its output goes to
+    `<run_dir>/logs/learner.log`; it dies with this agent (a parent-death signal)."""
+
+    def __init__(self, run_dir: str, marker: str) -> None:
+        import socket
+
+        self.run_dir = Path(run_dir)
+        self.host = socket.gethostname()
+        try:
+            seen = (self.run_dir / MARKER_FILE).read_text()
+        except OSError:
+            seen = ""
+        if seen != marker:
+            raise ArpoError(
+                f"run_dir {run_dir} is not this run's folder as node {self.host} sees it: the "
+                "learner's node must reach the driver's run_dir (put it on shared storage, the "
+                "same path on every node that offers cluster.learner_resource)"
+            )
+        self.popen: subprocess.Popen | None = None
+
+    def start(self, ip: str, resume: bool) -> dict[str, Any]:
+        """Start the learner bound to `ip` (this node's cluster address), with `--resume`
+        when `resume`; its endpoints and pid."""
+        from arpo_envs.procs import free_port
+
+        data, control = f"tcp://{ip}:{free_port()}", f"tcp://{ip}:{free_port()}"
+        args = [sys.executable, "-m", "arpo.learner.cli", "--config",
+                str(self.run_dir / "learner.toml"), f"transport.data={data}",
+                f"transport.control={control}", *(["--resume"] if resume else [])]  # fmt: skip
+        (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        with (self.run_dir / "logs" / "learner.log").open("ab") as out:
+            out.write(f"node agent on {self.host}: learner bound to {data}\n".encode())
+            out.flush()
+            self.popen = subprocess.Popen(
+                args, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+                start_new_session=True, preexec_fn=die_with_parent(signal.SIGKILL),
+            )  # fmt: skip
+        return {"data": data, "control": control, "pid": self.popen.pid, "host": self.host}
+
+    def poll(self) -> int | None:
+        """None while the learner runs, else its exit code."""
+        return None if self.popen is None else self.popen.poll()
+
+    def terminate(self) -> None:
+        if self.popen is not None and self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+
+    def stop(self, timeout: float) -> int | None:
+        """SIGTERM (it checkpoints and exits), SIGKILL after `timeout`; its exit code."""
+        p = self.popen
+        if p is None:
+            return None
+        self.terminate()
+        try:
+            return p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            return p.wait(30)

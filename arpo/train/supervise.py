@@ -66,6 +66,10 @@ class _Proc:
     def alive(self) -> bool:
         return self.popen is not None and self.popen.poll() is None
 
+    def returncode(self) -> int | None:
+        """Its exit code once it exited (None: never started, or running)."""
+        return self.popen.returncode if self.popen is not None else None
+
     def terminate(self) -> None:
         """Ask the process to stop (SIGTERM, once); `stop` then waits for it."""
         if self.popen is not None and self.popen.poll() is None and not self.signalled:
@@ -99,6 +103,52 @@ def _learner_error(log_path: Path) -> str:
         if line.startswith("arpo-learner: "):
             return line[len("arpo-learner: ") :].removeprefix("the run cannot go on: ")
     return f"see {log_path}"
+
+
+@dataclass
+class _RemoteLearner:
+    """The learner on a Ray node (`cluster.learner_resource`), with `_Proc`'s interface:
+    `start` places it (again, with --resume, on any node offering the resource when its node
+    was lost) and, when its address changed, re-points every node's actor (`repoint`)."""
+
+    placement: Any
+    log: Path
+    on_moved: Any
+    """Called with (data, control) when a start bound the learner to a new address."""
+    name: str = "learner"
+    restarts: int = 0
+    popen: None = None
+    data: str = ""
+    control: str = ""
+    _code: int | None = None
+    _alive: bool = False
+    _checked: float = 0.0
+
+    def start(self, restarted: bool = False) -> None:
+        out = self.placement.start_learner(resume=restarted)
+        self._alive, self._code, self._checked = True, None, time.monotonic()
+        moved = (out["data"], out["control"]) != (self.data, self.control)
+        self.data, self.control = out["data"], out["control"]
+        if moved and restarted:
+            self.on_moved(self.data, self.control)
+
+    def alive(self) -> bool:
+        if self._alive and time.monotonic() - self._checked >= self.placement.config.poll_s:
+            self._checked = time.monotonic()
+            self._alive, self._code, why = self.placement.learner_code()
+            if not self._alive:
+                log.warning("the learner on its node stopped: %s", why)
+        return self._alive
+
+    def returncode(self) -> int | None:
+        return self._code
+
+    def terminate(self) -> None:
+        pass  # `stop` asks it to stop; its agent is not called twice at once
+
+    def stop(self, timeout: float) -> int | None:
+        self._alive = False
+        return self.placement.stop_learner(timeout)
 
 
 class RunInterrupted(ArpoError):
@@ -380,6 +430,10 @@ class TrainRun:
             signal.signal(s, h)
         host = self.placement.bind_host()
         self.keys, self._node_keys = self.placement.make_keys()
+        if cfg.cluster.learner_resource:  # its node checks that it sees this run_dir
+            from arpo.train.node import MARKER_FILE
+
+            (self.run_dir / MARKER_FILE).write_text(os.urandom(16).hex())
         data, control = f"tcp://{host}:{free_port()}", f"tcp://{host}:{free_port()}"
         log.info("Ray cluster %s: the learner binds %s and %s (CURVE keys in %s)",
                  self.config.cluster.address, data, control, self.run_dir / "keys")  # fmt: skip
@@ -534,6 +588,12 @@ class TrainRun:
                 self._save_resume_state(left_out=left_out)
             self._phase = "starting the learner and the actors"
             self.learner = self._learner_proc(model, tasks, data, control, left_out)
+            if cfg.cluster.learner_resource:  # on a node offering it, not on the driver
+
+                def moved(data: str, control: str) -> None:
+                    self.placement.repoint(self._node_toml(model, data, control))
+
+                self.learner = _RemoteLearner(self.placement, self.learner.log, moved)
             for i in range(0 if node_toml else cfg.actors):
                 if cfg.sim_envs_per_actor:
                     self.procs.append(self._actor_proc(i, model, data, control, envs=[],
@@ -553,6 +613,8 @@ class TrainRun:
                                                    env_tokens=list(cfg.env_tokens),
                                                    env_pool=cfg.env_pool))  # fmt: skip
             self.learner.start(restarted=resumed is not None)  # --resume
+            if isinstance(self.learner, _RemoteLearner):  # the actors connect to its node
+                node_toml = self._node_toml(model, self.learner.data, self.learner.control)
             for p in self.procs:
                 p.start()
             if node_toml is not None:
@@ -724,7 +786,7 @@ class TrainRun:
                 log.info("time budget of %.1f min used: stopping", cfg.minutes)
                 break
             if not self.learner.alive():
-                code = self.learner.popen.returncode if self.learner.popen else None
+                code = self.learner.returncode()
                 if code == 0:
                     log.info("the learner finished its iterations")
                     break
@@ -953,6 +1015,9 @@ class TrainRun:
         if self.learner is not None:
             code = self.learner.stop(timeout=600)
             log.info("learner stopped (code %s)", code)
+        if self.placement is not None:
+            with contextlib.suppress(Exception):
+                self.placement.close()
         self.envs.stop()
 
     # ---- results -----------------------------------------------------------------------
