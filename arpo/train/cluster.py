@@ -25,12 +25,15 @@ What it does (`Placement`):
   simulated desktops; the local-desktop tasks are not preflighted in a cluster run (their
   desktops are on the nodes), so a broken one leaves the run during training instead
   (`learner.tasks_out`).
-- The learner stays on the driver: its data and control links bind to the driver's cluster
-  address (Ray's node IP of the driver, or `cluster.bind_host`) with CURVE keys the run
-  makes in `<run_dir>/keys` (one learner pair, one actor pair every actor of the run
-  shares); the agents receive the actor's secret key and the learner's public key as
-  arguments (over Ray's own channel) and write them, readable by the user only, into
-  their node's folder.
+- The learner runs on the driver, or with `cluster.learner_resource` on a node offering
+  that resource (a `LearnerAgent` there starts `arpo-learner` against `<run_dir>/
+  learner.toml`, bound to that node's address; `run_dir` must be on storage that node
+  reaches at the same path, which a marker file checks). Its data and control links bind to
+  that machine's cluster address (Ray's node IP, or `cluster.bind_host` on the driver) with
+  CURVE keys the run makes in `<run_dir>/keys` (one learner pair, one actor pair every
+  actor of the run shares); the agents receive the actor's secret key and the learner's
+  public key as arguments (over Ray's own channel) and write them, readable by the user
+  only, into their node's folder.
 - The driver polls every agent every `cluster.poll_s`: the new bytes of its actor's log
   go to `<run_dir>/logs/<actor id>.log`, the new lines of its spool ledger and the ids
   still pending to `<run_dir>/spool/<actor id>/` (the run's accounting reads them there).
@@ -42,9 +45,13 @@ What it does (`Placement`):
   node had delivered and had acknowledged is in the store; what it held unacknowledged is
   counted as `lost_with_node` by the accounting, never trained. A node Ray still lists as
   alive `node_lost_s` after its agent was lost gets a new agent (a new actor id).
-- The learner's node is the driver's: when it is lost the run (the driver) is lost with
-  it. `arpo train ... resume=true` on another machine that reaches `run_dir` continues it
-  from the learner's last checkpoint and journal (docs/guides/scaling.md).
+- The learner's node lost: with `learner_resource`, the driver starts the learner again
+  from its last checkpoint and journal on another node offering it (or the same one, come
+  back) and re-points every node's actor to its new address (each starts again; its spool
+  resends what was not acknowledged), or stops with exit code 3 naming the resource when
+  none can take it within `start_timeout_s`. Without it the learner's node is the driver's,
+  lost with the run: `arpo train ... resume=true` on a machine that reaches `run_dir`
+  continues it (`arpo.train.supervise`).
 - The model: a folder of at most `cluster.ship_model_mb` is sent to every node through
   Ray's object store (put once) and unpacked in its folder; a larger one (or a hub name)
   is used by its name, so it must be on storage every node reaches.
@@ -53,8 +60,9 @@ What it does (`Placement`):
   and Ray reserves them for its agent (CUDA_VISIBLE_DEVICES), which its actor and policy
   engine inherit (`actor.engine.device=cuda`).
 
-Not built yet: the learner on another node than the driver, VMs placed by resource (a
-run's `vms` start on the driver as without a cluster), shared policy-engine servers.
+Not built yet: a torchrun group of learner ranks spread over nodes (one learner process per
+run here), VMs placed by resource (a run's `vms` start on the driver as without a
+cluster), shared policy-engine servers.
 """
 
 from __future__ import annotations
