@@ -186,3 +186,46 @@ def test_a_node_agent_runs_its_desktops_restarts_them_and_takes_them_down_when_i
         shutil.rmtree(
             Path(tempfile.gettempdir()) / f"arpo-test-{tmp_path.name}-e", ignore_errors=True
         )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(shutil.which("qemu-system-x86_64") is None, reason="QEMU missing")
+def test_a_node_agent_runs_its_vms_and_they_stop_when_it_dies(tmp_path: Path) -> None:
+    """A node offering VMs: the agent's child starts a VM fleet in its node folder, waits
+    until it is ready and names it in its actor's config; the agent's process SIGKILLed,
+    the fleet stops its VMs (no QEMU of it is left)."""
+    from arpo_envs.fleet_records import VMFleetState, load
+    from arpo_envs.vm.image import build
+
+    build()  # cached after the first time on a machine
+    toml = 'actor_id = "nodeV"\nspool_dir = "@NODE@/spool"\n[engine]\nmodel = "@MODEL@"\n'
+    run_id = f"test-{tmp_path.name}-v"
+    code = (
+        "import time\n"
+        "from arpo.train.node import NodeAgent\n"
+        f"a = NodeAgent('nodeV', {toml!r}, {{}}, '/no/model', None, {run_id!r}, vms=1,"
+        " start_timeout_s=600)\n"
+        "a.start()\nprint(a.folder, flush=True)\ntime.sleep(900)\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        line = child.stdout.readline().strip()  # type: ignore[union-attr]
+        assert line, "the agent did not start its VMs"
+        folder = Path(line)
+        state = load(folder / "vms" / "fleet.json", VMFleetState)
+        assert state.ready and len(state.vms) == 1
+        qemu = [v.qemu_pid for v in state.vms]
+        text = (folder / "actor.toml").read_text()
+        assert f'vm_fleet = "{folder / "vms" / "fleet.json"}"' in text, text
+        child.kill()
+        child.wait(30)
+        end = time.monotonic() + 120
+        while any(Path(f"/proc/{p}").exists() for p in qemu) and time.monotonic() < end:
+            time.sleep(0.5)
+        assert not any(Path(f"/proc/{p}").exists() for p in qemu), "a VM outlived its node"
+    finally:
+        child.kill()
+        child.wait(30)
+        child.stdout.close()  # type: ignore[union-attr]
+        shutil.rmtree(Path(tempfile.gettempdir()) / f"arpo-{run_id}", ignore_errors=True)

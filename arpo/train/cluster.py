@@ -4,27 +4,30 @@ them, placed by Ray and supervised from the driver; nodes that join get one too.
     ray start --head --node-ip-address=10.0.0.1                                 # driver's host
     ray start --address=10.0.0.1:6379 --resources='{"arpo_sim": 8}'             # sim nodes
     ray start --address=10.0.0.1:6379 --resources='{"arpo_desktops": 4}'        # desktop nodes
-    arpo train cluster.address=auto local_desktops=4                            # on the head
+    ray start --address=10.0.0.1:6379 --resources='{"arpo_vms": 4}'             # VM nodes
+    arpo train cluster.address=auto local_desktops=4 vms=4                      # on the head
 
 What it does (`Placement`):
 
 - Nodes say what they hold with Ray resources: `arpo_sim: N` (`cluster.sim_resource`) runs
   up to min(N, `sim_envs_per_actor`) simulated desktops there, `arpo_desktops: N`
   (`cluster.desktop_resource`) up to min(N, `local_desktops`) real local desktops (Xvfb,
-  openbox, LibreOffice...: the node needs `make sysdeps`). In a cluster run
-  `local_desktops` is a number per node: the driver starts none of its own. Every alive
-  node offering either gets one `NodeAgent` (`arpo.train.node`), a Ray actor pinned to
-  that node (`NodeAffinitySchedulingStrategy`, not soft), which starts the node's
-  desktops and one `arpo-actor` driving them as subprocesses in a folder of that node (no
+  openbox, LibreOffice...: the node needs `make sysdeps`), `arpo_vms: N`
+  (`cluster.vm_resource`) up to min(N, `vms`) QEMU VMs of the test image (the node needs
+  QEMU and builds or reuses the image). In a cluster run `local_desktops` and `vms` are
+  numbers per node: the driver starts none of its own. Every alive node offering any gets
+  one `NodeAgent` (`arpo.train.node`), a Ray actor pinned to that node
+  (`NodeAffinitySchedulingStrategy`, not soft), which starts the node's desktops and VMs
+  and one `arpo-actor` driving them all as subprocesses in a folder of that node (no
   shared disk: the spool, the task-file cache and the keys live there), starts them again
   when the actor exits (`max_restarts`), and stops them with SIGTERM.
 - The run waits (at most `start_timeout_s`) until a node offers each kind the run asks for
   (simulated desktops when `sim_envs_per_actor` > 0, local desktops when `local_desktops`
-  > 0), and says which resource no node offers when none does.
+  > 0, VMs when `vms` > 0), and says which resource no node offers when none does.
 - The preflight (the tasks set up once before training) runs on the driver's own
-  simulated desktops; the local-desktop tasks are not preflighted in a cluster run (their
-  desktops are on the nodes), so a broken one leaves the run during training instead
-  (`learner.tasks_out`).
+  simulated desktops; the tasks of the local desktops and VMs (pool 'desktop') are not
+  preflighted in a cluster run (their environments are on the nodes), so a broken one
+  leaves the run during training instead (`learner.tasks_out`).
 - The learner runs on the driver, or with `cluster.learner_resource` on a node offering
   that resource (a `LearnerAgent` there starts `arpo-learner` against `<run_dir>/
   learner.toml`, bound to that node's address; `run_dir` must be on storage that node
@@ -61,8 +64,7 @@ What it does (`Placement`):
   engine inherit (`actor.engine.device=cuda`).
 
 Not built yet: a torchrun group of learner ranks spread over nodes (one learner process per
-run here), VMs placed by resource (a run's `vms` start on the driver as without a
-cluster), shared policy-engine servers.
+run here), shared policy-engine servers.
 """
 
 from __future__ import annotations
@@ -115,6 +117,12 @@ class ClusterConfig:
         "--resources='{\"arpo_desktops\": N}' runs min(N, local_desktops) of them (`arpo-envs "
         "up` there) and one actor driving them.",
     )
+    vm_resource: str = option(
+        "arpo_vms",
+        "Ray resource that marks a node for QEMU VMs: a node started with "
+        "--resources='{\"arpo_vms\": N}' runs min(N, vms) VMs of the test image (`arpo-envs "
+        "vm up` there) and one actor driving them.",
+    )
     learner_resource: str = option(
         "",
         "Ray resource of the nodes that may run the learner (e.g. 'arpo_learner' on GPU "
@@ -160,7 +168,7 @@ class ClusterConfig:
         a = self.address
         if a and a != "auto" and not (a.startswith("ray://") or ":" in a):
             fail("address", f"{a!r}: give 'auto', host:port of the head, or ray://host:port")
-        for name in ("sim_resource", "desktop_resource"):
+        for name in ("sim_resource", "desktop_resource", "vm_resource"):
             value = getattr(self, name)
             if not value or not value.replace("_", "").isalnum():
                 fail(name, f"{value!r}: a Ray resource name (letters, digits, _)")
@@ -168,8 +176,9 @@ class ClusterConfig:
             fail("learner_resource", f"{self.learner_resource!r}: a Ray resource name or ''")
         if self.learner_resource and not self.address:
             fail("learner_resource", "places the learner on a Ray node: give cluster.address")
-        if self.sim_resource == self.desktop_resource:
-            fail("desktop_resource", f"is sim_resource's name too ({self.sim_resource!r})")
+        names = [self.sim_resource, self.desktop_resource, self.vm_resource]
+        if len(set(names)) < 3:
+            fail("vm_resource", f"sim, desktop and VM resources need three names, got {names}")
         if self.bind_host in ("0.0.0.0", "::", "*"):
             fail("bind_host", "must be the driver's address on the cluster network, not any")
         check_seconds("poll_s", self.poll_s, "between polls of the agents")
@@ -195,6 +204,8 @@ class _Node:
     handle: Any
     desktops: int = 0
     """Local desktops of its actor (started on its node)."""
+    vms: int = 0
+    """VMs of its actor (started on its node)."""
     gpus: str = ""
     """The devices Ray gave its agent (CUDA_VISIBLE_DEVICES, '' for none), from its polls."""
     pending_call: Any = None
@@ -264,6 +275,7 @@ class Placement:
         sim_envs: int,
         desktops: int = 0,
         atspi: bool = False,
+        vms: int = 0,
     ) -> None:
         try:
             import ray
@@ -282,6 +294,8 @@ class Placement:
         """Most local desktops of one node (0: the run has none)."""
         self.atspi = atspi
         """The local desktops serve their apps' accessibility trees."""
+        self.vms = vms
+        """Most VMs of one node (0: the run has none)."""
         self.nodes: dict[str, _Node] = {}
         """Ray node id -> its agent (a lost one stays, marked, until the node gets another)."""
         self.replaced: list[_Node] = []
@@ -370,7 +384,8 @@ class Placement:
         """The resources of the kinds the run asks for that no started node offers yet."""
         have = {k for j in self.joined for k, n in j["kinds"].items() if n}
         want = {self.config.sim_resource: self.sim_envs,
-                self.config.desktop_resource: self.desktops}  # fmt: skip
+                self.config.desktop_resource: self.desktops,
+                self.config.vm_resource: self.vms}  # fmt: skip
         return [r for r, n in want.items() if n and r not in have]
 
     def _place_new(self) -> int:
@@ -383,9 +398,10 @@ class Placement:
             offers = n.get("Resources") or {}
             sims = min(int(offers.get(self.config.sim_resource, 0)), self.sim_envs)
             desktops = min(int(offers.get(self.config.desktop_resource, 0)), self.desktops)
+            vms = min(int(offers.get(self.config.vm_resource, 0)), self.vms)
             old = self.nodes.get(n["NodeID"])
             gpus = self.config.gpus_per_actor
-            if not n.get("Alive") or sims + desktops < 1 or offers.get("GPU", 0) < gpus:
+            if not n.get("Alive") or sims + desktops + vms < 1 or offers.get("GPU", 0) < gpus:
                 continue
             if old is not None:
                 # A node Ray still lists as alive node_lost_s after its agent was lost (a
@@ -401,11 +417,11 @@ class Placement:
                 num_gpus=gpus,  # Ray sets the agent's CUDA_VISIBLE_DEVICES; its actor inherits
             ).remote(
                 actor_id, self.make_toml(actor_id, sims), self.keys, self.model,
-                self.model_ref, self.run_id, desktops=desktops, atspi=self.atspi,
+                self.model_ref, self.run_id, desktops=desktops, vms=vms, atspi=self.atspi,
                 start_timeout_s=self.config.start_timeout_s,
             )  # fmt: skip
             node = _Node(n["NodeID"], n.get("NodeManagerAddress", "?"), actor_id, sims, handle,
-                         desktops=desktops)  # fmt: skip
+                         desktops=desktops, vms=vms)  # fmt: skip
             node.pending_call, node.starting = handle.start.remote(), True  # `tick` answers
             self.nodes[n["NodeID"]] = node
             placed += 1
@@ -414,13 +430,15 @@ class Placement:
     def _started(self, node: _Node, pid: int) -> None:
         node.starting = False
         when = round(time.monotonic() - self.t0, 1)
-        kinds = {self.config.sim_resource: node.envs, self.config.desktop_resource: node.desktops}
+        kinds = {self.config.sim_resource: node.envs, self.config.desktop_resource: node.desktops,
+                 self.config.vm_resource: node.vms}  # fmt: skip
         self.joined.append({"node": node.node_id, "ip": node.ip, "actor": node.actor_id,
-                            "envs": node.envs, "desktops": node.desktops, "kinds": kinds,
+                            "envs": node.envs, "desktops": node.desktops, "vms": node.vms,
+                            "kinds": kinds,
                             "at_s": when})  # fmt: skip
-        log.info("node %s (%s): actor %s with %d simulated and %d local desktops, pid %d, "
-                 "log %s", node.ip, node.node_id[:12], node.actor_id, node.envs, node.desktops,
-                 pid, self.run_dir / "logs" / f"{node.actor_id}.log")  # fmt: skip
+        log.info("node %s (%s): actor %s with %d simulated and %d local desktops and %d VMs, "
+                 "pid %d, log %s", node.ip, node.node_id[:12], node.actor_id, node.envs,
+                 node.desktops, node.vms, pid, self.run_dir / "logs" / f"{node.actor_id}.log")  # fmt: skip
 
     def _lose(self, node: _Node, why: str) -> None:
         node.lost, node.lost_at = why, time.monotonic()
@@ -631,7 +649,8 @@ class Placement:
             "address": self.config.address,
             "run_id": self.run_id,
             "nodes": [{"node": n.node_id, "ip": n.ip, "actor": n.actor_id, "envs": n.envs,
-                       "desktops": n.desktops, "gpus": n.gpus, "restarts": n.restarts,
+                       "desktops": n.desktops, "vms": n.vms, "gpus": n.gpus,
+                       "restarts": n.restarts,
                        "lost": n.lost}
                       for n in [*self.replaced, *self.nodes.values()]],
             "joined": self.joined,

@@ -241,13 +241,14 @@ class TrainConfig(EnvironmentsConfig):
                  f"per node offering {self.cluster.sim_resource!r} (give actors=1 and start "
                  "more nodes, or more desktops per node: sim_envs_per_actor)")  # fmt: skip
         if self.cluster.address and not (
-            (self.actors and self.sim_envs_per_actor) or self.local_desktops
+            (self.actors and self.sim_envs_per_actor) or self.local_desktops or self.vms
         ):
             fail("sim_envs_per_actor", "must be >= 1 with cluster.address (and actors=1), or "
-                 "local_desktops >= 1: the nodes run simulated or local desktops")  # fmt: skip
-        if self.cluster.learner_resource and (self.vms or self.vm_fleet or self.env_urls):
+                 "local_desktops or vms >= 1: the nodes run simulated or local desktops or "
+                 "VMs")  # fmt: skip
+        if self.cluster.learner_resource and (self.vm_fleet or self.env_urls):
             fail("cluster.learner_resource", "with the learner on a node of its own the run's "
-                 "actors are the nodes' (their simulated and local desktops): leave vms, "
+                 "actors are the nodes' (their simulated and local desktops and VMs): leave "
                  "vm_fleet and env_urls empty")  # fmt: skip
         if self.base not in ("tiny", "reader"):
             fail("base", f"must be 'tiny' or 'reader', got {self.base!r}")

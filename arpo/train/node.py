@@ -18,12 +18,16 @@ when the driver shipped it, and the desktops' state and token files. No shared d
   0600 file in the node's folder; once they answer, the agent writes their URLs and tokens
   into the actor's config and starts the actor. The desktops serve loopback only: their
   actor is on the same node.
+- **VMs** (`vms` > 0): `arpo-envs vm up -n N --dir <node folder>/vms` in the foreground;
+  once its state file says ready, the actor's `vm_fleet` names it (each VM reverted to its
+  snapshot before every episode, as on one machine).
 - Every child gets a parent-death signal (`prctl(PR_SET_PDEATHSIG)`): when the agent dies
-  with its node's Ray processes, the actor is killed and the desktops' `up` is sent SIGTERM,
-  which stops every desktop as `arpo-envs down` does. A node lost leaves nothing running.
+  with its node's Ray processes, the actor is killed and the fleets' `up` are sent SIGTERM,
+  which stops every desktop and VM as `arpo-envs down` does. A node lost leaves nothing
+  running.
 - A desktop that dies takes its fleet's `up` with it; the next `poll` then stops the actor
-  too and reports it exited, and the driver's `start` brings both up again (new ports,
-  new tokens).
+  too and reports it exited, and the driver's `start` brings the fleets up again (new
+  ports, new tokens).
 """
 
 from __future__ import annotations
@@ -97,12 +101,15 @@ class NodeAgent:
         run_id: str,
         *,
         desktops: int = 0,
+        vms: int = 0,
         atspi: bool = False,
         start_timeout_s: float = 300.0,
     ) -> None:
         self.actor_id = actor_id
         self.desktops = desktops
         """Real local desktops this node's actor drives (0: none)."""
+        self.vms = vms
+        """QEMU VMs (a fleet of the test image) this node's actor drives (0: none)."""
         self.atspi = atspi
         """Start them with their apps' accessibility trees (`arpo-envs up --atspi`)."""
         self.start_timeout_s = start_timeout_s
@@ -122,8 +129,8 @@ class NodeAgent:
         self.log = self.folder / "actor.log"
         self.spool = self.folder / "spool"
         self.popen: subprocess.Popen | None = None
-        self.fleet: subprocess.Popen | None = None
-        """The foreground `arpo-envs up` of the desktops (None: none started)."""
+        self.fleets: dict[str, subprocess.Popen] = {}
+        """The foreground `arpo-envs up` / `arpo-envs vm up` of its desktops / VMs."""
         self.offsets = {"log": 0, "ledger": 0}
         self.starts = 0
 
@@ -136,7 +143,7 @@ class NodeAgent:
         """A new actor config (the learner moved to another node): written as at the start,
         with the running desktops' URLs and tokens; the next `start` runs the actor on it."""
         self._write_config(config_toml)
-        if self.desktops and self.fleet is not None and self.fleet.poll() is None:
+        if self._kinds() and self._fleets_alive():
             self._patch_envs()
 
     def node(self) -> dict[str, Any]:
@@ -145,50 +152,80 @@ class NodeAgent:
 
         return {"host": socket.gethostname(), "pid": os.getpid(), "folder": str(self.folder)}
 
-    # ---- the desktops --------------------------------------------------------------------
+    # ---- the desktops and VMs ------------------------------------------------------------
 
-    def _desktops_up(self) -> None:
-        """Start the desktops (again) and write their URLs and tokens into the actor's
-        config; ArpoError naming the fleet's log when they do not answer in time."""
-        self._desktops_down()
-        tokens = self.keydir / TOKENS_FILE
-        tokens.unlink(missing_ok=True)
-        cmd = [sys.executable, "-m", "arpo_envs.cli", "up", "-n", str(self.desktops),
-               "--base-port", "0", "--tokens", "--tokens-file", str(tokens),
-               "--state", str(self.folder / "desktops.json")]  # fmt: skip
-        if self.atspi:
-            cmd.append("--atspi")
-        with (self.folder / "desktops.log").open("ab") as out:
-            self.fleet = subprocess.Popen(
-                cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+    def _kinds(self) -> dict[str, int]:
+        """Each environment fleet this node runs -> how many ('desktops', 'vms')."""
+        return {k: n for k, n in (("desktops", self.desktops), ("vms", self.vms)) if n}
+
+    def _fleet_cmd(self, kind: str) -> list[str]:
+        cli = [sys.executable, "-m", "arpo_envs.cli"]
+        if kind == "vms":  # the fleet's folder (state file, overlays, snapshots) is the node's
+            return [*cli, "vm", "up", "-n", str(self.vms), "--dir", str(self.folder / "vms")]
+        return [*cli, "up", "-n", str(self.desktops), "--base-port", "0", "--tokens",
+                "--tokens-file", str(self.keydir / TOKENS_FILE),
+                "--state", str(self.folder / "desktops.json"),
+                *(["--atspi"] if self.atspi else [])]  # fmt: skip
+
+    def _fleet_ready(self, kind: str) -> bool:
+        if kind == "desktops":  # `up` writes the tokens once every desktop answers
+            return (self.keydir / TOKENS_FILE).exists()
+        from arpo_envs.fleet_records import VMFleetState, load
+
+        try:
+            return load(self.folder / "vms" / "fleet.json", VMFleetState).ready
+        except (OSError, ValueError):
+            return False
+
+    def _fleet_up(self, kind: str) -> None:
+        """Start one fleet (again) in the foreground, wait until it is ready and write where
+        it is into the actor's config; ArpoError naming its log when it is not in time."""
+        self._fleet_down(kind)
+        if kind == "desktops":
+            (self.keydir / TOKENS_FILE).unlink(missing_ok=True)
+        with (self.folder / f"{kind}.log").open("ab") as out:
+            proc = subprocess.Popen(
+                self._fleet_cmd(kind), stdin=subprocess.DEVNULL, stdout=out, stderr=out,
                 start_new_session=True, preexec_fn=die_with_parent(signal.SIGTERM),
             )  # fmt: skip
+        self.fleets[kind] = proc
         end = time.monotonic() + self.start_timeout_s
-        while not tokens.exists():  # `up` writes it once every desktop answers
-            if self.fleet.poll() is not None or time.monotonic() > end:
-                why = (f"exited with code {self.fleet.returncode}" if self.fleet.poll()
-                       is not None else f"did not answer in {self.start_timeout_s:.0f} s")  # fmt: skip
-                self._desktops_down()
-                tail = (self.folder / "desktops.log").read_text(errors="replace")[-1500:]
-                raise ArpoError(f"the {self.desktops} desktops of {self.actor_id} {why}: {tail}")
+        while not self._fleet_ready(kind):
+            if proc.poll() is not None or time.monotonic() > end:
+                why = (f"exited with code {proc.returncode}" if proc.poll() is not None
+                       else f"were not ready in {self.start_timeout_s:.0f} s")  # fmt: skip
+                self._fleet_down(kind)
+                tail = (self.folder / f"{kind}.log").read_text(errors="replace")[-1500:]
+                raise ArpoError(
+                    f"the {self._kinds()[kind]} {kind} of {self.actor_id} {why}: {tail}"
+                )
             time.sleep(0.2)
         self._patch_envs()
 
+    def _fleets_alive(self) -> bool:
+        return all(
+            (p := self.fleets.get(k)) is not None and p.poll() is None for k in self._kinds()
+        )
+
     def _patch_envs(self) -> None:
-        """Write the desktops' URLs and tokens (`TOKENS_FILE`) into the actor's config."""
+        """Write the running fleets into the actor's config: the desktops' URLs and tokens
+        (`TOKENS_FILE`), the VM fleet's state file."""
         import tomllib
 
         from arpo.actor.config import ActorConfig
         from arpo.config import from_dict, to_toml
 
-        urls = json.loads((self.keydir / TOKENS_FILE).read_text())
         data = tomllib.loads(self.config.read_text())
-        data.update(envs=list(urls), env_tokens=[urls[u] for u in urls])
+        if self.desktops and (self.keydir / TOKENS_FILE).exists():
+            urls = json.loads((self.keydir / TOKENS_FILE).read_text())
+            data.update(envs=list(urls), env_tokens=[urls[u] for u in urls])
+        if self.vms:
+            data.update(vm_fleet=str(self.folder / "vms" / "fleet.json"))
         _write_private(self.config, to_toml(from_dict(ActorConfig, data)).encode())
 
-    def _desktops_down(self) -> None:
-        """SIGTERM to the fleet's `up` (it stops every desktop), SIGKILL after its grace."""
-        p, self.fleet = self.fleet, None
+    def _fleet_down(self, kind: str) -> None:
+        """SIGTERM to a fleet's `up` (it stops every desktop or VM), SIGKILL after 60 s."""
+        p = self.fleets.pop(kind, None)
         if p is None or p.poll() is not None:
             return
         p.send_signal(signal.SIGTERM)
@@ -199,14 +236,19 @@ class NodeAgent:
                 os.killpg(p.pid, signal.SIGKILL)
             p.wait(30)
 
+    def _fleets_down(self) -> None:
+        for kind in list(self.fleets):
+            self._fleet_down(kind)
+
     # ---- the actor -----------------------------------------------------------------------
 
     def start(self) -> int:
         """Start (or start again) the desktops, if any, and the actor process; its pid."""
         self.starts += 1
-        self._stop_actor(30.0)  # a desktop died under a running actor: both start again
-        if self.desktops and (self.fleet is None or self.fleet.poll() is not None):
-            self._desktops_up()
+        self._stop_actor(30.0)  # a desktop or VM died under a running actor: all start again
+        for kind in self._kinds():
+            if (p := self.fleets.get(kind)) is None or p.poll() is not None:
+                self._fleet_up(kind)
         args = [sys.executable, "-m", "arpo.actor.cli", "--config", str(self.config)]
         with self.log.open("ab") as out:
             self.popen = subprocess.Popen(
@@ -233,10 +275,10 @@ class NodeAgent:
         first (it reports as exited; the driver's `start` brings both up again)."""
         from arpo.actor.spool import LEDGER, read_spool
 
-        lost_desktops = self.desktops and (self.fleet is None or self.fleet.poll() is not None)
-        if lost_desktops and self.popen is not None and self.popen.poll() is None:
+        lost_envs = bool(self._kinds()) and not self._fleets_alive()
+        if lost_envs and self.popen is not None and self.popen.poll() is None:
             with self.log.open("ab") as out:
-                out.write(b"node agent: the desktops went down: stopping the actor\n")
+                out.write(b"node agent: its desktops or VMs went down: stopping the actor\n")
             self._stop_actor(30.0)
         code = None if self.popen is None else self.popen.poll()
         contents = read_spool(self.spool)
@@ -244,7 +286,8 @@ class NodeAgent:
             "alive": self.popen is not None and code is None,
             "code": code,
             "starts": self.starts,
-            "desktops": 0 if lost_desktops else self.desktops,
+            "desktops": 0 if lost_envs else self.desktops,
+            "vms": 0 if lost_envs else self.vms,
             "gpus": os.environ.get("CUDA_VISIBLE_DEVICES", ""),  # Ray's, for the actor too
             "log": self._read(self.log, "log"),
             "ledger": self._read(self.spool / LEDGER, "ledger"),
@@ -268,13 +311,13 @@ class NodeAgent:
         `timeout`; then the desktops go down; then the last poll."""
         self._stop_actor(timeout)
         answer = self.poll()
-        self._desktops_down()
+        self._fleets_down()
         return answer
 
     def remove(self) -> None:
         """Remove this node's folder (after the last poll brought everything back), and the
         run's folder on this node once it is empty."""
-        self._desktops_down()
+        self._fleets_down()
         shutil.rmtree(self.folder, ignore_errors=True)
         with contextlib.suppress(OSError):
             self.folder.parent.rmdir()

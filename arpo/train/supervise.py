@@ -425,6 +425,7 @@ class TrainRun:
             cfg.cluster, self.run_dir, cfg.sim_envs_per_actor if cfg.actors else 0,
             desktops=cfg.local_desktops,
             atspi=self._desktop_trees(),
+            vms=cfg.vms,
         )  # fmt: skip
         for s, h in handlers.items():  # the run's own handlers, whatever Ray installed
             signal.signal(s, h)
@@ -578,8 +579,8 @@ class TrainRun:
             self._phase = "starting the local desktops"
             # In a cluster run local_desktops are started on the nodes offering them.
             desktops = self._desktops() if cfg.local_desktops and not node_toml else None
-            self._phase = "starting the VMs"
-            fleet = self._vm_fleet() if cfg.vms else cfg.vm_fleet
+            self._phase = "starting the VMs"  # in a cluster run on the nodes offering them
+            fleet = self._vm_fleet() if cfg.vms and not node_toml else cfg.vm_fleet
             self._phase = "the preflight"
             if resumed is not None and resumed["left_out"] is not None:
                 left_out = resumed["left_out"]  # the first start's preflight
@@ -686,13 +687,14 @@ class TrainRun:
         cfg = self.config
         index = TaskFiles()
         pool = load_pool(tasks, index)
-        if self.placement is not None and cfg.local_desktops:
+        if self.placement is not None and (cfg.local_desktops or cfg.vms):
             from arpo.env.task import task_pool
 
             on_nodes = [t for t in pool if task_pool(t.task) == DESKTOP_POOL]
             pool = [t for t in pool if task_pool(t.task) != DESKTOP_POOL]
             log.info("preflight: the %d tasks of pool %r are not set up beforehand: their "
-                     "desktops run on the cluster's nodes", len(on_nodes), DESKTOP_POOL)  # fmt: skip
+                     "desktops and VMs run on the cluster's nodes", len(on_nodes),
+                     DESKTOP_POOL)  # fmt: skip
         runner = cfg.actor.runner.runner_config(reset_before_setup=cfg.actor.reset_before_setup)
         specs: dict[str, list[EnvSpec]] = {}
         if desktops is not None:
