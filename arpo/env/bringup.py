@@ -113,7 +113,9 @@ class EnvironmentsConfig:
         0,
         "VMs of the project's test image (`arpo-envs vm up`; `arpo train`: in <run_dir>/vms, "
         "`arpo audit-tasks`: in a temporary folder) started for the tasks of vm_pool, each "
-        "reverted to its snapshot before every episode or setup and replaced when it dies.",
+        "reverted to its snapshot before every episode or setup and replaced when it dies. "
+        "With `arpo train cluster.address`: the most on each node offering "
+        "cluster.vm_resource (none here).",
     )
     vm_fleet: str = option(
         "",
