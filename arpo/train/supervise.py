@@ -228,7 +228,7 @@ class TrainRun:
         self.config = validate(config)
         self.run_dir = Path(self.config.run_dir).resolve()
         self.procs: list[_Proc] = []
-        self.learner: _Proc | None = None
+        self.learner: _Proc | _RemoteLearner | None = None
         self.envs = Bringup(self.run_dir)
         """The run's local desktops and VM fleet (`arpo.env.bringup`), stopped by `_shutdown`."""
         self.restarts: dict[str, int] = {}
