@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -55,8 +56,16 @@ def test_the_demo_configuration_sets_up_every_task_and_trains(tmp_path: Path) ->
     # the desktops' actor ran real episodes, its task files fetched by content
     assert "actor-1" in {p.name for p in (run / "spool").iterdir()}
     assert any((run / "task-files").rglob("*")), "no task file fetched by the actors"
-    # the run stopped everything it started: no process of it is left
-    left = _desktop_procs(work) - before
+    # the run stopped everything it started: no process of it is left (its desktops named
+    # by what their start announced: other tests may run desktops beside this one)
+    started = re.findall(r"desktop: env \d+ \S+ display \S+ pid (\d+)", proc.stderr)
+    assert len(started) == 2, proc.stderr[-3000:]
+    mine = {int(pid) for pid in started}
+    left = {
+        (pid, cmd) for pid, cmd in _desktop_procs(work) - before
+        if pid in mine or "arpo.actor.cli" in cmd or "arpo.learner.cli" in cmd
+        or (cmd.startswith("Xvfb") and not _has_live_server_parent(pid))  # an orphan
+    }  # fmt: skip
     assert not left, left
 
 
@@ -79,3 +88,14 @@ def _desktop_procs(work: Path) -> set[tuple[int, str]]:
         ):
             out.add((int(d.name), cmd[:200]))
     return out
+
+
+def _has_live_server_parent(pid: int) -> bool:
+    """`pid`'s parent is a running desktop server (another test's desktop, not an orphan)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        cmd = Path(f"/proc/{ppid}/cmdline").read_bytes().replace(b"\0", b" ")
+    except (OSError, ValueError, IndexError):
+        return False
+    return b"arpo_envs.desktop.server" in cmd
