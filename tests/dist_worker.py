@@ -153,7 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
 
     torch.manual_seed(0)
-    info = init_distributed(DistConfig(backend="gloo", strategy=args.strategy))
+    # A collective that waits 120 s fails (the test then has the ranks' output) instead of
+    # holding the test for the default 30 minutes.
+    info = init_distributed(DistConfig(backend="gloo", strategy=args.strategy, timeout_s=120.0))
     _mark(info.rank, "joined")
     processor = AutoProcessor.from_pretrained(args.model)
     base = Qwen2_5_VLForConditionalGeneration.from_pretrained(args.model, dtype=torch.float32)

@@ -61,6 +61,11 @@ PYTHON = sys.executable
 RUNTIME_ABORT = "terminate called"
 
 
+pytestmark = pytest.mark.timeout(900)
+"""Above `_run`'s two launches of at most 300 s each, so a job that hangs fails with its
+ranks' output (`_launch`'s wait) rather than with pytest's timeout, which shows none."""
+
+
 def _run(*jobs: tuple[list[str], int], timeout: float = 300.0, worker: Path = WORKER) -> None:
     """Run the worker once per job (args, nproc; nproc 0 = a plain single process), all
     at the same time, and fail with their output if any fails.
@@ -134,7 +139,11 @@ def _launch(jobs, timeout: float, worker: Path) -> list[tuple[tuple[list[str], i
             stack.callback(_kill_group, proc)
             running.append((job, proc, log))
         for job, proc, log in running:
-            code = proc.wait(timeout=timeout)
+            try:
+                code = proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:  # hung: stopped, and failed with its output
+                _kill_group(proc)
+                code = -1
             if code != 0:
                 log.seek(0)
                 failures.append((job, code, log.read().decode(errors="replace")))

@@ -157,8 +157,14 @@ def test_a_lost_node_is_replaced_and_nothing_is_lost_or_trained_twice(
         rows = read_metrics(metrics) if metrics.exists() else []
         return rows[-1]["step"] if rows else 0
 
+    spools = tmp_path / "run" / "spool"
+
+    def delivering() -> bool:  # both nodes' actors hold grants and deliver
+        found = [d for d in spools.glob("node*") if d.is_dir()] if spools.exists() else []
+        return len(found) == 2 and all(len(read_ledger(d)) >= 2 for d in found)
+
     try:
-        _wait(lambda: step() >= 2, "iteration 2", 240)
+        _wait(lambda: step() >= 2 and delivering(), "iteration 2, both nodes delivering", 240)
         killed = cluster.kill(1)  # node 1: raylet, workers, its actor and desktops
         assert killed > 0
         cluster.ray_start(3, sim=2)  # a node joins mid-run
