@@ -55,6 +55,7 @@ def _train(
     iterations: int,
     local_desktops: int = 0,
     extra: tuple[str, ...] = (),
+    sim_latency: str = "none",
     **cluster: object,
 ) -> subprocess.Popen:
     """`python -m arpo.train` in the head's namespace against the cluster, in the background;
@@ -75,7 +76,7 @@ def _train(
     cfg = small_run(
         tmp_path, model, tmp_path / "tasks", iterations=iterations, max_new_tokens=16,
         prefill_runs_per_task=0, preflight=False, progress_s=5, local_desktops=local_desktops,
-        actor={"shutdown_deadline_s": 30.0},
+        actor={"shutdown_deadline_s": 30.0, "sim_latency": sim_latency},
     )  # fmt: skip
     cfg = replace(
         cfg,
@@ -150,7 +151,10 @@ def test_a_lost_node_is_replaced_and_nothing_is_lost_or_trained_twice(
     cluster.ray_start(0)
     cluster.ray_start(1, sim=2)
     cluster.ray_start(2, sim=2)
-    proc = _train(cluster, tmp_path, iterations=30)  # long enough for a node to join
+    # Steps of 1 s: an environment holds its grant through a whole episode, so the node
+    # killed below holds grants (with instant steps it may hold none, and there is nothing
+    # to issue again); 30 iterations: long enough for a node to join.
+    proc = _train(cluster, tmp_path, iterations=30, sim_latency="fixed:1000")
     metrics = tmp_path / "run" / "learner" / "metrics.jsonl"
 
     def step() -> int:
