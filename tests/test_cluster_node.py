@@ -95,6 +95,19 @@ def test_a_cluster_run_refuses_local_simulated_actors() -> None:
         validate(TrainConfig(sim_envs_per_actor=0, cluster=ClusterConfig(address="auto")))
 
 
+def _agent_in_child(actor_id: str, toml: str, run_id: str, kind: str, timeout: float):
+    """A `NodeAgent` (with `kind`, e.g. 'desktops=1') started in a child process, which
+    prints its folder once `start` returned and then waits to be killed (a node lost)."""
+    code = (
+        "import time\n"
+        "from arpo.train.node import NodeAgent\n"
+        f"a = NodeAgent({actor_id!r}, {toml!r}, {{}}, '/no/model', None, {run_id!r}, {kind},"
+        f" start_timeout_s={timeout})\n"
+        "a.start()\nprint(a.folder, flush=True)\ntime.sleep(3600)\n"
+    )
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+
+
 DESKTOP_BINS = [b for b in ("Xvfb", "openbox") if not shutil.which(b)]
 
 
@@ -162,14 +175,7 @@ def test_a_node_agent_runs_its_desktops_restarts_them_and_takes_them_down_when_i
         agent.remove()
 
     # The agent's own process killed hard: the desktops it started stop as well.
-    code = (
-        "import sys, time\n"
-        "from arpo.train.node import NodeAgent\n"
-        f"a = NodeAgent('nodeE', {toml!r}, {{}}, '/no/model', None, 'test-{tmp_path.name}-e',"
-        " desktops=1, start_timeout_s=90)\n"
-        "a.start()\nprint(a.folder, flush=True)\ntime.sleep(600)\n"
-    )
-    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    child = _agent_in_child("nodeE", toml, f"test-{tmp_path.name}-e", "desktops=1", 90)
     try:
         folder = Path(child.stdout.readline().strip())  # type: ignore[union-attr]
         agent_e = NodeAgent.__new__(NodeAgent)
@@ -201,14 +207,7 @@ def test_a_node_agent_runs_its_vms_and_they_stop_when_it_dies(tmp_path: Path) ->
     build()  # cached after the first time on a machine
     toml = 'actor_id = "nodeV"\nspool_dir = "@NODE@/spool"\n[engine]\nmodel = "@MODEL@"\n'
     run_id = f"test-{tmp_path.name}-v"
-    code = (
-        "import time\n"
-        "from arpo.train.node import NodeAgent\n"
-        f"a = NodeAgent('nodeV', {toml!r}, {{}}, '/no/model', None, {run_id!r}, vms=1,"
-        " start_timeout_s=600)\n"
-        "a.start()\nprint(a.folder, flush=True)\ntime.sleep(900)\n"
-    )
-    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    child = _agent_in_child("nodeV", toml, run_id, "vms=1", 600)
     try:
         line = child.stdout.readline().strip()  # type: ignore[union-attr]
         assert line, "the agent did not start its VMs"
