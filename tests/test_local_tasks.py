@@ -4,7 +4,8 @@ scores below 1.
 
 The desktop runs are skipped when the local desktop cannot start here (no `arpo-envs up`, no
 Xvfb); `ARPO_DESKTOP_URL=http://127.0.0.1:5000` runs them against a desktop that is already up.
-The default run plays a subset across the domains; the full suite is `slow` (`make test-all`).
+The default run plays a subset across the domains; `make test-all` plays a third of the
+suite a day (tests/day_shard.py; ARPO_LOCAL_SUITE_SHARD=all for every task).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import pytest
 from arpo_envs.procs import free_port
 from arpo_envs.tasks import OSWORLD_ORACLES, SUITE_DIR, osworld_oracles
 from arpo_envs.tasks.generate import write_suite
+from day_shard import sweep_shard
 from osworld_fixtures.peer import Peer
 
 from arpo.env import (
@@ -257,16 +259,25 @@ def test_doing_nothing_fails_a_subset_on_the_desktop(desktop_url):
     _check_noop(desktop_url, [t for t in suite() if t.id in SUBSET])
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(1800)
-def test_oracles_solve_every_task_on_the_desktop(desktop_url):
-    _check_oracles(desktop_url, suite())
+LOCAL_SHARD_OFFSET = 1
+"""The sweeps below play the shard after the one tests/test_osworld_local_e2e.py plays with
+both checkers (which also asserts that oracles solve and doing nothing fails), so that one
+day of test-all checks two thirds of the suite on the local desktop."""
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-def test_doing_nothing_fails_every_task_on_the_desktop(desktop_url):
-    _check_noop(desktop_url, suite())
+def test_oracles_solve_one_shard_of_the_tasks_on_the_desktop(desktop_url):
+    """One shard a day (tests/day_shard.py; ARPO_LOCAL_SUITE_SHARD=all for every task)."""
+    tasks, _ = sweep_shard(suite(), "ARPO_LOCAL_SUITE_SHARD", LOCAL_SHARD_OFFSET)
+    _check_oracles(desktop_url, tasks)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_doing_nothing_fails_one_shard_of_the_tasks_on_the_desktop(desktop_url):
+    tasks, _ = sweep_shard(suite(), "ARPO_LOCAL_SUITE_SHARD", LOCAL_SHARD_OFFSET)
+    _check_noop(desktop_url, tasks)
 
 
 @pytest.mark.slow

@@ -35,6 +35,7 @@ from typing import Any
 
 import pytest
 from conftest import loopback
+from day_shard import sweep_shard
 
 from arpo.config import validate
 from arpo.env.client import ClientConfig, EnvClient
@@ -512,57 +513,17 @@ def test_local_suite_oracles_pass_on_a_vm_subset(fleet: FleetConfig) -> None:
     assert not failed, f"{len(failed)}/{len(results)} oracles did not score 1 on a VM: {failed}"
 
 
-VM_SUITE_SHARDS = 3
-"""`make test-all` plays one third of the local suite on VMs: the whole suite takes about
-2 hours on one VM under software emulation, more than test-all's 90 minutes."""
-
-
-def vm_suite_shard(tasks: list[Task], spec: str, day: int) -> tuple[list[Task], str]:
-    """The tasks of one shard and its name. `spec` is `k/n` (shard k of n, from 0), `all`,
-    or "" for shard (day % VM_SUITE_SHARDS) of VM_SUITE_SHARDS, so that test-all runs on
-    consecutive days play every task. Shards are dealt round-robin over the tasks sorted
-    by (domain, id): each holds every domain."""
-    ordered = sorted(tasks, key=lambda t: (t.domain, t.id))
-    if spec == "all":
-        return ordered, "all"
-    if spec:
-        k, _, n = spec.partition("/")
-        if not (k.isdigit() and n.isdigit() and 0 <= int(k) < int(n)):
-            raise ValueError(f"ARPO_VM_SUITE_SHARD={spec!r}: give k/n with 0 <= k < n, or all")
-        shard, count = int(k), int(n)
-    else:
-        shard, count = day % VM_SUITE_SHARDS, VM_SUITE_SHARDS
-    return ordered[shard::count], f"{shard}/{count}"
-
-
-def test_the_vm_suite_shards_cover_every_task_once_and_every_domain() -> None:
-    from arpo_envs.tasks import SUITE_DIR
-
-    from arpo.env import load_tasks
-
-    tasks = load_tasks(SUITE_DIR)
-    shards = [vm_suite_shard(tasks, "", day)[0] for day in range(VM_SUITE_SHARDS)]
-    ids = [t.id for shard in shards for t in shard]
-    assert sorted(ids) == sorted(t.id for t in tasks)  # all of them, each once
-    for shard in shards:
-        assert {t.domain for t in shard} == {t.domain for t in tasks}
-    assert vm_suite_shard(tasks, "1/3", 0)[0] == shards[1]
-    assert len(vm_suite_shard(tasks, "all", 0)[0]) == len(tasks)
-    with pytest.raises(ValueError, match="ARPO_VM_SUITE_SHARD"):
-        vm_suite_shard(tasks, "3/3", 0)
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
 def test_local_suite_oracles_pass_on_vms_one_shard(fleet: FleetConfig) -> None:
-    """The oracles of one shard of the local suite (`vm_suite_shard`; ARPO_VM_SUITE_SHARD=all
-    for every task, `make vm-suite`), on both VMs of the fleet at once."""
+    """The oracles of one shard of the local suite (tests/day_shard.py: the whole suite takes
+    about 2 hours on one VM under software emulation; ARPO_VM_SUITE_SHARD=all for every task,
+    `make vm-suite`), on both VMs of the fleet at once."""
     from arpo_envs.tasks import SUITE_DIR
 
     from arpo.env import load_tasks
 
-    spec = os.environ.get("ARPO_VM_SUITE_SHARD", "")
-    tasks, name = vm_suite_shard(load_tasks(SUITE_DIR), spec, int(time.time() // 86400))
+    tasks, name = sweep_shard(load_tasks(SUITE_DIR), "ARPO_VM_SUITE_SHARD")
 
     async def both() -> list[tuple[str, float, str, str]]:
         halves = await asyncio.gather(*(_play_on_vm(fleet, tasks[i::2], i) for i in (0, 1)))
