@@ -58,7 +58,7 @@ from arpo.env.osworld.client import OSWorldEvaluator
 from arpo.env.provider import FleetLink, FleetVMProvider, StaticProvider
 from arpo.env.runner import RunnerConfig
 from arpo.env.taskfiles import BlobCache, FileSource, default_cache_dir
-from arpo.errors import EnvError
+from arpo.errors import EngineError, EnvError
 from arpo.record import Status, Trajectory
 from arpo.transport import ActorLink, fetch_weights
 
@@ -606,29 +606,42 @@ class Actor:
 
     async def _ensure_version(self, grant: wire.Grant) -> bool:
         """Wait until the policy holds weights of at least `grant.min_version` (False when
-        the actor stops first). A policy that cannot take weights, or a version the engine
-        refused, does not wait (the learner's staleness filter is the backstop)."""
+        the actor stops first). A shared engine server (`follows_learner`) is asked every
+        0.2 s until it serves the version. A policy that cannot take weights, or a version
+        the engine refused, does not wait (the learner's staleness filter is the backstop)."""
         need = grant.min_version
-        if self.version >= need or not hasattr(self.policy, "update_weights"):
+        follows = getattr(self.policy, "follows_learner", False)
+        if self.version >= need or not (follows or hasattr(self.policy, "update_weights")):
             return True
         self.stats.weight_waits += 1
         t0 = last_log = time.monotonic()
+        why = ""
         try:
             while self.version < need and self._refused < need:
                 if self._stopping.is_set():
                     return False
-                self._want_version = max(self._want_version, need)
-                self._weights_wanted.set()
-                await wait_event(self._stopping, 0.02)
+                if follows:  # a shared engine server loads it: ask until it serves `need`
+                    try:
+                        await self.policy.refresh_version()
+                    except EngineError as e:
+                        why = f" (the engine server: {str(e)[:200]})"
+                    else:
+                        why = ""
+                    await wait_event(self._stopping, 0.2)
+                else:
+                    self._want_version = max(self._want_version, need)
+                    self._weights_wanted.set()
+                    await wait_event(self._stopping, 0.02)
                 if time.monotonic() - last_log > 30.0:
                     last_log = time.monotonic()
                     log.warning(
-                        "actor %s: grant %s waits for policy v%d for %.0f s (holding v%d)",
+                        "actor %s: grant %s waits for policy v%d for %.0f s (holding v%d)%s",
                         self.actor_id,
                         grant.grant_id,
                         need,
                         last_log - t0,
                         self.version,
+                        why,
                     )
             return True
         finally:
@@ -760,8 +773,10 @@ class Actor:
             await wait_event(self._weights_wanted, self.config.transport.heartbeat_s)
             self._weights_wanted.clear()
             newest = max(self.link.learner_version, self._want_version)
-            if newest <= max(self.version, self._refused) or not hasattr(
-                self.policy, "update_weights"
+            if (
+                newest <= max(self.version, self._refused)
+                or not hasattr(self.policy, "update_weights")
+                or getattr(self.policy, "follows_learner", False)  # its server loads them
             ):
                 continue
             got = await fetch_weights(self.link)

@@ -1,7 +1,8 @@
 """The policy engine interface: token ids + images in, sampled token ids + log-probs out.
 
 Every engine (transformers `engine_hf.py`, vLLM in process `engine_vllm.py`, an
-OpenAI-compatible vLLM server over HTTP `engine_openai.py`) implements `Engine`;
+OpenAI-compatible vLLM server over HTTP `engine_openai.py`, a shared `arpo-engine` server
+over HTTP `engine_shared.py`) implements `Engine`;
 `arpo.policy.engines.make_engine` builds the one a config names:
 
     async with make_engine(EngineConfig(kind="hf", model="runs/tiny")) as engine:
@@ -30,7 +31,9 @@ Contract shared by all engines:
 - Weights are replaced without a restart, from a state dict in memory or a
   checkpoint folder; `update_weights` waits for the requests in flight, then no
   request starts until the new weights are in place, so every completion was
-  produced by exactly one version, the `policy_version` it reports.
+  produced by exactly one version, the `policy_version` it reports. A shared server
+  (`engine_shared.py`) loads the learner's weights itself: its client does not take
+  weights (`follows_learner`), and reports the version the server names per answer.
 - Concurrency is bounded (`EngineConfig.max_concurrency` requests in flight);
   further calls wait their turn.
 """
@@ -101,8 +104,10 @@ class Completion:
 class EngineConfig:
     """Which policy engine to run and how."""
 
-    kind: Literal["hf", "vllm", "openai"] = option(
-        "hf", "Engine: 'hf' (transformers), 'vllm' (vLLM in process), 'openai' (vLLM server)."
+    kind: Literal["hf", "vllm", "openai", "shared"] = option(
+        "hf",
+        "Engine: 'hf' (transformers), 'vllm' (vLLM in process), 'openai' (vLLM server), "
+        "'shared' (an `arpo-engine` server that follows the learner).",
     )
     model: str = option("", "Model folder or hub id (UI-TARS-1.5-7B, or the tiny test model).")
     dtype: Literal["float32", "bfloat16", "float16"] = option(
@@ -126,9 +131,15 @@ class EngineConfig:
     kv_cache_gib: int = option(1, "vLLM on CPU: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE).")
     gpu_memory_utilization: float = option(0.85, "vLLM on GPU: share of GPU memory it may use.")
     enforce_eager: bool = option(True, "vLLM: no CUDA graphs / compilation (fast start).")
-    base_url: str = option("http://127.0.0.1:8000", "openai engine: the vLLM server's address.")
-    api_key: str = option("", "openai engine: bearer token, if the server was started with one.")
-    request_timeout_s: float = option(600.0, "openai engine: timeout of one HTTP request.")
+    base_url: str = option(
+        "http://127.0.0.1:8000", "openai and shared engines: the server's address."
+    )
+    api_key: str = option(
+        "", "openai and shared engines: bearer token, if the server was started with one."
+    )
+    request_timeout_s: float = option(
+        600.0, "openai and shared engines: timeout of one HTTP request."
+    )
     weights_dir: str = option(
         "", "openai engine: folder shared with the server where in-memory weights are written."
     )
@@ -151,7 +162,9 @@ class EngineConfig:
             fail("prefix_cache_tokens", "must be >= 0 (0 turns the prefix cache off)")
         if self.max_images < 1:
             fail("max_images", "must be >= 1")
-        if self.kind == "openai" and not self.base_url.startswith(("http://", "https://")):
+        if self.kind in ("openai", "shared") and not self.base_url.startswith(
+            ("http://", "https://")
+        ):
             fail("base_url", "must start with http:// or https://")
 
 
@@ -287,11 +300,22 @@ class Engine(abc.ABC):
         async with self._slots:
             await self._gate.enter()
             try:
-                version = self._version
-                out_ids, out_lps = await self._generate(ids, list(images), params)
+                out_ids, out_lps, version = await self._generate_versioned(
+                    ids, list(images), params
+                )
             finally:
                 await self._gate.leave()
         return self._completion(out_ids, out_lps, params, version)
+
+    async def _generate_versioned(
+        self, ids: list[int], images: list[Any], params: SamplingParams
+    ) -> tuple[Sequence[int], Sequence[float], int]:
+        """Sampled ids, their log-probs and the version that produced them: the one served
+        when the request entered (a weight update waits for it to leave). An engine whose
+        weights change elsewhere (a shared server) reports the version its server names."""
+        version = self._version
+        out_ids, out_lps = await self._generate(ids, images, params)
+        return out_ids, out_lps, version
 
     async def update_weights(
         self, weights: Mapping[str, torch.Tensor] | str | Path, version: int

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import io
 import json
 import math
 import sys
@@ -232,9 +233,15 @@ class OpenAIEngine(Engine):
         if self._session is None:
             raise EngineError("the engine is not started (use `async with` or `await start()`)")
         delay = 0.2
+        # Serialised once; sent from a file-like object, so that a body of several
+        # screenshots is streamed rather than handed to the event loop as one bytes object.
+        payload = json.dumps(body or {}).encode()
+        headers = {"Content-Type": "application/json"}
         for attempt in range(RETRIES + 1):
             try:
-                async with self._session.post(self.base_url + path, json=body or {}) as resp:
+                async with self._session.post(
+                    self.base_url + path, data=io.BytesIO(payload), headers=headers
+                ) as resp:
                     raw = await _read_bounded(resp, limit, path)
                     text = raw.decode("utf-8", "replace") if resp.status >= 400 else ""
                     if resp.status >= 500 and attempt < RETRIES:

@@ -3,9 +3,9 @@
     async with make_engine(EngineConfig(kind="hf", model="runs/tiny")) as engine:
         out = await engine.generate(prompt_ids, [png_bytes], SamplingParams(temperature=1.0))
 
-The engines (`engine_hf.py`, `engine_vllm.py`, `engine_openai.py`) import the
-interface they implement from `engine.py`; this module sits above them, so the
-imports run one way. Each engine is imported only when it is chosen: vLLM and the
+The engines (`engine_hf.py`, `engine_vllm.py`, `engine_openai.py`, `engine_shared.py`)
+import the interface they implement from `engine.py`; this module sits above them, so
+the imports run one way. Each engine is imported only when it is chosen: vLLM and the
 HTTP client stay unloaded for a transformers run.
 """
 
@@ -26,6 +26,10 @@ def make_engine(config: EngineConfig) -> Engine:
         from arpo.policy.engine_vllm import VLLMEngine
 
         return VLLMEngine(config)
+    if config.kind == "shared":
+        from arpo.policy.engine_shared import SharedEngine
+
+        return SharedEngine(config)
     from arpo.policy.engine_openai import OpenAIEngine
 
     return OpenAIEngine(config)
