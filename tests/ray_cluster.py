@@ -68,18 +68,25 @@ class Cluster:
         return {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "RAY_USAGE_STATS_ENABLED": "0"}
 
     def ray_start(
-        self, i: int, sim: int = 0, desktops: int = 0, gpus: int = 0, learner: int = 0
+        self,
+        i: int,
+        sim: int = 0,
+        desktops: int = 0,
+        gpus: int = 0,
+        learner: int = 0,
+        engines: int = 0,
     ) -> None:
         """`ray start` of node `i` in its namespace (the head for 0), offering `sim`
         simulated and `desktops` local desktops, `gpus` GPUs (declared: Ray hands out
-        their indices whether or not the devices exist) and, with `learner`, a place for
-        the learner (`arpo_learner`)."""
+        their indices whether or not the devices exist), with `learner` a place for the
+        learner (`arpo_learner`) and with `engines` one for a shared engine server."""
         if i == len(self.spaces):
             self.add_space()
         common = [f"--node-ip-address={self.ip(i)}", "--num-cpus=1", "--disable-usage-stats",
                   f"--num-gpus={gpus}"]  # fmt: skip
         offers = {k: v for k, v in (("arpo_sim", sim), ("arpo_desktops", desktops),
-                                    ("arpo_learner", learner)) if v}  # fmt: skip
+                                    ("arpo_learner", learner), ("arpo_engines", engines))
+                  if v}  # fmt: skip
         if offers:
             common.append("--resources=" + json.dumps(offers))
         if i == 0:

@@ -331,3 +331,71 @@ def test_a_lost_learner_node_with_none_to_take_over_stops_the_run_with_code_3(
     out = (tmp_path / "train.out").read_text(errors="replace")
     assert code == 3, out[-3000:]
     assert "arpo_learner" in out and "resume=true" in out, out[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_shared_engine_servers_follow_the_learner_and_a_lost_one_is_replaced(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """`cluster.engines=shared`: two nodes offering `arpo_engines` each run an `arpo-engine`
+    server that loads the learner's weights itself; the sim node's actor samples from one
+    of them. That server's node SIGKILLed mid-run, the actor starts again on the other, and
+    the run finishes with 0 unaccounted, trained on weights the servers loaded."""
+    cluster.ray_start(0)
+    cluster.ray_start(1, engines=1)
+    cluster.ray_start(2, engines=1)
+    cluster.ray_start(3, sim=2)
+    proc = _train(cluster, tmp_path, iterations=6, engines="shared")
+    metrics = tmp_path / "run" / "learner" / "metrics.jsonl"
+    out = tmp_path / "train.out"
+    try:
+        _wait(lambda: metrics.exists() and len(read_metrics(metrics)) >= 2, "iteration 2", 300)
+        servers = re.findall(
+            r"shared engine server (engine\d+) at http://([0-9.]+):", out.read_text()
+        )
+        assert len(servers) == 2, out.read_text()[-3000:]
+        used_ip = servers[1 % 2][1]  # the first actor (node1) is dealt the second server
+        cluster.kill(next(i for i in (1, 2) if cluster.ip(i) == used_ip))
+    except BaseException:
+        proc.kill()
+        raise
+    summary = _finish(proc, tmp_path, timeout=600)
+    assert summary["finished"], summary
+    engines = {e["engine"]: e for e in summary["cluster"]["engines"]}
+    lost = [e for e in engines.values() if e["lost"] and e["lost"] != "stopped"]
+    assert [e["ip"] for e in lost] == [used_ip], engines
+    acc = summary["accounting"]
+    assert acc["unaccounted"] == 0 and acc["trained_twice"] == 0, acc
+    assert read_metrics(metrics)[-1]["step"] == 6
+    logs = tmp_path / "run" / "logs"
+    loaded = [f.name for f in logs.glob("engine*.log") if "policy v" in f.read_text()]
+    assert loaded, "no engine server loaded the learner's weights"
+    actor_log = (logs / "node1.log").read_text()
+    assert "applied" not in actor_log, "the actor loaded weights itself"  # "policy vN applied"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_learner_as_a_torchrun_group_over_two_nodes_trains(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """`cluster.learner_nodes=2`: the learner runs as one torchrun group over the two
+    nodes offering `arpo_learner` (gloo over their cluster addresses, a static rendezvous
+    on rank 0's node, which binds the links); the run trains and accounts for everything."""
+    cluster.ray_start(0)
+    cluster.ray_start(1, learner=1)
+    cluster.ray_start(2, learner=1)
+    cluster.ray_start(3, sim=2)
+    proc = _train(cluster, tmp_path, iterations=3, learner_resource="arpo_learner",
+                  learner_nodes=2)  # fmt: skip
+    summary = _finish(proc, tmp_path, timeout=600)
+    assert summary["finished"], summary
+    learners = summary["cluster"]["learners"]
+    assert len(learners) == 1 and sorted(learners[0]["nodes"]) == [cluster.ip(1), cluster.ip(2)]
+    logs = tmp_path / "run" / "logs"
+    assert "2 rank(s)" in (logs / "learner.log").read_text()
+    assert (logs / "learner-node1.log").exists()
+    acc = summary["accounting"]
+    assert acc["unaccounted"] == 0 and acc["trained_twice"] == 0, acc
+    assert read_metrics(tmp_path / "run" / "learner" / "metrics.jsonl")[-1]["step"] == 3

@@ -569,13 +569,14 @@ class Learner:
         self._rates()
         log.info(
             "learner up: data %s, control %s, %d tasks (by pool: %s; %d task files served "
-            "by content), version %d",
+            "by content), version %d, %d rank(s)",
             self.ingest.endpoint,
             self.grants.endpoint,
             len(tasks),
             book.pools,
             len(self.files),
             self.version,
+            self.info.world_size,
         )
         self._check_progress()
 

@@ -63,8 +63,23 @@ What it does (`Placement`):
   and Ray reserves them for its agent (CUDA_VISIBLE_DEVICES), which its actor and policy
   engine inherit (`actor.engine.device=cuda`).
 
-Not built yet: a torchrun group of learner ranks spread over nodes (one learner process per
-run here), shared policy-engine servers.
+- Shared engines (`cluster.engines=shared`): one `arpo-engine` server
+  (`arpo.policy.engine_server`, started by an `EngineAgent`) on every node offering
+  `cluster.engine_resource` (with `cluster.gpus_per_engine` GPUs), started before the
+  actors, bound to its node's cluster address with a bearer token the run makes. It follows
+  the learner's weights over the control link with the actors' CURVE keys, so each version
+  crosses the network once per server. Every node's actor samples from one of them
+  (`engine.kind=shared`, dealt in turn). A server lost (its agent failed, silent for
+  `node_lost_s`, or exited) is placed again where a node offers the resource, and every
+  actor starts again on a live one; with none within `start_timeout_s` the run stops and
+  names the resource. A node that joins offering the resource gets a server, which actors
+  placed from then on use.
+
+- A learner over nodes (`cluster.learner_nodes` > 1, with `learner_resource`): one
+  torchrun group (`learner_procs` ranks on each node) with a static rendezvous on rank 0's
+  node, which binds the links; gloo speaks over the interface holding each node's cluster
+  address. One node of it lost or exited: the whole group starts again from the last
+  checkpoint, as a lost learner node does.
 """
 
 from __future__ import annotations
@@ -131,6 +146,13 @@ class ClusterConfig:
         "exit code 3 when none is there within start_timeout_s. run_dir must be on storage "
         "those nodes reach at the same path. '' = the learner runs on the driver.",
     )
+    learner_nodes: int = option(
+        1,
+        "With learner_resource: nodes offering it that together run the learner as one "
+        "torchrun group (learner_procs ranks on each; rank 0's node binds the links, the "
+        "group talks over the nodes' cluster addresses). One of them lost: the whole group "
+        "starts again from the last checkpoint on nodes offering the resource.",
+    )
     bind_host: str = option(
         "",
         "Address the learner's links bind to on the driver ('' = the driver's Ray node IP); "
@@ -157,6 +179,23 @@ class ClusterConfig:
         "name). 0: never sent.",
     )
     max_restarts: int = option(5, "Restarts of one node's actor process at most.")
+    engines: str = option(
+        "actor",
+        "Where the policy engines run: 'actor' (each node's actor runs its own, "
+        "actor.engine) or 'shared' (one `arpo-engine` server on every node offering "
+        "engine_resource, following the learner's weights itself; every node's actor samples "
+        "from one of them, dealt in turn).",
+    )
+    engine_resource: str = option(
+        "arpo_engines",
+        "Ray resource that marks a node for a shared engine server (engines='shared'): a "
+        "node started with --resources='{\"arpo_engines\": 1}' runs one.",
+    )
+    gpus_per_engine: float = option(
+        0.0,
+        "GPUs Ray reserves for each shared engine server (engines='shared'; its engine then "
+        "runs on them with actor.engine.device=cuda). 0: none.",
+    )
     gpus_per_actor: float = option(
         0.0,
         "GPUs Ray reserves for each node's actor (its policy engine: actor.engine.device="
@@ -168,17 +207,26 @@ class ClusterConfig:
         a = self.address
         if a and a != "auto" and not (a.startswith("ray://") or ":" in a):
             fail("address", f"{a!r}: give 'auto', host:port of the head, or ray://host:port")
-        for name in ("sim_resource", "desktop_resource", "vm_resource"):
+        if self.engines not in ("actor", "shared"):
+            fail("engines", f"{self.engines!r}: 'actor' or 'shared'")
+        if self.engines == "shared" and not self.address:
+            fail("engines", "'shared' places engine servers on Ray nodes: give cluster.address")
+        for name in ("sim_resource", "desktop_resource", "vm_resource", "engine_resource"):
             value = getattr(self, name)
             if not value or not value.replace("_", "").isalnum():
                 fail(name, f"{value!r}: a Ray resource name (letters, digits, _)")
         if self.learner_resource and not self.learner_resource.replace("_", "").isalnum():
             fail("learner_resource", f"{self.learner_resource!r}: a Ray resource name or ''")
+        check_range("learner_nodes", self.learner_nodes, 1, 1024, "nodes of the learner")
+        if self.learner_nodes > 1 and not self.learner_resource:
+            fail("learner_nodes", "spreads the learner over nodes offering learner_resource: "
+                 "give cluster.learner_resource")  # fmt: skip
         if self.learner_resource and not self.address:
             fail("learner_resource", "places the learner on a Ray node: give cluster.address")
-        names = [self.sim_resource, self.desktop_resource, self.vm_resource]
-        if len(set(names)) < 3:
-            fail("vm_resource", f"sim, desktop and VM resources need three names, got {names}")
+        names = [self.sim_resource, self.desktop_resource, self.vm_resource, self.engine_resource]
+        if len(set(names)) < 4:
+            fail("engine_resource", f"sim, desktop, VM and engine resources need four names, "
+                 f"got {names}")  # fmt: skip
         if self.bind_host in ("0.0.0.0", "::", "*"):
             fail("bind_host", "must be the driver's address on the cluster network, not any")
         check_seconds("poll_s", self.poll_s, "between polls of the agents")
@@ -187,6 +235,7 @@ class ClusterConfig:
         check_range("ship_model_mb", self.ship_model_mb, 0, 1 << 20, "MiB; 0: never ship")
         check_range("max_restarts", self.max_restarts, 0, 1000, "restarts per node's actor")
         check_range("gpus_per_actor", self.gpus_per_actor, 0, 64, "GPUs per node's actor")
+        check_range("gpus_per_engine", self.gpus_per_engine, 0, 64, "GPUs per engine server")
 
 
 # ---------------------------------------------------------------------------- on the driver
@@ -217,6 +266,20 @@ class _Node:
     starting: bool = False
     """Its agent is being created and starting the actor (`pending_call` is that start)."""
     stopped: bool = False
+
+
+@dataclass
+class _Engine:
+    """One shared engine server the driver placed (cluster.engines='shared')."""
+
+    engine_id: str
+    node_id: str
+    ip: str
+    url: str
+    handle: Any
+    pending_call: Any = None
+    last_answer: float = field(default_factory=time.monotonic)
+    lost: str = ""
 
 
 def keep_poll(run_dir: Path, actor_id: str, answer: dict[str, Any]) -> None:
@@ -308,10 +371,17 @@ class Placement:
         self.t0 = time.monotonic()
         self._last_list = 0.0
         self.learner_agent: Any = None
-        """With `learner_resource`: the agent running the learner on its node."""
+        """With `learner_resource`: the agent running the learner (its rank 0) on its node."""
+        self.learner_agents: list[Any] = []
+        """Every node's agent of the learner (`learner_nodes` of them; rank 0's first)."""
         self.learner_node = ""
         self.learners: list[dict[str, Any]] = []
         """Every start of the learner on a node: where, when, its endpoints."""
+        self.engines: list[_Engine] = []
+        """With engines='shared': every engine server placed (a lost one stays, marked)."""
+        self.engine_token = os.urandom(24).hex()
+        """The bearer token of this run's engine servers (their actors send it)."""
+        self.engine_toml = ""
         try:
             ray.init(
                 address=config.address, logging_level=logging.WARNING, log_to_driver=False,
@@ -357,16 +427,24 @@ class Placement:
         return learner, files
 
     def start(
-        self, make_toml: Callable[[str, int], str], keys: dict[str, bytes], model: str
+        self,
+        make_toml: Callable[[str, int], str],
+        keys: dict[str, bytes],
+        model: str,
+        engine_toml: str = "",
     ) -> None:
         """Place an agent on every node offering the run's resources and wait until, for
         each kind of environment the run asks for, one node's actor has started (the
         others' starts are answered by later `tick`s); ArpoError naming the resource no
         node offers within `start_timeout_s`. `make_toml(actor_id, sim_envs)`: the actor's
-        config, its node folder written @NODE@ and its model @MODEL@."""
+        config, its node folder written @NODE@ and its model @MODEL@. With engines='shared'
+        the engine servers (`engine_toml`, an `EngineServerConfig`) start first."""
         self.make_toml, self.keys, self.model = make_toml, keys, model
         tar = model_tar(Path(model), self.config.ship_model_mb)
         self.model_ref = self.ray.put(tar) if tar is not None else None
+        if self.config.engines == "shared":
+            self.engine_toml = engine_toml
+            self._place_engines(wait=True)
         end = time.monotonic() + self.config.start_timeout_s
         while time.monotonic() < end and self.missing():
             self.tick(list_every=min(self.config.poll_s, 2.0))
@@ -426,6 +504,135 @@ class Placement:
             self.nodes[n["NodeID"]] = node
             placed += 1
         return placed
+
+    # ---- shared engine servers (engines='shared') ---------------------------------------
+
+    def _place_engines(self, wait: bool) -> int:
+        """An `EngineAgent` on every alive node offering `engine_resource` that runs no live
+        one, each started before the next (a server loads its model); how many started.
+        With `wait`, until at least one serves: ArpoError naming the resource after
+        `start_timeout_s`."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from arpo.train.node import EngineAgent
+
+        cls = self.ray.remote(num_cpus=0, max_restarts=0)(EngineAgent)
+        end = time.monotonic() + self.config.start_timeout_s
+        started, tried = 0, []
+        while True:
+            have = {e.node_id for e in self.engines if not e.lost}
+            for n in self.ray.nodes():
+                offers = n.get("Resources") or {}
+                if (not n.get("Alive") or n["NodeID"] in have
+                        or offers.get(self.config.engine_resource, 0) < 1
+                        or offers.get("GPU", 0) < self.config.gpus_per_engine):  # fmt: skip
+                    continue
+                ip = n.get("NodeManagerAddress", "?")
+                engine_id = f"engine{len(self.engines) + 1}"
+                agent = cls.options(
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False),
+                    name=f"arpo-{self.run_id}-{engine_id}",
+                    num_gpus=self.config.gpus_per_engine,
+                ).remote(engine_id, self.engine_toml, self.keys, self.model, self.model_ref,
+                         self.run_id, self.engine_token, self.config.start_timeout_s)  # fmt: skip
+                try:
+                    out = self.ray.get(
+                        agent.start.remote(ip), timeout=self.config.start_timeout_s + 60
+                    )
+                except Exception as e:
+                    tried.append(f"{ip}: {type(e).__name__}: {str(e).splitlines()[-1][:300]}")
+                    with contextlib.suppress(Exception):
+                        self.ray.kill(agent, no_restart=True)
+                    continue
+                self.engines.append(_Engine(engine_id, n["NodeID"], ip, out["url"], agent))
+                self.joined.append({"node": n["NodeID"], "ip": ip, "engine": engine_id,
+                                    "url": out["url"], "kinds": {},
+                                    "at_s": round(time.monotonic() - self.t0, 1)})  # fmt: skip
+                log.info("node %s (%s): shared engine server %s at %s, pid %d", ip,
+                         n["NodeID"][:12], engine_id, out["url"], out["pid"])  # fmt: skip
+                started += 1
+            if not wait or any(not e.lost for e in self.engines):
+                return started
+            if time.monotonic() > end:
+                raise ArpoError(
+                    f"no node of the Ray cluster offering {self.config.engine_resource!r} "
+                    f"(cluster.engine_resource) runs a shared engine server after "
+                    f"{self.config.start_timeout_s:.0f} s (cluster.start_timeout_s)"
+                    + (f"; tried: {'; '.join(tried[-3:])}" if tried else "")
+                    + "; start one with `ray start --address=... --resources='{\""
+                    + self.config.engine_resource
+                    + "\": 1}'`, or set cluster.engines=actor"
+                )
+            time.sleep(1.0)
+
+    def engine_url(self, actor_id: str) -> str:
+        """The engine server `actor_id`'s actor samples from: the live ones dealt in turn by
+        the actor's number ('' before any serves)."""
+        live = [e for e in self.engines if not e.lost]
+        if not live:
+            return ""
+        digits = "".join(ch for ch in actor_id if ch.isdigit())
+        return live[int(digits or 0) % len(live)].url
+
+    def _tick_engines(self, now: float) -> None:
+        """Collect the engine servers' polls (their logs to `<run_dir>/logs/`); a server
+        whose agent failed, went silent `node_lost_s` or exited is lost: the servers are
+        placed again where nodes offer them (ArpoError naming the resource when none serves
+        within `start_timeout_s`) and every node's actor starts again on a live one."""
+        lost = False
+        for e in self.engines:
+            if e.lost:
+                continue
+            if e.pending_call is None:
+                e.pending_call = e.handle.poll.remote()
+                continue
+            ready, _ = self.ray.wait([e.pending_call], timeout=0)
+            why = ""
+            if not ready:
+                if now - e.last_answer > self.config.node_lost_s:
+                    why = f"no answer for {now - e.last_answer:.0f} s (cluster.node_lost_s)"
+            else:
+                try:
+                    answer = self.ray.get(e.pending_call)
+                except Exception as exc:
+                    why = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+                else:
+                    e.pending_call, e.last_answer = None, now
+                    self._keep_engine_log(e, answer)
+                    if not answer["alive"]:
+                        why = f"it exited with code {answer['code']}"
+            if why:
+                e.lost, lost = why, True
+                self.lost.append({"node": e.node_id, "ip": e.ip, "engine": e.engine_id,
+                                  "why": why[:500],
+                                  "at_s": round(now - self.t0, 1)})  # fmt: skip
+                log.warning("engine server %s on node %s is lost: %s", e.engine_id, e.ip, why)
+                with contextlib.suppress(Exception):
+                    self.ray.kill(e.handle, no_restart=True)
+        if lost:
+            self._place_engines(wait=True)
+            self.repoint(self.make_toml)
+
+    def _keep_engine_log(self, e: _Engine, answer: dict[str, Any]) -> None:
+        if answer.get("log"):
+            logs = self.run_dir / "logs"
+            logs.mkdir(parents=True, exist_ok=True)
+            with (logs / f"{e.engine_id}.log").open("ab") as f:
+                f.write(answer["log"])
+
+    def _stop_engines(self, timeout: float) -> None:
+        for e in self.engines:
+            if e.lost:
+                continue
+            try:
+                self._keep_engine_log(e, self.ray.get(e.handle.stop.remote(timeout),
+                                                      timeout=timeout + 60))  # fmt: skip
+                self.ray.get(e.handle.remove.remote(), timeout=60)
+            except Exception as exc:
+                log.warning("stopping engine server %s failed: %s", e.engine_id, exc)
+            with contextlib.suppress(Exception):
+                self.ray.kill(e.handle, no_restart=True)
+            e.lost = "stopped"
 
     def _started(self, node: _Node, pid: int) -> None:
         node.starting = False
@@ -500,98 +707,135 @@ class Placement:
                             "(%d of %d)", node.actor_id, node.ip, answer["code"],
                             node.restarts, self.config.max_restarts)  # fmt: skip
                 node.pending_call = node.handle.start.remote()  # answered by a later tick
+        if self.engines:
+            self._tick_engines(now)
         if now - self._last_list >= (self.config.poll_s if list_every is None else list_every):
             self._place_new()
+            if self.config.engines == "shared":  # a node offering engines joined
+                self._place_engines(wait=False)
 
     # ---- the learner on a node (cluster.learner_resource) -------------------------------
 
-    def start_learner(self, resume: bool) -> dict[str, Any]:
-        """Start the learner on an alive node offering `learner_resource` (waiting up to
-        `start_timeout_s` for one); its endpoints {"data", "control", "pid", "host", "ip"}.
-        RunStalled naming the resource when none comes, or when none could start it."""
+    def start_learner(self, resume: bool, procs: int = 1) -> dict[str, Any]:
+        """Start the learner on `learner_nodes` alive nodes offering `learner_resource`
+        (waiting up to `start_timeout_s` for them): one process, or a torchrun group of
+        `procs` ranks per node whose rank 0 binds the links; its endpoints {"data",
+        "control", "pid", "host", "ip", "nodes"}. RunStalled naming the resource when not
+        enough nodes come, or when none could start it."""
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         from arpo.errors import RunStalled
         from arpo.train.node import MARKER_FILE, LearnerAgent
 
-        if self.learner_agent is not None:
-            with contextlib.suppress(Exception):
-                self.ray.kill(self.learner_agent, no_restart=True)
-            self.learner_agent = None
+        self._kill_learner()
         marker = (self.run_dir / MARKER_FILE).read_text()
         cls = self.ray.remote(num_cpus=0, max_restarts=0)(LearnerAgent)
+        res, want = self.config.learner_resource, self.config.learner_nodes
         end = time.monotonic() + self.config.start_timeout_s
         tried: list[str] = []
         while time.monotonic() < end:
-            res = self.config.learner_resource
-            for n in self.ray.nodes():
-                if not n.get("Alive") or (n.get("Resources") or {}).get(res, 0) < 1:
-                    continue
-                ip = n.get("NodeManagerAddress", "?")
-                agent = cls.options(
-                    scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False),
-                ).remote(str(self.run_dir), marker)  # fmt: skip
-                try:
-                    out = self.ray.get(agent.start.remote(ip, resume), timeout=120)
-                except Exception as e:  # the node died, or it cannot reach run_dir
-                    tried.append(f"{ip}: {type(e).__name__}: {str(e).splitlines()[-1][:300]}")
+            offering = [n for n in self.ray.nodes()
+                        if n.get("Alive") and (n.get("Resources") or {}).get(res, 0) >= 1]  # fmt: skip
+            if len(offering) < want:
+                time.sleep(1.0)
+                continue
+            chosen = offering[:want]
+            ips = [n.get("NodeManagerAddress", "?") for n in chosen]
+            agents = [
+                cls.options(
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)
+                ).remote(str(self.run_dir), marker)
+                for n in chosen
+            ]
+            try:
+                ports = self.ray.get(agents[0].ports.remote(ips[0]), timeout=120)
+                calls = [a.start.remote(ip, resume, procs=procs, nnodes=want, node_rank=i,
+                                        ports=ports)
+                         for i, (a, ip) in enumerate(zip(agents, ips, strict=True))]  # fmt: skip
+                outs = self.ray.get(calls, timeout=120)
+            except Exception as e:  # a node died, or it cannot reach run_dir
+                tried.append(f"{', '.join(ips)}: {type(e).__name__}: "
+                             f"{str(e).splitlines()[-1][:300]}")  # fmt: skip
+                for a in agents:
                     with contextlib.suppress(Exception):
-                        self.ray.kill(agent, no_restart=True)
-                    continue
-                self.learner_agent, self.learner_node = agent, n["NodeID"]
-                out["ip"] = ip
-                self.learners.append({**out, "at_s": round(time.monotonic() - self.t0, 1),
-                                      "resumed": resume})  # fmt: skip
-                log.info("the learner runs on node %s (%s), pid %d, bound to %s", ip,
-                         out["host"], out["pid"], out["data"])  # fmt: skip
-                return out
-            time.sleep(1.0)
+                        self.ray.kill(a, no_restart=True)
+                time.sleep(1.0)
+                continue
+            self.learner_agents = agents
+            self.learner_agent, self.learner_node = agents[0], chosen[0]["NodeID"]
+            out = {**outs[0], "ip": ips[0], "nodes": ips}
+            self.learners.append({**out, "at_s": round(time.monotonic() - self.t0, 1),
+                                  "resumed": resume})  # fmt: skip
+            log.info("the learner runs on node %s (%s), pid %d, bound to %s%s", ips[0],
+                     out["host"], out["pid"], out["data"],
+                     f"; its torchrun group spans {', '.join(ips)}" if want > 1 else "")  # fmt: skip
+            return out
+        have = len([n for n in self.ray.nodes() if n.get("Alive")
+                    and (n.get("Resources") or {}).get(res, 0) >= 1])  # fmt: skip
         raise RunStalled(
-            f"no node of the Ray cluster offering {self.config.learner_resource!r} "
-            f"(cluster.learner_resource) could run the learner within "
+            f"{have} node(s) of the Ray cluster offer {res!r} (cluster.learner_resource); "
+            f"the learner needs {want} (cluster.learner_nodes) and did not start within "
             f"{self.config.start_timeout_s:.0f} s (cluster.start_timeout_s)"
             + (f"; tried: {'; '.join(tried[-5:])}" if tried else "")
             + "; start one with `ray start --address=... --resources="
-            f"'{{\"{self.config.learner_resource}\": 1}}'` and run again with resume=true"
+            f"'{{\"{res}\": 1}}'` and run again with resume=true"
         )
 
+    def _kill_learner(self) -> None:
+        for agent in self.learner_agents:
+            with contextlib.suppress(Exception):
+                self.ray.kill(agent, no_restart=True)
+        self.learner_agents, self.learner_agent = [], None
+
     def learner_code(self) -> tuple[bool, int | None, str]:
-        """(alive, exit code, why not alive) of the learner on its node; a node lost (its
-        agent gone, or silent for `node_lost_s`) is (False, None, why)."""
+        """(alive, exit code, why not alive) of the learner on its node(s); a node of it
+        lost (its agent gone, or silent for `node_lost_s`) is (False, None, why); a rank's
+        node whose processes exited while rank 0 runs is (False, its code, why)."""
         if self.learner_agent is None:
             return False, None, "not started"
         try:
-            code = self.ray.get(self.learner_agent.poll.remote(), timeout=self.config.node_lost_s)
+            codes = self.ray.get([a.poll.remote() for a in self.learner_agents],
+                                 timeout=self.config.node_lost_s)  # fmt: skip
         except Exception as e:
             why = f"its node was lost ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
             self.lost.append({"node": self.learner_node, "actor": "learner", "why": why,
                               "at_s": round(time.monotonic() - self.t0, 1)})  # fmt: skip
-            self.learner_agent = None
+            self._kill_learner()
             return False, None, why
-        return code is None, code, "" if code is None else f"it exited with code {code}"
+        if codes[0] is not None:
+            return False, codes[0], f"it exited with code {codes[0]}"
+        for rank, code in enumerate(codes[1:], 1):
+            if code is not None:
+                return False, code, f"its node {rank} of the torchrun group exited with {code}"
+        return True, None, ""
 
     def stop_learner(self, timeout: float, now: bool = False) -> int | None:
-        """SIGTERM to the learner (it checkpoints and exits), its exit code; with `now`, the
-        agent killed at once (the learner dies with it)."""
-        agent, self.learner_agent = self.learner_agent, None
-        if agent is None:
+        """SIGTERM to the learner on every node of it (it checkpoints and exits), rank 0's
+        exit code; with `now`, the agents killed at once (the learner dies with them)."""
+        agents = self.learner_agents
+        if not agents:
             return None
         try:
             if now:
                 return None
-            return self.ray.get(agent.stop.remote(timeout), timeout=timeout + 60)
+            codes = self.ray.get([a.stop.remote(timeout) for a in agents], timeout=timeout + 60)
+            return codes[0]
         except Exception as e:
             log.error("stopping the learner on its node failed: %s", e)
             return None
         finally:
-            with contextlib.suppress(Exception):
-                self.ray.kill(agent, no_restart=True)
+            self._kill_learner()
 
-    def repoint(self, make_toml: Callable[[str, int], str]) -> None:
-        """The learner moved: every node's actor gets `make_toml`'s config (the new
-        endpoints) and starts again (its spool resends what was not acknowledged); nodes
-        placed later get it too. Answers in flight are kept first."""
+    def repoint(self, make_toml: Callable[[str, int], str], engine_toml: str = "") -> None:
+        """The learner (or an engine server) moved: every node's actor gets `make_toml`'s
+        config (the new endpoints) and starts again (its spool resends what was not
+        acknowledged); nodes placed later get it too. Answers in flight are kept first.
+        With `engine_toml` (the learner moved) the engine servers start again on it."""
         self.make_toml = make_toml
+        if engine_toml and self.config.engines == "shared":
+            self.engine_toml = engine_toml
+            self._stop_engines(30.0)
+            self._place_engines(wait=True)
         for node in self.nodes.values():
             if node.lost or node.stopped:
                 continue
@@ -638,6 +882,7 @@ class Placement:
             n.stopped = True
             with contextlib.suppress(Exception):
                 self.ray.kill(n.handle, no_restart=True)
+        self._stop_engines(timeout)  # after the actors: their last episodes sample from them
 
     def close(self) -> None:
         """Leave the cluster (after `stop` and `stop_learner`)."""
@@ -655,5 +900,8 @@ class Placement:
                       for n in [*self.replaced, *self.nodes.values()]],
             "joined": self.joined,
             "lost": self.lost,
+            **({"engines": [{"engine": e.engine_id, "node": e.node_id, "ip": e.ip,
+                             "url": e.url, "lost": e.lost} for e in self.engines]}
+               if self.engines else {}),
             **({"learners": self.learners} if self.learners else {}),
         }  # fmt: skip

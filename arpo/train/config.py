@@ -132,6 +132,14 @@ class TrainConfig(EnvironmentsConfig):
     sim_tasks_per_family: int = option(8, "Generated tasks per family.")
     seed: int = option(0, "Seed of the generated tasks and of the learner.")
     actors: int = option(1, "Actor processes with simulated desktops.")
+    learner_procs: int = option(
+        1,
+        "Learner processes (ranks) on the learner's machine, or on each of its nodes "
+        "(cluster.learner_nodes): more than 1 runs it under torchrun (python -m "
+        "torch.distributed.run), each step's batch split over the ranks (learner.dist: FSDP2 "
+        "by default, gloo on CPU, nccl with CUDA); rank 0 binds the links and writes the "
+        "run's files.",
+    )
     sim_envs_per_actor: int = option(4, "Simulated desktops per actor.")
     local_tasks: str = option(
         "", "Tasks for the real desktops and the VMs ('' = the package's local task suite)."
@@ -236,6 +244,8 @@ class TrainConfig(EnvironmentsConfig):
             fail("actors", "actors and sim_envs_per_actor must be >= 0")
         if self.seed < 0:
             fail("seed", "must be >= 0")
+        if not 1 <= self.learner_procs <= 64:
+            fail("learner_procs", f"is {self.learner_procs}; give 1 to 64 ranks per machine")
         if self.cluster.address and self.actors > 1:
             fail("actors", f"is {self.actors}; with cluster.address the run places one actor "
                  f"per node offering {self.cluster.sim_resource!r} (give actors=1 and start "

@@ -88,6 +88,46 @@ def _write_private(path: Path, data: bytes) -> None:
         f.write(data)
 
 
+def node_folder(
+    run_id: str, name: str, keys: dict[str, bytes], model: str, model_tar: bytes | None
+) -> tuple[Path, Path, str]:
+    """A process's folder on this node (`<tmp>/arpo-<run id>/<name>`, mode 0700) with its
+    CURVE key files in `keys/` (0600) and the model unpacked from `model_tar` when the
+    driver shipped it: (folder, key folder, the model's path on this node)."""
+    folder = Path(tempfile.gettempdir()) / f"arpo-{run_id}" / name
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    keydir = folder / "keys"
+    keydir.mkdir(exist_ok=True, mode=0o700)
+    for key, data in keys.items():
+        _write_private(keydir / key, data)
+    if model_tar is not None:
+        model = str(folder / "model")
+        with tarfile.open(fileobj=io.BytesIO(model_tar)) as tar:
+            tar.extractall(model, filter="data")
+    return folder, keydir, model
+
+
+def _fill(template: str, folder: Path, model: str) -> bytes:
+    """A config template with this node's folder (@NODE@) and model path (@MODEL@)."""
+    escaped = model.replace("\\", "\\\\").replace('"', '\\"')
+    return template.replace("@NODE@", str(folder)).replace("@MODEL@", escaped).encode()
+
+
+def _stop(p: subprocess.Popen | None, timeout: float) -> int | None:
+    """SIGTERM to a child, SIGKILL to its process group after `timeout`; its exit code."""
+    if p is None:
+        return None
+    if p.poll() is None:
+        p.send_signal(signal.SIGTERM)
+        try:
+            p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait(30)
+    return p.returncode
+
+
 class NodeAgent:
     """One node's actor process and the desktops it drives (module docstring)."""
 
@@ -113,17 +153,7 @@ class NodeAgent:
         self.atspi = atspi
         """Start them with their apps' accessibility trees (`arpo-envs up --atspi`)."""
         self.start_timeout_s = start_timeout_s
-        self.folder = Path(tempfile.gettempdir()) / f"arpo-{run_id}" / actor_id
-        self.folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self.keydir = self.folder / "keys"
-        self.keydir.mkdir(exist_ok=True, mode=0o700)
-        for name, data in keys.items():
-            _write_private(self.keydir / name, data)
-        if model_tar is not None:
-            model = str(self.folder / "model")
-            with tarfile.open(fileobj=io.BytesIO(model_tar)) as tar:
-                tar.extractall(model, filter="data")
-        self.model = model
+        self.folder, self.keydir, self.model = node_folder(run_id, actor_id, keys, model, model_tar)
         self.config = self.folder / "actor.toml"
         self._write_config(config_toml)
         self.log = self.folder / "actor.log"
@@ -135,9 +165,7 @@ class NodeAgent:
         self.starts = 0
 
     def _write_config(self, config_toml: str) -> None:
-        text = (config_toml.replace("@NODE@", str(self.folder))
-                .replace("@MODEL@", self.model.replace("\\", "\\\\").replace('"', '\\"')))  # fmt: skip
-        _write_private(self.config, text.encode())
+        _write_private(self.config, _fill(config_toml, self.folder, self.model))
 
     def reconfigure(self, config_toml: str) -> None:
         """A new actor config (the learner moved to another node): written as at the start,
@@ -296,15 +324,7 @@ class NodeAgent:
         }
 
     def _stop_actor(self, timeout: float) -> None:
-        p = self.popen
-        if p is not None and p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-            try:
-                p.wait(timeout)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, signal.SIGKILL)
-                p.wait(30)
+        _stop(self.popen, timeout)
 
     def stop(self, timeout: float) -> dict[str, Any]:
         """SIGTERM to the actor (it flushes its spool to the learner), SIGKILL after
@@ -321,6 +341,37 @@ class NodeAgent:
         shutil.rmtree(self.folder, ignore_errors=True)
         with contextlib.suppress(OSError):
             self.folder.parent.rmdir()
+
+
+def learner_command(
+    config: Path, procs: int = 1, nnodes: int = 1, node_rank: int = 0, master: str = ""
+) -> list[str]:
+    """The learner's command line: `arpo-learner --config <config>`, under torchrun
+    (`python -m torch.distributed.run`) when it has more than one rank (`procs` on each of
+    `nnodes` nodes): a standalone rendezvous on one machine, else a static one at `master`
+    (host:port on rank 0's node). Rank 0 binds the data and control links."""
+    cli = ["-m", "arpo.learner.cli", "--config", str(config)]
+    if procs * nnodes == 1:
+        return [sys.executable, *cli]
+    run = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={procs}"]
+    if nnodes == 1:
+        run.append("--standalone")
+    else:
+        host, _, port = master.rpartition(":")
+        run += [f"--nnodes={nnodes}", f"--node-rank={node_rank}", f"--master-addr={host}",
+                f"--master-port={port}"]  # fmt: skip
+    return [*run, *cli]
+
+
+def interface_of(ip: str) -> str:
+    """The name of this machine's network interface holding `ip` ('' when none does): gloo
+    must speak on the cluster's network, not on whatever the host name resolves to."""
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address == ip for a in addrs):
+            return name
+    return ""
 
 
 class LearnerAgent:
@@ -347,21 +398,45 @@ class LearnerAgent:
             )
         self.popen: subprocess.Popen | None = None
 
-    def start(self, ip: str, resume: bool) -> dict[str, Any]:
-        """Start the learner bound to `ip` (this node's cluster address), with `--resume`
-        when `resume`; its endpoints and pid."""
-        from arpo_envs.procs import free_port
+    def ports(self, ip: str) -> dict[str, str]:
+        """Free endpoints on this node for the learner's links and its torchrun master."""
+        from arpo_envs.procs import free_ports
 
-        data, control = f"tcp://{ip}:{free_port()}", f"tcp://{ip}:{free_port()}"
-        args = [sys.executable, "-m", "arpo.learner.cli", "--config",
-                str(self.run_dir / "learner.toml"), f"transport.data={data}",
-                f"transport.control={control}", *(["--resume"] if resume else [])]  # fmt: skip
+        data, control, master = free_ports(3)
+        return {"data": f"tcp://{ip}:{data}", "control": f"tcp://{ip}:{control}",
+                "master": f"{ip}:{master}"}  # fmt: skip
+
+    def start(
+        self,
+        ip: str,
+        resume: bool,
+        *,
+        procs: int = 1,
+        nnodes: int = 1,
+        node_rank: int = 0,
+        ports: dict[str, str] | None = None,
+    ) -> dict[str, Any]:
+        """Start the learner (or rank `node_rank` of its torchrun group over `nnodes`
+        nodes, `procs` ranks each) on `ip` (this node's cluster address), with `--resume`
+        when `resume`; its endpoints (`ports`, from rank 0's node; its own by default) and
+        pid. The group's processes talk over the interface holding `ip`."""
+        ports = ports or self.ports(ip)
+        data, control = ports["data"], ports["control"]
+        args = [*learner_command(self.run_dir / "learner.toml", procs, nnodes, node_rank,
+                                 ports["master"]),
+                f"transport.data={data}", f"transport.control={control}",
+                *(["--resume"] if resume else [])]  # fmt: skip
+        env = dict(os.environ)
+        if nnodes > 1 and (iface := interface_of(ip)):
+            env["GLOO_SOCKET_IFNAME"] = iface
+        name = "learner.log" if node_rank == 0 else f"learner-node{node_rank}.log"
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        with (self.run_dir / "logs" / "learner.log").open("ab") as out:
-            out.write(f"node agent on {self.host}: learner bound to {data}\n".encode())
+        with (self.run_dir / "logs" / name).open("ab") as out:
+            what = "learner bound to" if node_rank == 0 else f"learner node {node_rank} joins"
+            out.write(f"node agent on {self.host}: {what} {data}\n".encode())
             out.flush()
             self.popen = subprocess.Popen(
-                args, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+                args, stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env,
                 start_new_session=True, preexec_fn=die_with_parent(signal.SIGKILL),
             )  # fmt: skip
         return {"data": data, "control": control, "pid": self.popen.pid, "host": self.host}
@@ -376,13 +451,83 @@ class LearnerAgent:
 
     def stop(self, timeout: float) -> int | None:
         """SIGTERM (it checkpoints and exits), SIGKILL after `timeout`; its exit code."""
-        p = self.popen
-        if p is None:
-            return None
-        self.terminate()
+        return _stop(self.popen, timeout)
+
+
+class EngineAgent:
+    """A shared policy engine on a node offering `cluster.engine_resource`: `arpo-engine`
+    (`arpo.policy.engine_server`) with the run's engine config, bound to this node's cluster
+    address with the run's bearer token (handed over through Ray, passed to the server in
+    its environment, never in its command line), following the learner with the actors'
+    CURVE keys. Its folder, keys and model are laid out as a `NodeAgent`'s; its log comes
+    back through `poll`; it dies with this agent (a parent-death signal)."""
+
+    def __init__(
+        self,
+        engine_id: str,
+        config_toml: str,
+        keys: dict[str, bytes],
+        model: str,
+        model_tar: bytes | None,
+        run_id: str,
+        token: str,
+        start_timeout_s: float = 300.0,
+    ) -> None:
+        self.engine_id = engine_id
+        self.token = token
+        self.start_timeout_s = start_timeout_s
+        self.folder, _, model = node_folder(run_id, engine_id, keys, model, model_tar)
+        self.config = self.folder / "engine.toml"
+        _write_private(self.config, _fill(config_toml, self.folder, model))
+        self.log = self.folder / "engine.log"
+        self.popen: subprocess.Popen | None = None
+        self.offset = 0
+
+    def start(self, ip: str) -> dict[str, Any]:
+        """Start the server bound to `ip` and wait until it serves; {"url", "pid"}. ArpoError
+        with its log's end when it exits or does not serve within `start_timeout_s`."""
+        import re
+
+        _stop(self.popen, 30.0)
+        start = self.log.stat().st_size if self.log.exists() else 0
+        args = [sys.executable, "-m", "arpo.policy.engine_server", "--config", str(self.config),
+                f"host={ip}", "port=0"]  # fmt: skip
+        env = {**os.environ, "ARPO_ENGINE_TOKEN": self.token}
+        with self.log.open("ab") as out:
+            self.popen = subprocess.Popen(
+                args, stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env,
+                start_new_session=True, preexec_fn=die_with_parent(signal.SIGKILL),
+            )  # fmt: skip
+        end = time.monotonic() + self.start_timeout_s
+        while True:
+            text = self.log.read_bytes()[start:].decode(errors="replace")
+            if m := re.search(r"^engine server (\S+) serving", text, re.M):
+                return {"url": m.group(1), "pid": self.popen.pid}
+            if self.popen.poll() is not None or time.monotonic() > end:
+                why = (f"exited with code {self.popen.returncode}" if self.popen.poll() is not None
+                       else f"did not serve within {self.start_timeout_s:.0f} s")  # fmt: skip
+                _stop(self.popen, 10.0)
+                raise ArpoError(f"the engine server {self.engine_id} {why}: {text[-1500:]}")
+            time.sleep(0.2)
+
+    def poll(self) -> dict[str, Any]:
+        """The server's state and the new bytes of its log."""
+        code = None if self.popen is None else self.popen.poll()
         try:
-            return p.wait(timeout)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGKILL)
-            return p.wait(30)
+            with self.log.open("rb") as f:
+                f.seek(self.offset)
+                data = f.read(MAX_CHUNK)
+        except FileNotFoundError:
+            data = b""
+        self.offset += len(data)
+        return {"alive": self.popen is not None and code is None, "code": code, "log": data}
+
+    def stop(self, timeout: float) -> dict[str, Any]:
+        """SIGTERM, SIGKILL after `timeout`; then the last poll."""
+        _stop(self.popen, timeout)
+        return self.poll()
+
+    def remove(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            self.folder.parent.rmdir()

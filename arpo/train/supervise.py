@@ -25,7 +25,7 @@ from arpo.errors import EXIT_STALLED, ArpoError, RunStalled
 from arpo.learner.checkpoint import latest_checkpoint
 from arpo.learner.metrics import read_metrics
 from arpo.train.config import READER_SFT_LR, TrainConfig
-from arpo.train.node import die_with_parent
+from arpo.train.node import die_with_parent, learner_command
 from arpo.train.report import (
     account,
     comparison,
@@ -115,6 +115,8 @@ class _RemoteLearner:
     log: Path
     on_moved: Any
     """Called with (data, control) when a start bound the learner to a new address."""
+    procs: int = 1
+    """Ranks on each of its nodes (`learner_procs`)."""
     name: str = "learner"
     restarts: int = 0
     popen: None = None
@@ -125,7 +127,7 @@ class _RemoteLearner:
     _checked: float = 0.0
 
     def start(self, restarted: bool = False) -> None:
-        out = self.placement.start_learner(resume=restarted)
+        out = self.placement.start_learner(resume=restarted, procs=self.procs)
         self._alive, self._code, self._checked = True, None, time.monotonic()
         moved = (out["data"], out["control"]) != (self.data, self.control)
         self.data, self.control = out["data"], out["control"]
@@ -352,7 +354,7 @@ class TrainRun:
         validate(lc)
         path = self.run_dir / "learner.toml"
         path.write_text(to_toml(lc))
-        args = [sys.executable, "-m", "arpo.learner.cli", "--config", str(path)]
+        args = learner_command(path, cfg.learner_procs)
         return _Proc("learner", args, self.run_dir / "logs" / "learner.log",
                      extra_on_restart=["--resume"])  # fmt: skip
 
@@ -395,12 +397,16 @@ class TrainRun:
         cfg = self.config
 
         def make(actor_id: str, envs: int) -> str:
+            engine = replace(cfg.actor.engine, model=model)
+            if cfg.cluster.engines == "shared":  # one of the run's engine servers
+                engine = replace(engine, kind="shared", base_url=self.placement.engine_url(
+                    actor_id), api_key=self.placement.engine_token)  # fmt: skip
             ac = replace(
                 cfg.actor,
                 actor_id=actor_id,
                 envs=[],
                 sim_envs=envs,
-                engine=replace(cfg.actor.engine, model=model),
+                engine=engine,
                 transport=replace(
                     cfg.actor.transport, data=data, control=control,
                     curve_secret_key="@NODE@/keys/actor.key_secret",
@@ -413,6 +419,26 @@ class TrainRun:
             return to_toml(replace(ac, engine=replace(ac.engine, model="@MODEL@")))
 
         return make
+
+    def _engine_toml(self, data: str, control: str) -> str:
+        """The config of the run's shared engine servers (cluster.engines='shared'): the
+        actors' engine run in process (transformers unless it is vLLM), following the
+        learner at `data` / `control` with the actors' CURVE keys; its node folder @NODE@,
+        its model @MODEL@, its address and token given when it starts."""
+        from arpo.policy.engine_server import EngineServerConfig
+
+        engine = self.config.actor.engine
+        kind = engine.kind if engine.kind in ("hf", "vllm") else "hf"
+        cfg = EngineServerConfig(
+            engine=replace(engine, kind=kind, model="@MODEL@"),
+            transport=replace(
+                self.config.actor.transport, data=data, control=control,
+                curve_secret_key="@NODE@/keys/actor.key_secret",
+                curve_server_key="@NODE@/keys/learner.key",
+            ),
+        )  # fmt: skip
+        validate(replace(cfg, engine=replace(cfg.engine, model="m")))
+        return to_toml(cfg)
 
     def _join_cluster(self, model: str) -> tuple[str, str, Any]:
         """Join the Ray cluster (cluster.address), make the run's CURVE keys; the learner's
@@ -592,9 +618,11 @@ class TrainRun:
             if cfg.cluster.learner_resource:  # on a node offering it, not on the driver
 
                 def moved(data: str, control: str) -> None:
-                    self.placement.repoint(self._node_toml(model, data, control))
+                    self.placement.repoint(self._node_toml(model, data, control),
+                                           self._engine_toml(data, control))  # fmt: skip
 
-                self.learner = _RemoteLearner(self.placement, self.learner.log, moved)
+                self.learner = _RemoteLearner(self.placement, self.learner.log, moved,
+                                              procs=cfg.learner_procs)  # fmt: skip
             for i in range(0 if node_toml else cfg.actors):
                 if cfg.sim_envs_per_actor:
                     self.procs.append(self._actor_proc(i, model, data, control, envs=[],
@@ -614,13 +642,17 @@ class TrainRun:
                                                    env_tokens=list(cfg.env_tokens),
                                                    env_pool=cfg.env_pool))  # fmt: skip
             self.learner.start(restarted=resumed is not None)  # --resume
+            engine_toml = ""
             if isinstance(self.learner, _RemoteLearner):  # the actors connect to its node
-                node_toml = self._node_toml(model, self.learner.data, self.learner.control)
+                data, control = self.learner.data, self.learner.control
+                node_toml = self._node_toml(model, data, control)
+            if node_toml is not None and cfg.cluster.engines == "shared":
+                engine_toml = self._engine_toml(data, control)
             for p in self.procs:
                 p.start()
             if node_toml is not None:
                 self._phase = "placing the actors on the Ray cluster's nodes"
-                self.placement.start(node_toml, self._node_keys, model)
+                self.placement.start(node_toml, self._node_keys, model, engine_toml)
             self._phase = None  # training: a signal stops it and the last checkpoint is evaluated
             self._supervise(stop)
         finally:
