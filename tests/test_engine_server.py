@@ -32,7 +32,8 @@ from arpo.actor.config import ActorConfig
 from arpo.actor.episode import EpisodeConfig
 from arpo.errors import ConfigError
 from arpo.policy.engine import EngineConfig, SamplingParams
-from arpo.policy.engine_server import SCHEMA, EngineServer, EngineServerConfig
+from arpo.policy.engine_server import EngineServer, EngineServerConfig
+from arpo.policy.engine_shared import SCHEMA
 from arpo.policy.engines import make_engine
 from arpo.policy.tiny import build_tiny_model
 from arpo.service.grants import GrantConfig

@@ -48,12 +48,11 @@ from arpo import wire
 from arpo.config import check_range, check_seconds, fail, option
 from arpo.errors import EngineError
 from arpo.policy.engine import Engine, EngineConfig, SamplingParams
+from arpo.policy.engine_shared import SCHEMA
 from arpo.transport import TransportConfig
 
 log = logging.getLogger("arpo.engine_server")
 
-SCHEMA = 1
-"""Version of the request and answer bodies; a peer speaking another is refused, naming it."""
 TOKEN_ENV = "ARPO_ENGINE_TOKEN"
 MAX_PROMPT_TOKENS = 1 << 20
 MAX_NEW_TOKENS = 1 << 16

@@ -28,7 +28,10 @@ from typing import Any
 from arpo.errors import EngineError
 from arpo.policy.engine import SamplingParams, to_png
 from arpo.policy.engine_openai import OpenAIEngine, answer_limit, parse_generate_answer
-from arpo.policy.engine_server import SCHEMA
+
+SCHEMA = 1
+"""Version of the shared engine's request and answer bodies (this client's and
+`engine_server.py`'s); a peer speaking another is refused, naming it."""
 
 
 class SharedEngine(OpenAIEngine):

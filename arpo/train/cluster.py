@@ -280,6 +280,7 @@ class _Engine:
     pending_call: Any = None
     last_answer: float = field(default_factory=time.monotonic)
     lost: str = ""
+    lost_at: float = 0.0
 
 
 def keep_poll(run_dir: Path, actor_id: str, answer: dict[str, Any]) -> None:
@@ -520,7 +521,11 @@ class Placement:
         end = time.monotonic() + self.config.start_timeout_s
         started, tried = 0, []
         while True:
-            have = {e.node_id for e in self.engines if not e.lost}
+            now = time.monotonic()
+            # A node whose server was lost less than node_lost_s ago may still be listed
+            # alive while it is gone: it gets no new server until then.
+            have = {e.node_id for e in self.engines if not e.lost or (
+                e.lost != "stopped" and now - e.lost_at < self.config.node_lost_s)}  # fmt: skip
             for n in self.ray.nodes():
                 offers = n.get("Resources") or {}
                 if (not n.get("Alive") or n["NodeID"] in have
@@ -602,7 +607,7 @@ class Placement:
                     if not answer["alive"]:
                         why = f"it exited with code {answer['code']}"
             if why:
-                e.lost, lost = why, True
+                e.lost, e.lost_at, lost = why, now, True
                 self.lost.append({"node": e.node_id, "ip": e.ip, "engine": e.engine_id,
                                   "why": why[:500],
                                   "at_s": round(now - self.t0, 1)})  # fmt: skip
@@ -733,13 +738,15 @@ class Placement:
         res, want = self.config.learner_resource, self.config.learner_nodes
         end = time.monotonic() + self.config.start_timeout_s
         tried: list[str] = []
+        failed: set[str] = set()
+        """Nodes where a start failed (one lost may still be listed alive): tried last."""
         while time.monotonic() < end:
             offering = [n for n in self.ray.nodes()
                         if n.get("Alive") and (n.get("Resources") or {}).get(res, 0) >= 1]  # fmt: skip
             if len(offering) < want:
                 time.sleep(1.0)
                 continue
-            chosen = offering[:want]
+            chosen = sorted(offering, key=lambda n: n["NodeID"] in failed)[:want]
             ips = [n.get("NodeManagerAddress", "?") for n in chosen]
             agents = [
                 cls.options(
@@ -756,6 +763,7 @@ class Placement:
             except Exception as e:  # a node died, or it cannot reach run_dir
                 tried.append(f"{', '.join(ips)}: {type(e).__name__}: "
                              f"{str(e).splitlines()[-1][:300]}")  # fmt: skip
+                failed.update(n["NodeID"] for n in chosen)
                 for a in agents:
                     with contextlib.suppress(Exception):
                         self.ray.kill(a, no_restart=True)
