@@ -375,6 +375,10 @@ class Placement:
         """With `learner_resource`: the agent running the learner (its rank 0) on its node."""
         self.learner_agents: list[Any] = []
         """Every node's agent of the learner (`learner_nodes` of them; rank 0's first)."""
+        self._learner_polls: list[Any] | None = None
+        """The polls of the learner's agents in flight (`learner_code`)."""
+        self._learner_heard = time.monotonic()
+        """When they last all answered (or the learner started)."""
         self.learner_node = ""
         self.learners: list[dict[str, Any]] = []
         """Every start of the learner on a node: where, when, its endpoints."""
@@ -769,7 +773,7 @@ class Placement:
                         self.ray.kill(a, no_restart=True)
                 time.sleep(1.0)
                 continue
-            self.learner_agents = agents
+            self.learner_agents, self._learner_heard = agents, time.monotonic()
             self.learner_agent, self.learner_node = agents[0], chosen[0]["NodeID"]
             out = {**outs[0], "ip": ips[0], "nodes": ips}
             self.learners.append({**out, "at_s": round(time.monotonic() - self.t0, 1),
@@ -794,6 +798,7 @@ class Placement:
             with contextlib.suppress(Exception):
                 self.ray.kill(agent, no_restart=True)
         self.learner_agents, self.learner_agent = [], None
+        self._learner_polls, self._learner_heard = None, time.monotonic()
 
     def learner_code(self) -> tuple[bool, int | None, str]:
         """(alive, exit code, why not alive) of the learner on its node(s); a node of it
@@ -801,9 +806,21 @@ class Placement:
         node whose processes exited while rank 0 runs is (False, its code, why)."""
         if self.learner_agent is None:
             return False, None, "not started"
+        # Never waits: the polls in flight are collected when all have answered; until then
+        # the learner counts as running, unless they are older than node_lost_s.
+        now = time.monotonic()
+        if self._learner_polls is None:
+            self._learner_polls = [a.poll.remote() for a in self.learner_agents]
+        polls = self._learner_polls
+        ready, _ = self.ray.wait(polls, num_returns=len(polls), timeout=0)
         try:
-            codes = self.ray.get([a.poll.remote() for a in self.learner_agents],
-                                 timeout=self.config.node_lost_s)  # fmt: skip
+            if len(ready) < len(polls):
+                if now - self._learner_heard <= self.config.node_lost_s:
+                    return True, None, ""
+                raise TimeoutError(f"no answer for {now - self._learner_heard:.0f} s "
+                                   "(cluster.node_lost_s)")  # fmt: skip
+            codes = self.ray.get(polls)
+            self._learner_polls, self._learner_heard = None, now
         except Exception as e:
             why = f"its node was lost ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
             self.lost.append({"node": self.learner_node, "actor": "learner", "why": why,
