@@ -1,12 +1,14 @@
 """Policy engines side by side on the tiny Qwen2.5-VL: tokens/s and weight-update latency.
 
-    python benchmarks/bench_engines.py                       # hf, vllm, openai
-    python benchmarks/bench_engines.py --engines hf --tokens 64
+    python benchmarks/bench_engines.py                       # hf, vllm, openai, shared
+    python benchmarks/bench_engines.py --engines hf,shared --tokens 64
 
 For every engine, in one run and one after the other (run it alone on the
 machine: 2 cores, anything in the background distorts it):
 
-1. start it (the OpenAI engine starts a vLLM server on 127.0.0.1 first);
+1. start it (the OpenAI engine starts a vLLM server on 127.0.0.1 first; the shared
+   engine an `arpo-engine` server of the transformers engine, not following a learner:
+   what sampling through the shared server costs over the engine in process);
 2. check before timing: greedy decoding of the benchmark prompt gives the
    transformers engine's tokens;
 3. tokens/s for 1 request and for N concurrent requests (default 8 and 16),
@@ -15,7 +17,8 @@ machine: 2 cores, anything in the background distorts it):
    new tokens (the random model rarely stops early; the tokens actually sampled
    are counted);
 4. weight-update latency: a state dict from memory and a checkpoint folder,
-   median of 3, until the engine serves the new version.
+   median of 3, until the engine serves the new version (not for the shared engine,
+   which takes weights only from the learner it follows).
 
 Results go to benchmarks/results/engines-<date>.{json,md} with date, machine,
 commit and the load average seen before the run.
@@ -90,6 +93,24 @@ def machine() -> dict:
     }
 
 
+def start_shared(model_dir: Path, log: Path) -> tuple[subprocess.Popen, str]:
+    """An `arpo-engine` server of the transformers engine on 127.0.0.1, not following a
+    learner; (process, base URL)."""
+    import re
+
+    args = [sys.executable, "-m", "arpo.policy.engine_server", f"engine.model={model_dir}",
+            "engine.max_concurrency=32", "port=0", "follow_learner=false"]  # fmt: skip
+    with open(log, "w") as out:
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 300
+    while not (m := re.search(r"^engine server (\S+) serving", log.read_text(), re.M)):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise SystemExit(f"the shared engine server did not start; see {log}")
+        time.sleep(0.2)
+    return proc, m.group(1)
+
+
 def start_server(model_dir: Path, log: Path) -> tuple[subprocess.Popen, str]:
     from arpo.policy.engine_openai import server_command
 
@@ -127,6 +148,9 @@ async def bench_engine(kind: str, model_dir: Path, other_dir: Path, args, refere
     if kind == "openai":
         server, url = start_server(model_dir, work / "vllm-server.log")
         cfg.base_url = url
+    if kind == "shared":
+        server, url = start_shared(model_dir, work / "shared-server.log")
+        cfg.base_url = url
     engine = make_engine(cfg)
     await engine.start()
     start_s = time.perf_counter() - t0
@@ -162,6 +186,9 @@ async def bench_engine(kind: str, model_dir: Path, other_dir: Path, args, refere
         for n in args.concurrency:
             out["tokens_per_s"][str(n)] = round(await run(n, 2), 1)
 
+        if kind == "shared":
+            out["update_note"] = "the shared engine takes weights only from the learner"
+            return out, got
         from arpo.policy.family import load_model
 
         base = load_model(model_dir).state_dict()
@@ -196,7 +223,7 @@ async def bench_engine(kind: str, model_dir: Path, other_dir: Path, args, refere
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--engines", default="hf,vllm,openai")
+    ap.add_argument("--engines", default="hf,vllm,openai,shared")
     ap.add_argument("--tokens", type=int, default=128, help="max new tokens per request")
     ap.add_argument("--concurrency", default="8,16", help="concurrent request counts")
     ap.add_argument("--images", type=int, default=3, help="screenshots in each prompt")
@@ -264,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(
             f"| {r['engine']} | {r['start_s']} | "
             + " | ".join(str(r["tokens_per_s"][c]) for c in cols)
-            + f" | {r['update_state_dict_s']} | {r['update_folder_s']} |"
+            + f" | {r.get('update_state_dict_s', 'n/a')} | {r.get('update_folder_s', 'n/a')} |"
         )
     if max(load_before) >= 1.0 or max(report["load_average_after"]) >= 2.0:
         lines.append(
