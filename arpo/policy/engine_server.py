@@ -154,6 +154,11 @@ class EngineServer:
         self.url = ""
         self._runner: Any = None
         self._follower: asyncio.Task | None = None
+        self._refused = -1
+        """A version the engine could not load (not fetched again)."""
+        self._seq = 0
+        self._silent_since = 0.0
+        self._last_silence_log = 0.0
 
     async def start(self) -> str:
         """Load the engine, bind, start following the learner; the base URL."""
@@ -259,49 +264,71 @@ class EngineServer:
     async def _follow(self) -> None:
         """Every poll_s: ask the learner's newest version; fetch and load a newer one. A
         learner that does not answer is asked again (logged every 30 s); a version the
-        engine cannot load is logged and not fetched again."""
-        from arpo.transport import ActorLink, fetch_weights
+        engine cannot load is logged and not fetched again; any other failure of a round is
+        logged (every 30 s at most) and the next round runs: the server never stops
+        following while it serves."""
+        from arpo.transport import ActorLink
+
+        c = self.config
+        link = ActorLink(c.transport, on_ack=lambda ids: None, actor_id=c.server_id)
+        self._refused, self._seq, last_warn = -1, 0, 0.0
+        try:
+            while True:
+                try:
+                    loaded = await self._follow_once(link)
+                except Exception:
+                    loaded = False
+                    if time.monotonic() - last_warn > 30.0:
+                        last_warn = time.monotonic()
+                        log.exception("engine server %s: a round of following the learner "
+                                      "failed; trying again", c.server_id)  # fmt: skip
+                if not loaded:  # after a load a newer version may be out already: at once
+                    await asyncio.sleep(c.poll_s)
+        finally:
+            await link.close()
+
+    async def _follow_once(self, link: Any) -> bool:
+        """One round: the learner's newest version, and the weights when newer than those
+        served; True when a version was loaded."""
+        from arpo.transport import fetch_weights
 
         assert self.engine is not None
         c = self.config
-        link = ActorLink(c.transport, on_ack=lambda ids: None, actor_id=c.server_id)
-        refused, seq, last_warn = -1, 0, 0.0
+        self._seq += 1
+        served = self.engine.policy_version
+        hb = wire.Heartbeat(c.server_id, "actor", self._seq, served, time.time(), {})
+        reply = await link.request(hb, lambda m: isinstance(m, wire.Heartbeat))
+        if isinstance(reply, wire.Heartbeat):
+            self.learner_version = max(self.learner_version, reply.version)
+            self._silent_since = 0.0
+        else:
+            now = time.monotonic()
+            self._silent_since = self._silent_since or now
+            if now - self._last_silence_log > 30.0:
+                self._last_silence_log = now
+                log.warning("engine server %s: the learner at %s has not answered for %.0f s; "
+                            "serving v%d", c.server_id, c.transport.control,
+                            now - self._silent_since, served)  # fmt: skip
+        newest = self.learner_version
+        if newest <= served or newest == self._refused:
+            return False
+        got = await fetch_weights(link)
+        if got is None or got[0].version <= served:
+            return False
+        ann, data = got
+        t0 = time.perf_counter()
         try:
-            while True:
-                seq += 1
-                hb = wire.Heartbeat(
-                    c.server_id, "actor", seq, self.engine.policy_version, time.time(), {}
-                )
-                reply = await link.request(hb, lambda m: isinstance(m, wire.Heartbeat))
-                if isinstance(reply, wire.Heartbeat):
-                    self.learner_version = max(self.learner_version, reply.version)
-                elif time.monotonic() - last_warn > 30.0:
-                    last_warn = time.monotonic()
-                    log.warning("engine server %s: the learner at %s does not answer; serving "
-                                "v%d", c.server_id, c.transport.control, self.engine.policy_version)  # fmt: skip
-                newest = self.learner_version
-                if newest > self.engine.policy_version and newest != refused:
-                    got = await fetch_weights(link)
-                    if got is not None and got[0].version > self.engine.policy_version:
-                        ann, data = got
-                        t0 = time.perf_counter()
-                        try:
-                            state = await asyncio.to_thread(_load_safetensors, data)
-                            await self.engine.update_weights(state, ann.version)
-                        except Exception:
-                            refused = ann.version
-                            log.exception("engine server %s: policy v%d could not be loaded; "
-                                          "still serving v%d", c.server_id, ann.version,
-                                          self.engine.policy_version)  # fmt: skip
-                        else:
-                            self.loads += 1
-                            log.info("engine server %s: policy v%d loaded (%.1f MB, %.2f s)",
-                                     c.server_id, ann.version, ann.nbytes / 1e6,
-                                     time.perf_counter() - t0)  # fmt: skip
-                        continue  # a newer version may be out already: ask at once
-                await asyncio.sleep(c.poll_s)
-        finally:
-            await link.close()
+            state = await asyncio.to_thread(_load_safetensors, data)
+            await self.engine.update_weights(state, ann.version)
+        except Exception:
+            self._refused = ann.version
+            log.exception("engine server %s: policy v%d could not be loaded; still serving "
+                          "v%d", c.server_id, ann.version, served)  # fmt: skip
+            return False
+        self.loads += 1
+        log.info("engine server %s: policy v%d loaded (%.1f MB, %.2f s)", c.server_id,
+                 ann.version, ann.nbytes / 1e6, time.perf_counter() - t0)  # fmt: skip
+        return True
 
 
 def _load_safetensors(data: bytes | Path) -> dict[str, Any]:
