@@ -620,7 +620,7 @@ class Placement:
                     self.ray.kill(e.handle, no_restart=True)
         if lost:
             self._place_engines(wait=True)
-            self.repoint(self.make_toml)
+            self.repoint(self.make_toml, why="a live engine server")
 
     def _keep_engine_log(self, e: _Engine, answer: dict[str, Any]) -> None:
         if answer.get("log"):
@@ -851,7 +851,12 @@ class Placement:
         finally:
             self._kill_learner()
 
-    def repoint(self, make_toml: Callable[[str, int], str], engine_toml: str = "") -> None:
+    def repoint(
+        self,
+        make_toml: Callable[[str, int], str],
+        engine_toml: str = "",
+        why: str = "the learner's new address",
+    ) -> None:
         """The learner (or an engine server) moved: every node's actor gets `make_toml`'s
         config (the new endpoints) and starts again (its spool resends what was not
         acknowledged); nodes placed later get it too. Answers in flight are kept first.
@@ -877,7 +882,7 @@ class Placement:
             node.handle.reconfigure.remote(make_toml(node.actor_id, node.envs))
             node.pending_call = node.handle.start.remote()  # after the reconfigure: in order
             node.last_answer = time.monotonic()
-        log.info("every node's actor starts again against the learner's new address")
+        log.info("every node's actor starts again against %s", why)
 
     def stop(self, timeout: float) -> None:
         """Every agent stops its actor (all at once), the last polls are kept, the agents

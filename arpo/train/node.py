@@ -491,7 +491,7 @@ class EngineAgent:
         _stop(self.popen, 30.0)
         start = self.log.stat().st_size if self.log.exists() else 0
         args = [sys.executable, "-m", "arpo.policy.engine_server", "--config", str(self.config),
-                f"host={ip}", "port=0"]  # fmt: skip
+                f"host={ip}", "port=0", f"server_id={self.engine_id}"]  # fmt: skip
         env = {**os.environ, "ARPO_ENGINE_TOKEN": self.token}
         with self.log.open("ab") as out:
             self.popen = subprocess.Popen(
