@@ -239,3 +239,37 @@ def test_vllm_behaviour_logprobs_equal_the_learners(name, tmp_path):
     item = store_item.to_item(wire.decode(wire.encode(traj)))
     (lp,) = trainer.proximal([build_sequence(item, proc, trainer.image_token_id)])
     np.testing.assert_allclose(lp.numpy(), item.logprobs, atol=1e-4, rtol=0)
+
+
+def test_the_shared_engine_serves_each_family_as_the_engine_in_process(family_dir):
+    """An `arpo-engine` server (transformers) and its client (`engine.kind=shared`) give
+    each family's greedy tokens and log-probs exactly as the engine in process does, for a
+    prompt with a screenshot built by the family's own prompt rules."""
+    from transformers import AutoProcessor
+
+    from arpo.policy.engine_server import EngineServer, EngineServerConfig
+
+    name, folder = family_dir
+    proc = AutoProcessor.from_pretrained(folder)
+    ep = EpisodePrompt.from_processor(proc, "open the settings")
+    ep.add_screenshot(screenshot_png(np.random.default_rng(5), 640, 360))
+    ids, images = ep.model_input()
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
+
+    async def run():
+        engine = EngineConfig(kind="hf", model=str(folder))
+        server = EngineServer(EngineServerConfig(engine=engine, port=0, follow_learner=False))
+        url = await server.start()
+        try:
+            client = EngineConfig(kind="shared", model=str(folder), base_url=url)
+            async with make_engine(client) as shared:
+                remote = await shared.generate(ids, images, greedy)
+        finally:
+            await server.close()
+        async with make_engine(engine) as local:
+            return remote, await local.generate(ids, images, greedy)
+
+    remote, local = asyncio.run(run())
+    assert len(remote.token_ids) > 0, name
+    assert remote.token_ids.tolist() == local.token_ids.tolist(), name
+    np.testing.assert_allclose(remote.logprobs, local.logprobs, rtol=1e-5, atol=1e-5)
