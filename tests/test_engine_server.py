@@ -193,3 +193,18 @@ def test_an_open_bind_without_a_token_is_refused_and_the_config_names_bad_fields
     ):
         with pytest.raises(ConfigError, match=field):
             validate(cfg)
+
+
+def test_arpo_train_refuses_shared_servers_of_an_engine_that_is_a_client() -> None:
+    from dataclasses import replace
+
+    from arpo.config import validate
+    from arpo.train.config import TrainConfig
+
+    base = TrainConfig(run_dir="x")
+    cfg = replace(base, cluster=replace(base.cluster, address="auto", engines="shared"))
+    validate(cfg)  # the default transformers engine runs in a server
+    for kind in ("openai", "shared"):
+        bad = replace(cfg, actor=replace(cfg.actor, engine=replace(cfg.actor.engine, kind=kind)))
+        with pytest.raises(ConfigError, match=r"actor\.engine\.kind"):
+            validate(bad)

@@ -256,6 +256,9 @@ class TrainConfig(EnvironmentsConfig):
             fail("sim_envs_per_actor", "must be >= 1 with cluster.address (and actors=1), or "
                  "local_desktops or vms >= 1: the nodes run simulated or local desktops or "
                  "VMs")  # fmt: skip
+        if self.cluster.engines == "shared" and self.actor.engine.kind not in ("hf", "vllm"):
+            fail("actor.engine.kind", f"is {self.actor.engine.kind!r}; with cluster.engines="
+                 "'shared' the run's engine servers run it in process: 'hf' or 'vllm'")  # fmt: skip
         if self.cluster.learner_resource and (self.vm_fleet or self.env_urls):
             fail("cluster.learner_resource", "with the learner on a node of its own the run's "
                  "actors are the nodes' (their simulated and local desktops and VMs): leave "

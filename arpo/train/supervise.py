@@ -92,6 +92,14 @@ class _Proc:
         return p.returncode
 
 
+def _node_transport(base: Any, data: str, control: str) -> Any:
+    """The links of a process the run starts on a Ray node (an actor, an engine server):
+    the learner's endpoints, and the CURVE key files its agent writes in the node's folder."""
+    return replace(base, data=data, control=control,
+                   curve_secret_key="@NODE@/keys/actor.key_secret",
+                   curve_server_key="@NODE@/keys/learner.key")  # fmt: skip
+
+
 def _learner_error(log_path: Path) -> str:
     """Why the learner stopped: its last 'arpo-learner: ...' line, from its log, without
     the "the run cannot go on: " its message starts with (the caller says that once)."""
@@ -407,11 +415,7 @@ class TrainRun:
                 envs=[],
                 sim_envs=envs,
                 engine=engine,
-                transport=replace(
-                    cfg.actor.transport, data=data, control=control,
-                    curve_secret_key="@NODE@/keys/actor.key_secret",
-                    curve_server_key="@NODE@/keys/learner.key",
-                ),
+                transport=_node_transport(cfg.actor.transport, data, control),
                 spool_dir="@NODE@/spool",
                 file_cache_dir="@NODE@/task-files",
             )  # fmt: skip
@@ -422,21 +426,15 @@ class TrainRun:
 
     def _engine_toml(self, data: str, control: str) -> str:
         """The config of the run's shared engine servers (cluster.engines='shared'): the
-        actors' engine run in process (transformers unless it is vLLM), following the
+        actors' engine (transformers or vLLM) run in process, following the
         learner at `data` / `control` with the actors' CURVE keys; its node folder @NODE@,
         its model @MODEL@, its address and token given when it starts."""
         from arpo.policy.engine_server import EngineServerConfig
 
-        engine = self.config.actor.engine
-        kind = engine.kind if engine.kind in ("hf", "vllm") else "hf"
-        cfg = EngineServerConfig(
-            engine=replace(engine, kind=kind, model="@MODEL@"),
-            transport=replace(
-                self.config.actor.transport, data=data, control=control,
-                curve_secret_key="@NODE@/keys/actor.key_secret",
-                curve_server_key="@NODE@/keys/learner.key",
-            ),
-        )  # fmt: skip
+        cfg = EngineServerConfig(  # TrainConfig checked that the engine runs in process
+            engine=replace(self.config.actor.engine, model="@MODEL@"),
+            transport=_node_transport(self.config.actor.transport, data, control),
+        )
         validate(replace(cfg, engine=replace(cfg.engine, model="m")))
         return to_toml(cfg)
 
@@ -618,8 +616,9 @@ class TrainRun:
             if cfg.cluster.learner_resource:  # on a node offering it, not on the driver
 
                 def moved(data: str, control: str) -> None:
+                    shared = cfg.cluster.engines == "shared"
                     self.placement.repoint(self._node_toml(model, data, control),
-                                           self._engine_toml(data, control))  # fmt: skip
+                                           self._engine_toml(data, control) if shared else "")  # fmt: skip
 
                 self.learner = _RemoteLearner(self.placement, self.learner.log, moved,
                                               procs=cfg.learner_procs)  # fmt: skip
