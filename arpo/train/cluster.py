@@ -371,8 +371,6 @@ class Placement:
         """Every node given an agent: node, ip, actor, envs, when."""
         self.t0 = time.monotonic()
         self._last_list = 0.0
-        self.learner_agent: Any = None
-        """With `learner_resource`: the agent running the learner (its rank 0) on its node."""
         self.learner_agents: list[Any] = []
         """Every node's agent of the learner (`learner_nodes` of them; rank 0's first)."""
         self._learner_polls: list[Any] | None = None
@@ -774,7 +772,7 @@ class Placement:
                 time.sleep(1.0)
                 continue
             self.learner_agents, self._learner_heard = agents, time.monotonic()
-            self.learner_agent, self.learner_node = agents[0], chosen[0]["NodeID"]
+            self.learner_node = chosen[0]["NodeID"]
             out = {**outs[0], "ip": ips[0], "nodes": ips}
             self.learners.append({**out, "at_s": round(time.monotonic() - self.t0, 1),
                                   "resumed": resume})  # fmt: skip
@@ -797,14 +795,14 @@ class Placement:
         for agent in self.learner_agents:
             with contextlib.suppress(Exception):
                 self.ray.kill(agent, no_restart=True)
-        self.learner_agents, self.learner_agent = [], None
+        self.learner_agents = []
         self._learner_polls, self._learner_heard = None, time.monotonic()
 
     def learner_code(self) -> tuple[bool, int | None, str]:
         """(alive, exit code, why not alive) of the learner on its node(s); a node of it
         lost (its agent gone, or silent for `node_lost_s`) is (False, None, why); a rank's
         node whose processes exited while rank 0 runs is (False, its code, why)."""
-        if self.learner_agent is None:
+        if not self.learner_agents:
             return False, None, "not started"
         # Never waits: the polls in flight are collected when all have answered; until then
         # the learner counts as running, unless they are older than node_lost_s.

@@ -445,10 +445,6 @@ class LearnerAgent:
         """None while the learner runs, else its exit code."""
         return None if self.popen is None else self.popen.poll()
 
-    def terminate(self) -> None:
-        if self.popen is not None and self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-
     def stop(self, timeout: float) -> int | None:
         """SIGTERM (it checkpoints and exits), SIGKILL after `timeout`; its exit code."""
         return _stop(self.popen, timeout)
