@@ -3,6 +3,7 @@ memory, and turns per second at the `som` prompt's length.
 
     python benchmarks/bench_reader.py                          # tiny, reader at 8, 16, 30 layers
     python benchmarks/bench_reader.py --layers 8,30 --save-as reader-cost-<date>
+    python benchmarks/bench_reader.py --layers 30 --train-layers 6,12 # partial training
     python benchmarks/bench_reader.py --quick                  # smoke test (make test-all)
 
 Each model runs in a process of its own (so its peak memory is its own), one after another,
@@ -17,7 +18,8 @@ it would be given. Per model:
 - turns/s: one turn = prefill of the som prompt + `--response` sampled tokens (a UI-TARS
   answer naming a mark is about 25 tokens), alone and `--batch` at once;
 - learner step: `Trainer.step` on `--batch` on-policy trajectories of one som turn each
-  (proximal pass, forward, backward, AdamW), seconds per trajectory;
+  (proximal pass, forward, backward, AdamW), seconds per trajectory; with `--train-layers
+  N,...` also the same step training only the decoder's last N layers;
 - peak memory: the process's maximum resident set.
 
 Checked before timing: the learner's log-probs of what the engine sampled equal the engine's
@@ -68,9 +70,6 @@ def measure(folder: str, args: argparse.Namespace) -> dict:
     """One model's figures (run in a child process)."""
     import torch
 
-    from arpo import store_item
-    from arpo.learner.assemble import Sample
-    from arpo.learner.batch import build_sequence
     from arpo.learner.trainer import Trainer, TrainerConfig
     from arpo.policy.engine import EngineConfig, SamplingParams
     from arpo.policy.engines import make_engine
@@ -135,6 +134,27 @@ def measure(folder: str, args: argparse.Namespace) -> dict:
 
     trajs = asyncio.run(sample())
     trainer = Trainer(TrainerConfig(model=folder, lr=1e-6, micro_batch=1))
+    out.update(learner_steps(trainer, trajs, args.repeats))
+    out["params_m"] = round(sum(p.numel() for p in trainer.base_model.parameters()) / 1e6, 1)
+    layers = len(trainer.base_model.get_decoder().layers)
+    for n in [int(x) for x in args.train_layers.split(",") if x]:
+        if 0 < n < layers:  # the same step training the last n layers only
+            part = Trainer(TrainerConfig(model=folder, lr=1e-6, micro_batch=1, train_layers=n))
+            step = learner_steps(part, trajs, args.repeats)["learner_s_per_trajectory"]
+            out[f"learner_s_per_trajectory_last{n}"] = step
+    out["peak_rss_mib"] = round(_rss_mib("VmHWM"), 1)
+    return out
+
+
+def learner_steps(trainer, trajs, repeats: int) -> dict:
+    """The median seconds per trajectory of `trainer.step` on `trajs` (after a warm-up),
+    once the learner's log-probs are checked against the engine's."""
+    import numpy as np
+
+    from arpo import store_item
+    from arpo.learner.assemble import Sample
+    from arpo.learner.batch import build_sequence
+
     proc = trainer.processor
     samples = []
     for i, traj in enumerate(trajs):
@@ -147,14 +167,11 @@ def measure(folder: str, args: argparse.Namespace) -> dict:
                               1.0 if i % 2 else -1.0, False, 0))  # fmt: skip
     trainer.step(samples)  # warm-up
     steps = []
-    for _ in range(args.repeats):
+    for _ in range(repeats):
         t = time.perf_counter()
         trainer.step(samples)
         steps.append((time.perf_counter() - t) / len(samples))
-    out["learner_s_per_trajectory"] = round(statistics.median(steps), 3)
-    out["params_m"] = round(sum(p.numel() for p in trainer.base_model.parameters()) / 1e6, 1)
-    out["peak_rss_mib"] = round(_rss_mib("VmHWM"), 1)
-    return out
+    return {"learner_s_per_trajectory": round(statistics.median(steps), 3)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,6 +182,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--response", type=int, default=25, help="Tokens of one turn's answer.")
     ap.add_argument("--batch", type=int, default=4, help="Requests at once; trajectories per step.")
     ap.add_argument("--repeats", type=int, default=3, help="Timed repeats (medians reported).")
+    ap.add_argument(
+        "--train-layers",
+        default="",
+        help="Also time the learner step training only the decoder's last N layers, for each "
+        "N in this comma-separated list (learner.trainer.train_layers).",
+    )
     ap.add_argument("--quick", action="store_true", help="2 reader layers, 1 repeat (smoke).")
     ap.add_argument("--save-as", default="", help="Write benchmarks/results/<name>.{json,md}.")
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
@@ -185,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, folder in models.items():
         cmd = [sys.executable, __file__, "--child", str(folder), "--rows", str(args.rows),
                "--new", str(args.new), "--response", str(args.response),
-               "--batch", str(args.batch), "--repeats", str(args.repeats)]  # fmt: skip
+               "--batch", str(args.batch), "--repeats", str(args.repeats),
+               "--train-layers", args.train_layers]  # fmt: skip
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
         if p.returncode:
             raise SystemExit(f"{name}: {p.stderr[-3000:]}")
@@ -204,7 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     md = [
         f"# Reader cost, {header['date']}",
         "",
-        f"`python benchmarks/bench_reader.py --layers {args.layers}` on {header['machine']}, "
+        f"`python benchmarks/bench_reader.py --layers {args.layers}"
+        + (f" --train-layers {args.train_layers}" if args.train_layers else "")
+        + f"` on {header['machine']}, "
         f"commit {header['commit']}; medians of {args.repeats} repeats; "
         f"a `som` turn of {args.rows} marks and a 1920x1080 screenshot; answers of "
         f"{args.response} tokens; {b} requests / trajectories at once.",
@@ -221,6 +247,18 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['learner_s_per_trajectory']} | {r['step_x_tiny']} | {r['turn_x_tiny']} | "
             f"{r['rss_after_load_mib']} | {r['peak_rss_mib']} |"
         )
+    partial = sorted({k for r in rows for k in r if k.startswith("learner_s_per_trajectory_last")},
+                     key=lambda k: int(k.rsplit("last", 1)[1]))  # fmt: skip
+    if partial:
+        md += ["", "Learner seconds per trajectory when only the decoder's last N layers train "
+               "(`learner.trainer.train_layers`), the rest frozen:", "",
+               "| model | every weight | " + " | ".join(f"last {k.rsplit('last', 1)[1]}"
+                                                     for k in partial) + " |",
+               "|---|---:|" + "---:|" * len(partial)]  # fmt: skip
+        for r in rows:
+            if any(k in r for k in partial):
+                md.append(f"| {r['name']} | {r['learner_s_per_trajectory']} | "
+                          + " | ".join(str(r.get(k, "")) for k in partial) + " |")  # fmt: skip
     text = "\n".join(md) + "\n"
     print(text)
     if args.save_as:

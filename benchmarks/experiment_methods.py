@@ -152,12 +152,18 @@ def _config(args: argparse.Namespace, **fields):
 
         cfg = replace(load_config(TrainConfig, None, TRAIN_RECIPE), **fields)
     episode = replace(cfg.actor.episode, observation_type=args.observation)
+    trainer = replace(
+        cfg.learner.trainer,
+        lr=args.lr or cfg.learner.trainer.lr,
+        train_layers=args.train_layers,
+    )
     return replace(
         cfg,
         base=args.base if not cfg.model else "tiny",
         reader_layers=args.reader_layers,
         sft_lr=args.sft_lr,
         actor=replace(cfg.actor, episode=episode),
+        learner=replace(cfg.learner, trainer=trainer),
     )
 
 
@@ -207,7 +213,8 @@ def setup(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     other = out / "other_family"
     other_families = [f for f in args.other_families.split(",") if f]
     if other_families and not other.exists():
-        write_tasks(other, other_families, args.heldout_per_family, HELDOUT_TASK_SEED)
+        write_tasks(other, other_families, args.other_per_family or args.heldout_per_family,
+                    HELDOUT_TASK_SEED)  # fmt: skip
         (other / "test_all.json").unlink()
     cand = sorted(f.stem for f in pool.rglob("*.json"))
     held = sorted(f.stem for f in heldout.rglob("*.json"))
@@ -469,6 +476,7 @@ def _offline(args, seed: int, s: dict[str, Any], budget: int, algos: list[str]) 
                     epochs=args.offline_epochs,
                     batch_size=8,
                     seed=seed,
+                    train_layers=args.train_layers,
                 )
             )
         ev = _eval(args, str(adir / "model"), s, adir / "eval")
@@ -799,6 +807,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reader-layers", type=int, default=30, help="--base reader: text layers.")
     p.add_argument("--sft-lr", type=float, default=0.0, help="Warm-start lr (0: the base's).")
     p.add_argument(
+        "--lr", type=float, default=0.0, help="Online learner lr (0: the recipe's, 1e-4)."
+    )
+    p.add_argument(
+        "--train-layers",
+        type=int,
+        default=0,
+        help="Train only the decoder's last N layers, in the warm start, the online runs and "
+        "the offline ones (learner.trainer.train_layers; 0: every weight).",
+    )
+    p.add_argument(
         "--observation",
         default="screenshot",
         choices=("screenshot", "a11y_tree", "screenshot_a11y_tree", "som"),
@@ -815,6 +833,12 @@ def main(argv: list[str] | None = None) -> int:
         default="",
         help="Also write benchmarks/results/<name>.json in the transfer format (seeds; per "
         "method unseen_warm, unseen_trained, unseen_gain_ci, per_seed).",
+    )
+    p.add_argument(
+        "--other-per-family",
+        type=int,
+        default=0,
+        help="Tasks per --other-families family (0: --heldout-per-family).",
     )
     p.add_argument("--report-only", action="store_true", help="Tables and plot from results.")
     p.add_argument(

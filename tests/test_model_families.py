@@ -273,3 +273,41 @@ def test_the_shared_engine_serves_each_family_as_the_engine_in_process(family_di
     assert len(remote.token_ids) > 0, name
     assert remote.token_ids.tolist() == local.token_ids.tolist(), name
     np.testing.assert_allclose(remote.logprobs, local.logprobs, rtol=1e-5, atol=1e-5)
+
+
+def test_train_layers_trains_only_the_decoders_last_layers(family_dir):
+    """`learner.trainer.train_layers=1`: a learner step moves the text decoder's last layer
+    and final norm, and no other weight (embeddings, head, vision encoder, lower layers);
+    more layers than the decoder has is a ConfigError naming the field."""
+    from arpo.config import ConfigError
+    from arpo.learner.assemble import Sample
+    from arpo.synthetic import random_response, synthetic_trajectory, with_logprobs
+
+    _, folder = family_dir
+    # With activation checkpointing too: the frozen layers' output needs no gradient, and a
+    # re-entrant checkpoint would then give the trained layer's weights none.
+    trainer = Trainer(
+        TrainerConfig(model=str(folder), lr=1e-2, train_layers=1, gradient_checkpointing=True)
+    )
+    decoder = trainer.base_model.get_decoder()
+    last = len(decoder.layers) - 1
+    trained = {n for n, p in trainer.base_model.named_parameters() if p.requires_grad}
+    assert trained and all(f"layers.{last}." in n or ".norm." in n for n in trained), trained
+    assert sum(len(g["params"]) for g in trainer.optimizer.param_groups) == len(trained)
+    before = {n: p.detach().clone() for n, p in trainer.base_model.named_parameters()}
+    proc, rng, samples = trainer.processor, np.random.default_rng(5), []
+    for reward, adv in ((1.0, 1.0), (0.0, -1.0)):
+        traj = synthetic_trajectory(
+            proc, "open the settings", screenshots=[screenshot_png(rng, 320, 200)],
+            responses=[random_response(rng, proc.tokenizer, 8)], reward=reward, task_id="t",
+        )  # fmt: skip
+        item = store_item.to_item(traj)
+        (lp,) = trainer.proximal([build_sequence(item, proc, trainer.image_token_id)])
+        item = store_item.to_item(with_logprobs(traj, lp.numpy()))
+        samples.append(Sample(item, "t", traj.trajectory_id, reward, reward, 0, adv, False, 0))
+    trainer.step(samples)
+    moved = {n for n, p in trainer.base_model.named_parameters() if not torch.equal(p, before[n])}
+    assert moved and moved <= trained, moved - trained
+    assert any(f"layers.{last}." in n for n in moved)
+    with pytest.raises(ConfigError, match="train_layers"):
+        Trainer(TrainerConfig(model=str(folder), train_layers=last + 2))

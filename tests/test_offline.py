@@ -236,3 +236,24 @@ def test_arpo_offline_cli_end_to_end(tiny: Path, processor, tmp_path: Path, caps
     assert model is not None and (out / "offline.json").exists()
     assert cli_main(["offline", "--algo", "dpo", f"model={tiny}", "beta=-1"]) == 2
     assert "beta" in capsys.readouterr().err
+
+
+def test_rft_with_train_layers_moves_only_the_last_layer(tiny: Path, processor) -> None:
+    """`train_layers=1` (also `arpo sft`'s, which passes it on): the step raises the
+    success's log-prob through the decoder's last layer and final norm alone."""
+    from arpo.offline.sft import SFTConfig
+
+    assert SFTConfig(model=str(tiny), out="x", families=["click_button"],
+                     train_layers=1).offline_config().train_layers == 1  # fmt: skip
+    rng = np.random.default_rng(8)
+    good = _traj(processor, rng, "t", 1.0)
+    tr = OfflineTrainer(_cfg(tiny, algo="rft", max_optimizer_steps=1, lr=1e-2, train_layers=1))
+    before = {n: p.detach().clone() for n, p in tr.model.named_parameters()}
+    lp0 = tr.logps([good])[0]
+    tr.train([good])
+    assert tr.logps([good])[0] > lp0
+    moved = {n for n, p in tr.model.named_parameters() if not torch.equal(p, before[n])}
+    last = len(tr.model.get_decoder().layers) - 1
+    assert moved and all(f"layers.{last}." in n or ".norm." in n for n in moved), moved
+    with pytest.raises(ConfigError, match="train_layers"):
+        OfflineTrainer(_cfg(tiny, algo="rft", train_layers=-1))

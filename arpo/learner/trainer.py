@@ -54,6 +54,7 @@ from arpo.learner.assemble import MAX_STEP_TRAJECTORIES, Batch, Sample
 from arpo.learner.batch import TrainSequence, build_sequence, collate, token_logprobs
 from arpo.learner.distributed import DistConfig, DistInfo
 from arpo.learner.loss import LossConfig, arpo_loss, behaviour_drift
+from arpo.policy.family import TRAIN_LAYERS_DOC, freeze_below
 from arpo.policy.prompt import forbidden_token_ids
 
 log = logging.getLogger("arpo.learner.trainer")
@@ -115,6 +116,7 @@ class TrainerConfig:
         "is 0 (costs one more forward pass per trajectory).",
     )
     gradient_checkpointing: bool = option(False, "Recompute activations in backward (memory).")
+    train_layers: int = option(0, TRAIN_LAYERS_DOC)
     seed: int = option(0, "Seed of the shuffling and of torch.")
     loss: LossConfig = option(LossConfig(), "The policy loss.")
 
@@ -130,6 +132,8 @@ class TrainerConfig:
         except (RuntimeError, ValueError) as e:
             fail("device", f"{self.device!r} is not a torch device ({e}); e.g. 'cpu', 'cuda'")
         check_range("lr", self.lr, 0, MAX_LR, "the AdamW learning rate", lo_open=True)
+        if self.train_layers < 0:
+            fail("train_layers", "must be >= 0 (0: train every weight)")
         check_range("weight_decay", self.weight_decay, 0, 1, "AdamW's decoupled weight decay")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             fail("betas", "must be two numbers in [0, 1), e.g. [0.9, 0.999]")
@@ -266,8 +270,11 @@ class Trainer:
         self.processor = AutoProcessor.from_pretrained(config.model)
         model = load_model(config.model, dtype)
         model.to(self.device)
+        freeze_below(model, config.train_layers)
         if config.gradient_checkpointing:
-            model.gradient_checkpointing_enable()
+            # Not re-entrant: a re-entrant checkpoint whose inputs need no gradient (the
+            # frozen layers' output, with train_layers) would give its weights none either.
+            model.gradient_checkpointing_enable({"use_reentrant": False})
         model.config.use_cache = False
         self.base_model = model
         """The unwrapped model: its config, its positions, and (single process) weights."""

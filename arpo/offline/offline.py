@@ -79,6 +79,7 @@ from arpo.learner.batch import (
 )
 from arpo.offline.data import Outcomes, dpo_pairs, read_trajectories, split_outcomes
 from arpo.offline.losses import dpo_loss, kto_kl_estimate, kto_loss, nll_loss, sequence_logps
+from arpo.policy.family import TRAIN_LAYERS_DOC, freeze_below
 from arpo.record import Trajectory
 
 log = logging.getLogger("arpo.offline")
@@ -130,12 +131,15 @@ class OfflineConfig:
         "rft: stop after the first epoch whose trajectories' mean NLL per response token is "
         "at most this (0: run all epochs). Fits a warm start to a level, not a step count.",
     )
+    train_layers: int = option(0, TRAIN_LAYERS_DOC)
     seed: int = option(0, "Seed of shuffling, pairing and torch.")
     log_every: int = option(10, "Log a progress line every this many optimizer steps.")
 
     def validate(self) -> None:
         if not self.model:
             fail("model", "give the folder of a Qwen2.5-VL checkpoint (e.g. runs/sft)")
+        if self.train_layers < 0:
+            fail("train_layers", "must be >= 0 (0: train every weight)")
         if self.beta <= 0:
             fail("beta", "must be > 0 (0.1 in the DPO and KTO papers)")
         if not 0 <= self.label_smoothing < 0.5:
@@ -194,6 +198,7 @@ class OfflineTrainer:
         self.processor = AutoProcessor.from_pretrained(config.model)
         self.model = load_model(config.model, dtype).to(self.device)
         self.model.config.use_cache = False
+        freeze_below(self.model, config.train_layers)
         self.ref_model = None
         if config.algo in ("dpo", "kto"):
             self.ref_model = load_model(config.ref_model or config.model, dtype).to(self.device)

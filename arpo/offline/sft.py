@@ -40,6 +40,7 @@ from typing import Any, ClassVar, Literal
 from arpo.config import fail, option, to_dict, validate
 from arpo.offline.data import read_trajectories, write_trajectories
 from arpo.offline.offline import OfflineConfig, OfflineTrainer
+from arpo.policy.family import TRAIN_LAYERS_DOC
 
 log = logging.getLogger("arpo.offline.sft")
 
@@ -103,6 +104,7 @@ class SFTConfig:
         "most this (0: all epochs): the tiny model's success after SFT follows this fit, "
         "not the epoch count, which varies widely with the seed.",
     )
+    train_layers: int = option(0, TRAIN_LAYERS_DOC)
     seed: int = option(0, "Seed of shuffling and torch.")
     eval_tasks: int = option(0, "After training, greedy episodes on this many tasks (0: none).")
     log_every: int = option(10, "Log a progress line every this many optimizer steps.")
@@ -142,7 +144,7 @@ class SFTConfig:
             lr=self.lr, weight_decay=self.weight_decay, grad_clip=self.grad_clip,
             epochs=self.epochs, batch_size=self.batch_size, micro_batch=self.micro_batch,
             max_optimizer_steps=self.max_optimizer_steps, target_nll=self.target_nll,
-            seed=self.seed, log_every=self.log_every,
+            seed=self.seed, log_every=self.log_every, train_layers=self.train_layers,
         )  # fmt: skip
 
 

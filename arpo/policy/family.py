@@ -25,12 +25,15 @@ ones.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from arpo.errors import EngineError
+from arpo.errors import ConfigError, EngineError
+
+log = logging.getLogger(__name__)
 
 _MAX_ASPECT = 200
 
@@ -451,3 +454,53 @@ def load_model(path: Any, dtype: Any = None) -> Any:
 
     check_folder(path)
     return AutoModelForImageTextToText.from_pretrained(path, dtype=dtype)
+
+
+TRAIN_LAYERS_DOC = (
+    "Train only the text decoder's last N layers and its final norm; the layers below, the "
+    "embeddings, the output head and the vision encoder stay frozen (0: every weight). A "
+    "step then costs the forward of every layer and the backward of N of them "
+    "(docs/guides/own-model.md, 'The reader')."
+)
+"""The documentation of every config's `train_layers` (learner, warm start, offline)."""
+
+
+def freeze_below(model: Any, layers: int) -> None:
+    """`train_top_layers` for a trainer built from a config's `train_layers`: logs the
+    share trained, and a ConfigError naming `train_layers` when the model has too few."""
+    if layers <= 0:
+        return
+    try:
+        trained, total = train_top_layers(model, layers)
+    except ValueError as e:
+        raise ConfigError(f"train_layers: {e}") from e
+    log.info("train_layers=%d: %.1f M of %.1f M parameters trained", layers, trained / 1e6,
+             total / 1e6)  # fmt: skip
+
+
+def train_top_layers(model: Any, layers: int) -> tuple[int, int]:
+    """Leave only the text decoder's last `layers` layers and its final norm trainable
+    (`requires_grad`); the embeddings, the output head, the vision encoder, its connector
+    and every lower layer are frozen. Backward then stops at the lowest trained layer, so a
+    step costs the forward of every layer and the backward of `layers` of them. 0 leaves
+    every weight as it was. (trainable, total) parameter counts; ValueError when the
+    decoder has fewer layers, or none that this can find."""
+    total = sum(p.numel() for p in model.parameters())
+    if layers <= 0:
+        return sum(p.numel() for p in model.parameters() if p.requires_grad), total
+    decoder = model.get_decoder()
+    blocks = getattr(decoder, "layers", None)
+    if blocks is None:
+        raise ValueError(f"{type(model).__name__}: its text decoder has no `layers` to train")
+    if layers > len(blocks):
+        raise ValueError(
+            f"train_layers={layers}, but {type(model).__name__}'s text decoder has "
+            f"{len(blocks)} layers: give at most {len(blocks)}, or 0 to train every weight"
+        )
+    model.requires_grad_(False)
+    for block in list(blocks)[-layers:]:
+        block.requires_grad_(True)
+    norm = getattr(decoder, "norm", None)
+    if norm is not None:
+        norm.requires_grad_(True)
+    return sum(p.numel() for p in model.parameters() if p.requires_grad), total

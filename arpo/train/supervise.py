@@ -314,6 +314,8 @@ class TrainRun:
                     observation_type=shown,
                     marks_source=cfg.actor.episode.marks_source,
                     lr=cfg.sft_lr or (1e-3 if cfg.base == "tiny" else READER_SFT_LR),
+                    # The weights the learner trains, and no others.
+                    train_layers=cfg.learner.trainer.train_layers,
                 )
             )
         return str(sft_dir)
