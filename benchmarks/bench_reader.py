@@ -149,8 +149,6 @@ def measure(folder: str, args: argparse.Namespace) -> dict:
 def learner_steps(trainer, trajs, repeats: int) -> dict:
     """The median seconds per trajectory of `trainer.step` on `trajs` (after a warm-up),
     once the learner's log-probs are checked against the engine's."""
-    import numpy as np
-
     from arpo import store_item
     from arpo.learner.assemble import Sample
     from arpo.learner.batch import build_sequence
