@@ -119,9 +119,24 @@ def test_a_run_places_simulated_and_local_desktops_by_resource_and_accounts_for_
     cluster: Cluster, tmp_path: Path
 ) -> None:
     cluster.ray_start(0)  # the head offers no environment: no actor there
-    cluster.ray_start(1, sim=8)  # at most sim_envs_per_actor (4) of them
     cluster.ray_start(2, desktops=1)  # a real local desktop, started on that node
-    proc = _train(cluster, tmp_path, iterations=3, local_desktops=2)
+    # The simulated node joins once the desktop has delivered: its episodes take
+    # milliseconds, and had it been there from the start it could run every iteration
+    # before the desktop node's actor had started (its ledger then holds nothing).
+    # 12 iterations (48 trajectories): the one desktop alone takes about a minute over
+    # them, several times what a node takes to join (8 s here).
+    proc = _train(cluster, tmp_path, iterations=12, local_desktops=2)
+    spools = tmp_path / "run" / "spool"
+
+    def delivered() -> bool:
+        return spools.exists() and any(read_ledger(d) for d in spools.glob("node*"))
+
+    try:
+        _wait(delivered, "the desktop node's first trajectory", 240)
+        cluster.ray_start(1, sim=8)  # at most sim_envs_per_actor (4) of them
+    except BaseException:
+        proc.kill()
+        raise
     summary = _finish(proc, tmp_path, timeout=300)
     assert summary["finished"], summary
     nodes = {n["ip"]: n for n in summary["cluster"]["nodes"]}
@@ -130,7 +145,7 @@ def test_a_run_places_simulated_and_local_desktops_by_resource_and_accounts_for_
     assert (nodes[cluster.ip(2)]["envs"], nodes[cluster.ip(2)]["desktops"]) == (0, 1)
     acc = summary["accounting"]
     assert acc["unaccounted"] == 0 and acc["trained_twice"] == 0, acc
-    assert acc["trained"] >= 3 * 4, acc  # 3 iterations of 2 groups of 2
+    assert acc["trained"] >= 12 * 4, acc  # 12 iterations of 2 groups of 2
     run = tmp_path / "run"
     for n in nodes.values():  # each node's log and ledger came back to the driver
         assert "actor " + n["actor"] in (run / "logs" / f"{n['actor']}.log").read_text()
