@@ -860,6 +860,7 @@ def main(argv: list[str] | None = None) -> int:
         print(report(out, results))
         plot(out, results)
         _save_as(out, args.save_as, results)
+        _transfer_json(args.transfer_json, results)
         return 0
     methods = [m for m in args.methods.split(",") if m]
     bad = sorted(set(methods) - set(ONLINE + OFFLINE))
