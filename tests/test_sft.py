@@ -195,6 +195,8 @@ def test_arpo_sft_stops_at_the_target_nll(tiny: Path, tmp_path: Path, capsys) ->
         ("out=''", "out"),
         ("target_nll=-1", "target_nll"),
         ("marks_source=ocr", "marks_source"),  # the screenshot shows no marks
+        ("local_desktops=1", "local_desktops"),  # no task pool: local tasks come from one
+        ("local_desktops=-1", "local_desktops"),
     ],
 )
 def test_sft_config_errors_name_the_field(override: str, field: str) -> None:
@@ -296,3 +298,57 @@ def test_a_warm_start_on_tree_marks_is_not_reused_for_a_run_on_ocr_marks(tmp_pat
                       "actor.episode.observation_type=som", "actor.episode.marks_source=ocr"])  # fmt: skip
     with pytest.raises(ArpoError, match=r"marks: tree.*marks: ocr"):
         TrainRun(cfg).policy()
+
+
+def test_arpo_sft_records_local_tasks_on_a_real_desktop_and_shows_calcs_tree(
+    tiny: Path, processor, tmp_path: Path, capsys, caplog
+) -> None:
+    """`arpo sft local_desktops=1` on two Calc tasks of the local suite: a real desktop
+    started for the recording (LibreOffice with its tree, set-of-marks from it), each oracle
+    played as UI-TARS text (its pauses dropped) and scored 1 by the task's own checker; the
+    prompts show Calc's marks; the desktop is stopped afterwards."""
+    import logging
+    import shutil
+
+    import arpo_envs.tasks as suite
+    from test_desktop_atspi import require_atspi
+
+    require_atspi()
+    caplog.set_level(logging.INFO, logger="arpo.env.bringup")
+    calc = Path(suite.__file__).parent / "local" / "libreoffice_calc"
+    pool = tmp_path / "tasks"
+    for tid in ("calc-set-quantity", "calc-fix-food"):
+        shutil.copytree(calc / tid, pool / tid)
+        shutil.copy(calc / f"{tid}.json", pool / f"{tid}.json")
+    out = tmp_path / "sft"
+    rc = cli_main(["sft", f"model={tiny}", f"out={out}", f"tasks={pool}", "local_desktops=1",
+                   "observation_type=som", "max_steps=0", "epochs=2", "batch_size=2",
+                   "micro_batch=2", "lr=1e-3"])  # fmt: skip
+    assert rc == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["demos"] == 2 and summary["record_kept"] == 2, summary
+    assert summary["nll_after"] < summary["nll_before"]
+    demos = list(read_trajectories(out / "demos"))
+    assert sorted(d.task_id for d in demos) == ["calc-fix-food", "calc-set-quantity"]
+    for d in demos:
+        assert d.checker_score == 1.0 and d.status == Status.OK
+        prompt = processor.tokenizer.decode(d.turns[0].prompt_ids)
+        assert "\ttable-cell\tA1\t" in prompt, prompt[-3000:]  # a mark of Calc's own tree
+        answer = processor.tokenizer.decode(d.turns[0].response_ids)
+        assert "hotkey(" in answer and "sleep" not in answer, answer
+    started = [int(m) for m in re.findall(r"desktop: env 0 \S+ display \S+ pid (\d+)", caplog.text)]
+    assert len(started) == 1, caplog.text
+    assert not Path(f"/proc/{started[0]}").exists(), "the desktop outlived the recording"
+
+
+def test_an_oracles_pauses_are_dropped_from_its_ui_tars_text() -> None:
+    """The local suite's oracles pause between keystrokes (`time.sleep`); UI-TARS has no
+    timed pause, so the demonstration's actions are the calls around them. Any other call
+    without a UI-TARS action is still refused."""
+    from arpo.actor.scripted import oracle_to_actions
+    from arpo.errors import EngineError
+
+    code = "pyautogui.hotkey('ctrl', 's'); time.sleep(1.0); pyautogui.press('enter')"
+    assert oracle_to_actions(code) == [A.Hotkey(("ctrl", "s")), A.Press("enter")]
+    with pytest.raises(EngineError, match="no UI-TARS action for sleep"):
+        oracle_to_actions("pyautogui.sleep(1.0)")

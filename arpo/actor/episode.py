@@ -152,6 +152,15 @@ class EpisodeConfig:
     def __post_init__(self) -> None:
         check_on_build(self)
 
+    @property
+    def needs_tree(self) -> bool:
+        """The observation shows the accessibility tree or marks made from it, so local
+        desktops must serve their apps' AT-SPI trees (`arpo-envs up --atspi`); set-of-marks
+        read from pixels alone (marks_source 'ocr') needs none."""
+        return self.observation_type != "screenshot" and not (
+            self.observation_type == "som" and self.marks_source == "ocr"
+        )
+
     def validate(self) -> None:
         if not 0 <= self.max_steps <= MAX_STEPS_LIMIT:
             fail("max_steps", f"must be in [1, {MAX_STEPS_LIMIT}], or 0 to fit each task's oracle")

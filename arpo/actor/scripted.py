@@ -95,7 +95,12 @@ class ByteTokenizer:
 
 
 def oracle_to_actions(code: str, scroll_clicks: int = 5) -> list[A.Action]:
-    """The UI-TARS actions doing what one line of oracle pyautogui code does."""
+    """The UI-TARS actions doing what one line of oracle pyautogui code does.
+
+    `time.sleep(...)` between the calls (the local suite's oracles pause for LibreOffice)
+    is dropped: UI-TARS has no timed pause (`wait()` is a turn of its own, 5 s). A
+    demonstration recorded from such a line is kept only where its checker still scores 1
+    (`arpo.offline.demos.record_demos`)."""
     try:
         tree = ast.parse(code.strip())
     except SyntaxError as e:
@@ -106,6 +111,12 @@ def oracle_to_actions(code: str, scroll_clicks: int = 5) -> list[A.Action]:
         if not isinstance(call, ast.Call) or not isinstance(call.func, ast.Attribute):
             raise EngineError(f"oracle step {code!r:.100} is not a pyautogui call")
         name = call.func.attr
+        if (
+            name == "sleep"
+            and isinstance(call.func.value, ast.Name)
+            and call.func.value.id == "time"
+        ):
+            continue
         args = [ast.literal_eval(a) for a in call.args]
         kw = {k.arg: ast.literal_eval(k.value) for k in call.keywords if k.arg}
         if name == "click" and len(args) >= 2:

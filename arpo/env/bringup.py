@@ -29,7 +29,7 @@ from typing import Any, ClassVar, Literal
 
 from arpo.config import fail, option, url_problem
 from arpo.env.client import EnvClient
-from arpo.env.environment import Environment
+from arpo.env.environment import Environment, EnvironmentConfig
 from arpo.env.osworld.client import OSWorldEvaluator
 from arpo.env.provider import FleetLink, FleetVMProvider, StaticProvider
 from arpo.env.runner import RunnerConfig
@@ -230,9 +230,14 @@ class EnvSpec:
         return RunnerConfig(reset_before_setup=self.provider == "desktop")
 
     def environment(
-        self, index: int, files: FileSource | None, osworld: OSWorldEvaluator | None
+        self,
+        index: int,
+        files: FileSource | None,
+        osworld: OSWorldEvaluator | None,
+        config: EnvironmentConfig | None = None,
     ) -> Environment:
-        """The actor's `Environment` for this server (client, provider, task runner)."""
+        """The actor's `Environment` for this server (client, provider, task runner);
+        `config`: its retries (None: the defaults)."""
         provider: Callable[[EnvClient], Any] | None = None
         if self.provider == "static":
             provider = StaticProvider
@@ -245,7 +250,7 @@ class EnvSpec:
             provider = lambda cl: FleetVMProvider(cl, link, self.vm, ports=ports)  # noqa: E731
         return Environment(
             index, self.url, self.runner_config(), token=self.token or None, osworld=osworld,
-            provider=provider, files=files,
+            provider=provider, files=files, config=config,
         )  # fmt: skip
 
 

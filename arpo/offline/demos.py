@@ -30,8 +30,9 @@ import json
 import logging
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -45,6 +46,9 @@ from arpo.policy import actions as A
 from arpo.policy.engine import Completion, SamplingParams
 from arpo.policy.family import family_for_processor
 from arpo.record import Status, Trajectory
+
+if TYPE_CHECKING:
+    from arpo.env.taskfiles import TaskFiles
 
 log = logging.getLogger("arpo.offline.demos")
 
@@ -130,6 +134,42 @@ def _screen(tasks: Sequence[dict[str, Any]]) -> tuple[int, int]:
     return 1280, 720
 
 
+async def run_on_envs(
+    tasks: Sequence[dict[str, Any]],
+    policy: Any,
+    episode: EpisodeConfig,
+    envs: Sequence[Environment],
+    *,
+    actor_id: str = "offline",
+) -> list[Trajectory | None]:
+    """Run one episode per task (in order of `tasks`) on `envs`, one task at a time each;
+    returns the trajectories (None where the policy failed). The caller closes `envs`."""
+    results: list[Trajectory | None] = [None] * len(tasks)
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    for i in range(len(tasks)):
+        queue.put_nowait(i)
+
+    async def worker(env: Environment) -> None:
+        while True:
+            try:
+                i = queue.get_nowait()
+            except asyncio.QueueEmpty:
+                return
+            task = tasks[i]
+            grant = wire.Grant(
+                grant_id=uuid.uuid4().hex,
+                task_id=str(task["id"]),
+                group=str(task["id"]),
+                slot=0,
+                version=0,
+                task_json=json.dumps(task),
+            )
+            results[i] = await run_episode(env, grant, policy, episode, actor_id=actor_id)
+
+    await asyncio.gather(*(worker(e) for e in envs))
+    return results
+
+
 async def run_on_sim(
     tasks: Sequence[dict[str, Any]],
     policy: Any,
@@ -139,44 +179,86 @@ async def run_on_sim(
     actor_id: str = "offline",
     environment: EnvironmentConfig | None = None,
 ) -> list[Trajectory | None]:
-    """Run one episode per task (in order of `tasks`) on `n_envs` simulated desktops served
-    in this process, set up as `environment` says (default: `EnvironmentConfig()`); returns
-    the trajectories (None where the policy failed)."""
+    """`run_on_envs` on `n_envs` simulated desktops served in this process, set up as
+    `environment` says (default: `EnvironmentConfig()`)."""
     from arpo_envs.sim.server import SimConfig, running
 
     w, h = _screen(tasks)
     n = max(1, min(n_envs, len(tasks)))
-    results: list[Trajectory | None] = [None] * len(tasks)
-    queue: asyncio.Queue[int] = asyncio.Queue()
-    for i in range(len(tasks)):
-        queue.put_nowait(i)
     runner = RunnerConfig(sleep_scale=0.0, wait_seconds=0.0)
     async with running([SimConfig(port=0, width=w, height=h) for _ in range(n)]) as urls:
         envs = [Environment(i, url, runner, config=environment) for i, url in enumerate(urls)]
-
-        async def worker(env: Environment) -> None:
-            while True:
-                try:
-                    i = queue.get_nowait()
-                except asyncio.QueueEmpty:
-                    return
-                task = tasks[i]
-                grant = wire.Grant(
-                    grant_id=uuid.uuid4().hex,
-                    task_id=str(task["id"]),
-                    group=str(task["id"]),
-                    slot=0,
-                    version=0,
-                    task_json=json.dumps(task),
-                )
-                results[i] = await run_episode(env, grant, policy, episode, actor_id=actor_id)
-
         try:
-            await asyncio.gather(*(worker(e) for e in envs))
+            return await run_on_envs(tasks, policy, episode, envs, actor_id=actor_id)
         finally:
             for e in envs:
                 await e.close()
-    return results
+
+
+@dataclass(frozen=True)
+class LocalDesktops:
+    """Local desktops (`arpo-envs up`) to run the episodes of local tasks on (LibreOffice,
+    the editor, the shell: `envs/arpo_envs/tasks/local`), started for the call and stopped
+    after it."""
+
+    n: int
+    """How many desktops (at most one per task)."""
+    files: TaskFiles
+    """The files the tasks name by content: the index `load_pool(path, files)` filled."""
+    atspi: bool = False
+    """The desktops serve their applications' accessibility trees (`arpo-envs up --atspi`:
+    the tree som marks are made from; without it only the desktop's own windows)."""
+
+
+async def run_on_desktops(
+    tasks: Sequence[dict[str, Any]],
+    policy: Any,
+    episode: EpisodeConfig,
+    local: LocalDesktops,
+    *,
+    actor_id: str = "offline",
+    environment: EnvironmentConfig | None = None,
+) -> list[Trajectory | None]:
+    """`run_on_envs` on `local.n` real local desktops started here (each reverted with its
+    `/reset` before a task's setup, its task files fetched by content from `local.files`,
+    its checkers run as an actor's are), stopped when the episodes are done."""
+    import tempfile
+
+    from arpo.env.bringup import Bringup
+    from arpo.env.osworld.client import EvaluatorConfig, OSWorldEvaluator
+    from arpo.env.taskfiles import BlobCache, FileSource
+
+    n = max(1, min(local.n, len(tasks)))
+    with tempfile.TemporaryDirectory(prefix="arpo-demos-") as tmp, Bringup(tmp) as up:
+        specs = await asyncio.to_thread(up.start_desktops, n, atspi=local.atspi)
+        osworld = OSWorldEvaluator(EvaluatorConfig(workers=min(n, 2)))
+        files = FileSource.local(local.files, BlobCache(Path(tmp) / "task-files"))
+        envs = [s.environment(i, files, osworld, config=environment) for i, s in enumerate(specs)]
+        try:
+            return await run_on_envs(tasks, policy, episode, envs, actor_id=actor_id)
+        finally:
+            for e in envs:
+                await e.close()
+            await osworld.aclose()
+
+
+async def _run(
+    tasks: Sequence[dict[str, Any]],
+    policy: Any,
+    episode: EpisodeConfig,
+    n_envs: int,
+    local: LocalDesktops | None,
+    *,
+    actor_id: str,
+) -> list[Trajectory | None]:
+    """The episodes of `record_demos` and `evaluate_greedy`: on the local desktops of
+    `local`, else on `n_envs` simulated ones; a failed setup is tried again twice."""
+    environment = EnvironmentConfig(reset_retries=2)
+    if local is not None:
+        return await run_on_desktops(tasks, policy, episode, local, actor_id=actor_id,
+                                     environment=environment)  # fmt: skip
+    return await run_on_sim(tasks, policy, episode, n_envs=n_envs, actor_id=actor_id,
+                            environment=environment)  # fmt: skip
 
 
 def record_demos(
@@ -188,11 +270,13 @@ def record_demos(
     max_new_tokens: int = 0,
     observation_type: str = "screenshot",
     marks_source: str = "tree",
+    local: LocalDesktops | None = None,
 ) -> tuple[list[Trajectory], dict[str, Any]]:
     """Record one oracle demonstration per task (see the module docstring), each turn's
     prompt showing `observation_type` (`EpisodeConfig.observation_type`; with `som` the
     oracle's clicks name the mark that holds them, marks made by `marks_source`,
-    `EpisodeConfig.marks_source`).
+    `EpisodeConfig.marks_source`), on `n_envs` simulated desktops, or with `local` on local
+    desktops started for it (`LocalDesktops`: the pool's tasks are local ones).
 
     `model` is a model folder (its processor is loaded) or a loaded `AutoProcessor`.
     `max_steps` is the episode's step budget (0: fitted to each task, `step_budget`);
@@ -232,16 +316,7 @@ def record_demos(
     policy = OraclePolicy(processor)
     cfg = EpisodeConfig(max_steps=max_steps, temperature=0.0, observation_type=observation_type,
                         marks_source=marks_source)  # fmt: skip
-    trajs = asyncio.run(
-        run_on_sim(
-            usable,
-            policy,
-            cfg,
-            n_envs=n_envs,
-            actor_id="oracle-demos",
-            environment=EnvironmentConfig(reset_retries=2),
-        )
-    )
+    trajs = asyncio.run(_run(usable, policy, cfg, n_envs, local, actor_id="oracle-demos"))
     kept: list[Trajectory] = []
     longest = 0
     for task, traj in zip(usable, trajs, strict=True):
@@ -310,9 +385,11 @@ def evaluate_greedy(
     device: str = "cpu",
     observation_type: str = "screenshot",
     marks_source: str = "tree",
+    local: LocalDesktops | None = None,
 ) -> dict[str, float]:
     """Greedy episodes of the model on every task (the real engine, parser and checker),
-    showing it `observation_type` (with `som`, marks made by `marks_source`).
+    showing it `observation_type` (with `som`, marks made by `marks_source`); on `n_envs`
+    simulated desktops, or with `local` on local desktops started for it.
 
     Returns success_rate (checker score 1 among ok episodes), score_mean, parsed_rate (of
     all turns), steps_mean, episodes, not_ok."""
@@ -329,14 +406,7 @@ def evaluate_greedy(
             EngineConfig(model=str(model), device=device, max_batch_size=max(1, n_envs))
         )
         async with engine:
-            return await run_on_sim(
-                tasks,
-                engine,
-                cfg,
-                n_envs=n_envs,
-                actor_id="offline-eval",
-                environment=EnvironmentConfig(reset_retries=2),
-            )
+            return await _run(tasks, engine, cfg, n_envs, local, actor_id="offline-eval")
 
     trajs = asyncio.run(go())
     ok = [t for t in trajs if t is not None and t.status == Status.OK]

@@ -1,15 +1,20 @@
-"""`arpo sft`: the supervised warm start on oracle demonstrations of the simulated tasks.
+"""`arpo sft`: the supervised warm start on oracle demonstrations of the tasks.
 
     arpo sft model=runs/tiny out=runs/sft eval_tasks=16     # click_button, 16 tasks, 17 epochs
     arpo sft tasks=runs/task_pool model=runs/tiny out=runs/sft       # tasks with an "oracle"
     arpo sft demos=runs/demos model=runs/tiny out=runs/sft           # demos recorded before
+    arpo sft tasks=envs/arpo_envs/tasks/local/libreoffice_calc local_desktops=2 \
+        model=runs/reader out=runs/sft-calc observation_type=som       # on real local desktops
 
 The paper starts RL from an agent that already succeeds sometimes; the tiny test model
 has random weights. This fine-tunes it on demonstrations (`arpo.offline.demos`: each
 task's oracle played through the real episode path, the response ids from the model's
 own tokenizer, only demonstrations the checker scores 1) so that it starts with a low
 but non-zero success rate. When `demos` is empty they are recorded first and saved to
-`<out>/demos` (the journal format `arpo.offline.data` reads).
+`<out>/demos` (the journal format `arpo.offline.data` reads): on simulated desktops served
+in this process, or with `local_desktops` on real local desktops started for the recording
+(the local suite's oracles pause between keystrokes; the UI-TARS text drops the pauses,
+and a demonstration the checker then fails is dropped like any other).
 
 Training: the token-mean negative log-likelihood of the response tokens over each
 optimizer step's trajectories (`arpo.offline.losses.nll_loss`), with the learner's
@@ -35,12 +40,16 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from arpo.config import fail, option, to_dict, validate
+from arpo.env.bringup import MAX_LOCAL_ENVS
 from arpo.offline.data import read_trajectories, write_trajectories
 from arpo.offline.offline import OfflineConfig, OfflineTrainer
 from arpo.policy.family import TRAIN_LAYERS_DOC
+
+if TYPE_CHECKING:
+    from arpo.env.taskfiles import TaskFiles
 
 log = logging.getLogger("arpo.offline.sft")
 
@@ -66,6 +75,13 @@ class SFTConfig:
     demos: str = option("", "Folder of demonstrations recorded before ('' records them).")
     max_sequences: int = option(0, "Train on at most this many demonstrations (0: all).")
     n_envs: int = option(4, "Simulated desktops used to record (and evaluate) in parallel.")
+    local_desktops: int = option(
+        0,
+        "Record (and evaluate) on this many real local desktops started for it (`arpo-envs "
+        "up`, stopped after), for a pool of local tasks (tasks=..., e.g. envs/arpo_envs/tasks/"
+        "local: LibreOffice, the editor, the shell); they serve their apps' trees when the "
+        "observation shows one. 0: simulated desktops in this process (n_envs).",
+    )
     max_steps: int = option(
         15,
         "Turns per episode when recording and evaluating (0: fitted to each task's oracle, "
@@ -122,6 +138,11 @@ class SFTConfig:
             fail("max_sequences", "must be >= 0 (0: all)")
         if self.n_envs < 1:
             fail("n_envs", "must be >= 1")
+        if not 0 <= self.local_desktops <= MAX_LOCAL_ENVS:
+            fail("local_desktops", f"must be in [0, {MAX_LOCAL_ENVS}] (0: simulated desktops)")
+        if self.local_desktops and not self.tasks:
+            fail("local_desktops", "runs a pool of local tasks: give tasks=<folder> too "
+                 "(the generated families are simulated tasks)")  # fmt: skip
         if self.max_steps == 1 or self.max_steps < 0:
             fail("max_steps", "must be >= 2 (an oracle step and finished()), or 0 to fit")
         if self.max_new_tokens < 0:
@@ -148,12 +169,13 @@ class SFTConfig:
         )  # fmt: skip
 
 
-def task_pool(cfg: SFTConfig) -> list[dict[str, Any]]:
-    """The tasks: the pool at `tasks`, else `per_family` generated tasks of each family."""
+def task_pool(cfg: SFTConfig, files: TaskFiles | None = None) -> list[dict[str, Any]]:
+    """The tasks: the pool at `tasks` (the files they upload indexed in `files`), else
+    `per_family` generated tasks of each family."""
     if cfg.tasks:
         from arpo.env.task import load_task_pool
 
-        return load_task_pool(cfg.tasks)
+        return load_task_pool(cfg.tasks, files)
     from arpo.offline.demos import sim_task_pool
 
     return sim_task_pool(cfg.families, cfg.per_family, cfg.task_seed)
@@ -163,15 +185,26 @@ def run(cfg: SFTConfig) -> dict[str, Any]:
     """Record (or read) the demonstrations, fine-tune, save; returns a summary."""
     from pathlib import Path
 
+    from arpo.actor.episode import EpisodeConfig
+    from arpo.env.taskfiles import TaskFiles
+    from arpo.offline.demos import LocalDesktops
+
     cfg = validate(cfg)
     tasks: list[dict[str, Any]] = []
     report: dict[str, Any] = {}
+    files = TaskFiles()
+    shown = EpisodeConfig(observation_type=cfg.observation_type, marks_source=cfg.marks_source)
+    local = (
+        LocalDesktops(cfg.local_desktops, files, atspi=shown.needs_tree)
+        if cfg.local_desktops
+        else None
+    )
     if cfg.demos:
         demos = list(read_trajectories(cfg.demos))
     else:
         from arpo.offline.demos import record_demos
 
-        tasks = task_pool(cfg)
+        tasks = task_pool(cfg, files)
         demos, report = record_demos(
             tasks,
             cfg.model,
@@ -180,6 +213,7 @@ def run(cfg: SFTConfig) -> dict[str, Any]:
             max_new_tokens=cfg.max_new_tokens,
             observation_type=cfg.observation_type,
             marks_source=cfg.marks_source,
+            local=local,
         )
         write_trajectories(Path(cfg.out) / "demos", demos)
     if cfg.max_sequences:
@@ -200,10 +234,10 @@ def run(cfg: SFTConfig) -> dict[str, Any]:
     if cfg.eval_tasks:
         from arpo.offline.demos import evaluate_greedy
 
-        tasks = tasks or task_pool(cfg)
+        tasks = tasks or task_pool(cfg, files)
         res = evaluate_greedy(
             cfg.out, tasks[: cfg.eval_tasks], n_envs=cfg.n_envs, max_steps=cfg.max_steps,
-            observation_type=cfg.observation_type, marks_source=cfg.marks_source,
+            observation_type=cfg.observation_type, marks_source=cfg.marks_source, local=local,
         )  # fmt: skip
         summary.update({f"eval_{k}": v for k, v in res.items()})
     return summary

@@ -473,10 +473,7 @@ class TrainRun:
     def _desktop_trees(self) -> bool:
         """Local desktops serve their apps' AT-SPI trees: the observation type shows one
         (set-of-marks whose marks are read from pixels alone needs none)."""
-        ep = self.config.actor.episode
-        return ep.observation_type != "screenshot" and not (
-            ep.observation_type == "som" and ep.marks_source == "ocr"
-        )
+        return self.config.actor.episode.needs_tree
 
     def _desktops(self) -> list[EnvSpec]:
         """The run's local desktops, each with its own bearer token (`_desktop_trees`)."""

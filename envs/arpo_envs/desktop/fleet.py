@@ -232,6 +232,10 @@ def _pass_token(token: str) -> int:
     return r
 
 
+_CHILDREN: dict[int, subprocess.Popen] = {}
+"""The servers `up` started in this process, by pid, until `down` stops and reaps them."""
+
+
 def up(cfg: FleetConfig, announce: Callable[[str], Any] = print) -> DesktopFleet:
     """Start the servers; returns once every one answers (stops them all on any failure)."""
     old = read_state(cfg.state_file)
@@ -320,6 +324,7 @@ def up(cfg: FleetConfig, announce: Callable[[str], Any] = print) -> DesktopFleet
         for p in procs:  # the servers print nothing more; do not keep the pipes open
             if p.stdout is not None:
                 p.stdout.close()
+    _CHILDREN.update((p.pid, p) for p in procs)
     announce(f"arpo-envs up: {cfg.n} desktops ready in {time.perf_counter() - t0:.2f} s")
     for m in members:
         announce(f"env {m.index} {m.url} display {m.display} pid {m.pid}")
@@ -374,6 +379,10 @@ def down(
     left_of_trees = still_running(trees)
     kill_all(left_of_trees)
     wait_gone(left_of_trees, 5)
+    for m in servers:  # a server started by this process: reaped, not left a zombie
+        child = _CHILDREN.pop(m.pid, None)
+        if child is not None:
+            child.poll()
     swept = len(left_of_trees)
     for m in servers:
         if not m.root:
