@@ -290,6 +290,26 @@ def _toml_value(v: Any, path: str) -> str:
     raise ConfigError(f"config field {path}: {type(v).__name__} values cannot be written as TOML")
 
 
+def changed_overrides(cfg: Any, prefix: str = "", skip: Sequence[str] = ()) -> list[str]:
+    """`field=value` overrides (`load_config`'s syntax, `prefix` before each field) of the
+    fields of `cfg` that differ from its class's defaults, nested configs field by field;
+    fields named in `skip` (dotted below `cfg`) are left out."""
+    base = to_dict(type(cfg)())
+    out: list[str] = []
+
+    def walk(now: Mapping[str, Any], was: Mapping[str, Any], path: str) -> None:
+        for k, v in now.items():
+            if path + k in skip:
+                continue
+            if isinstance(v, dict):
+                walk(v, was.get(k, {}), f"{path}{k}.")
+            elif v != was.get(k):
+                out.append(f"{prefix}{path}{k}={_toml_value(v, path + k)}")
+
+    walk(to_dict(cfg), base, "")
+    return out
+
+
 def to_toml(cfg: Any) -> str:
     """A config as a TOML document that `load_config` reads back to an equal config."""
     lines: list[str] = []

@@ -7,7 +7,7 @@ import json
 import re
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
@@ -285,3 +285,22 @@ def test_train_and_the_audit_share_one_environments_section(tmp_path) -> None:
     old.write_text('env_urls_pool = "osworld"\n')
     with pytest.raises(ConfigError, match=r"'env_urls_pool' was renamed 'env_pool'"):
         load_config(TrainConfig, old)
+
+
+def test_an_evaluation_shows_the_policy_what_its_run_shows_it() -> None:
+    """`arpo train`'s evaluations and pre-fill run a local actor with `pool_actor_args`:
+    every episode field the run set (here where the marks come from and how many screenshots
+    stay in the context) reaches that actor, and the sampling stays the pool's."""
+    from arpo.actor.config import ActorConfig
+    from arpo.train import TrainConfig
+
+    run = load_config(TrainConfig, None, ["actor.episode.observation_type=som",
+                      "actor.episode.marks_source=ocr", "actor.episode.history_images=2",
+                      "actor.episode.ocr.threads=2"])  # fmt: skip
+    args = run.pool_actor_args()
+    assert not [a for a in args if a.startswith(("episode.temperature", "episode.top_p"))]
+    actor = load_config(ActorConfig, None, [*args, "engine.model=m"])
+    assert actor.episode == replace(run.actor.episode, temperature=actor.episode.temperature,
+                                    top_p=actor.episode.top_p)  # fmt: skip
+    assert (actor.episode.marks_source, actor.episode.history_images) == ("ocr", 2)
+    assert actor.episode.ocr.threads == 2

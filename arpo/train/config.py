@@ -10,6 +10,7 @@ from arpo.actor.episode import MAX_STEPS_LIMIT
 from arpo.config import (
     MAX_TEMPERATURE,
     SET_BY_TRAIN,
+    changed_overrides,
     check_range,
     check_seconds,
     fail,
@@ -372,15 +373,19 @@ class TrainConfig(EnvironmentsConfig):
     def pool_actor_args(self) -> list[str]:
         """Options of the local actor of an evaluation, selection or collection of this run's
         simulated tasks: this run's desktops per actor, episode limits (steps, tokens) and what
-        the policy is shown (the observation type and its table budget)."""
+        the policy is shown (the observation type, its table budget, where marks come from:
+        every episode field this run sets but the sampling's, which the pool sets)."""
         ep = self.actor.episode
-        return [
-            f"sim_envs={max(1, self.sim_envs_per_actor)}",
+        shown = [
             f"episode.max_steps={ep.max_steps}",
             f"episode.max_new_tokens={ep.max_new_tokens}",
             f"episode.observation_type={ep.observation_type!r}",
             f"episode.a11y_max_tokens={ep.a11y_max_tokens}",
         ]
+        named = {o.split("=", 1)[0] for o in shown}
+        rest = [o for o in changed_overrides(ep, "episode.", skip=("temperature", "top_p"))
+                if o.split("=", 1)[0] not in named]  # fmt: skip
+        return [f"sim_envs={max(1, self.sim_envs_per_actor)}", *shown, *rest]
 
 
 _ONE_MACHINE = (
