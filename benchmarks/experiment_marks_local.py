@@ -1,0 +1,341 @@
+"""Marks from Calc's tree, marks read by OCR, or the screenshot alone: a short run on LibreOffice.
+
+    .venv/bin/python benchmarks/experiment_marks_local.py --out runs/marks-local \\
+        --seeds 1,2,3 --save-as marks-local-<date>                   # the reader, 3 arms
+    .venv/bin/python benchmarks/experiment_marks_local.py --out runs/marks-dry --base tiny \\
+        --arms tree --seeds 1 --train calc-set-quantity --heldout calc-fix-food \\
+        --iterations 1 --sft-epochs 1                                 # a dry run of every step
+    .venv/bin/python benchmarks/experiment_marks_local.py --out runs/marks-local --report-only
+
+The policy works on the local desktop's LibreOffice Calc tasks (`envs/arpo_envs/tasks/
+local/libreoffice_calc`, OSWorld's format, each checked by its own checker). Three arms
+differ only in what each turn's prompt shows:
+
+- `tree`: set-of-marks, the marks from Calc's accessibility tree (desktops with
+  `--atspi`: LibreOffice's GTK 3 plugin; `actor.episode.marks_source=tree`);
+- `ocr`: set-of-marks, the marks read from the screenshot (`marks_source=ocr`; desktops
+  without the tree, LibreOffice's X11 plugin);
+- `screenshot`: the screenshot alone.
+
+Each arm, from one base policy (`--base`: the reader, SmolLM2-135M-Instruct's text layers
+under a small random vision encoder, or the tiny random model):
+
+1. **Warm start**: `arpo sft local_desktops=2` on the oracle demonstrations of the
+   training tasks, recorded on real local desktops with that arm's prompts;
+2. **evaluated** greedily (temperature 0, one episode per task, `--eval-steps` turns at
+   most) on the training tasks and on the held-out ones, which no demonstration and no
+   training run holds;
+3. **per seed**: `arpo train` on the training tasks (ARPO: replay on, `--iterations`
+   iterations of `--groups` groups of 4 episodes, on 2 local desktops, no simulated
+   ones), then the final checkpoint evaluated as in 2.
+
+Steps whose output exists are skipped, so an interrupted run continues (delete a run's
+folder to redo it). Nothing else should run on the machine. The report (`--save-as`:
+`benchmarks/results/<name>.md` / `.json`) gives every arm and seed, the mean gain over the
+warm start with its 95 % t-interval over seeds, and the share of turns that parsed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from _runs import final_checkpoint
+from _stats import t_interval
+
+ROOT = Path(__file__).resolve().parent.parent
+log = logging.getLogger("experiment_marks_local")
+
+ARMS = {
+    "tree": ("som", "tree"),
+    "ocr": ("som", "ocr"),
+    "screenshot": ("screenshot", "tree"),
+}
+"""Arm -> (actor.episode.observation_type, actor.episode.marks_source)."""
+TRAIN = "calc-set-quantity,calc-header-cost,calc-sum-quantity,calc-average-math,calc-max-art,calc-clear-travel"
+HELDOUT = "calc-fix-food,calc-count-above-70,calc-city-upper"
+"""The default split: the suite's Calc tasks whose oracle takes at most 3 steps, 6 to train
+on and 3 held out (fixed before any run)."""
+
+
+def _suite() -> Path:
+    import arpo_envs.tasks as suite
+
+    return Path(suite.__file__).parent / "local" / "libreoffice_calc"
+
+
+def _copy(ids: list[str], dest: Path) -> None:
+    """The tasks `ids` of the suite (task file and its folder of files) into `dest`."""
+    src = _suite()
+    dest.mkdir(parents=True, exist_ok=True)
+    for tid in ids:
+        if not (src / f"{tid}.json").exists():
+            raise SystemExit(f"no local Calc task {tid!r} in {src}")
+        shutil.copy(src / f"{tid}.json", dest / f"{tid}.json")
+        if (src / tid).is_dir() and not (dest / tid).exists():
+            shutil.copytree(src / tid, dest / tid)
+
+
+def _base(args: argparse.Namespace, out: Path) -> Path:
+    if args.base == "tiny":
+        from arpo.policy.tiny import build_tiny_model
+
+        path = out / "base" / "tiny"
+        if not (path / "config.json").exists():
+            build_tiny_model(path, seed=0)
+        return path
+    from arpo.policy.reader import build_reader
+
+    path = out / "base" / f"reader-{args.reader_layers}"
+    if not (path / "config.json").exists():
+        build_reader(path, layers=args.reader_layers, seed=0)
+    return path
+
+
+def _warm_start(args: argparse.Namespace, arm: str, base: Path, train: Path, out: Path) -> Path:
+    from arpo.offline.sft import SFTConfig, run
+
+    sft = out / arm / "sft"
+    if not (sft / "config.json").exists():
+        shown, marks = ARMS[arm]
+        log.info("%s: warm start -> %s", arm, sft)
+        run(SFTConfig(model=str(base), out=str(sft), tasks=str(train), local_desktops=2,
+                      observation_type=shown, marks_source=marks, max_steps=0,  # type: ignore[arg-type]
+                      max_new_tokens=args.max_new_tokens, epochs=args.sft_epochs,
+                      target_nll=args.sft_target_nll, lr=args.sft_lr, batch_size=4,
+                      micro_batch=1, train_layers=args.train_layers))  # fmt: skip
+    return sft
+
+
+def _evaluate(args: argparse.Namespace, arm: str, model: Path, pools: dict[str, Path],
+              out: Path) -> dict[str, Any]:  # fmt: skip
+    """Greedy episodes on every task of each pool (cached in `out`)."""
+    from arpo.env.task import load_task_pool
+    from arpo.env.taskfiles import TaskFiles
+    from arpo.offline.demos import LocalDesktops, evaluate_greedy
+
+    done = out / "eval.json"
+    if done.exists():
+        return json.loads(done.read_text())
+    shown, marks = ARMS[arm]
+    res: dict[str, Any] = {}
+    t0 = time.monotonic()
+    for name, pool in pools.items():
+        files = TaskFiles()
+        tasks = load_task_pool(pool, files)
+        res[name] = evaluate_greedy(
+            model, tasks, max_steps=args.eval_steps, max_new_tokens=args.max_new_tokens,
+            observation_type=shown, marks_source=marks,
+            local=LocalDesktops(2, files, atspi=arm == "tree"),
+        )  # fmt: skip
+    res["wall_s"] = round(time.monotonic() - t0, 1)
+    out.mkdir(parents=True, exist_ok=True)
+    done.write_text(json.dumps(res, indent=2))
+    return res
+
+
+def _train(args: argparse.Namespace, arm: str, seed: int, sft: Path, train: Path,
+           out: Path) -> Path:  # fmt: skip
+    """`arpo train` (ARPO) from the warm start on the training tasks; its run folder."""
+    from arpo.config import load_config
+    from arpo.train import TrainConfig, TrainRun
+
+    run_dir = out / arm / "runs" / f"s{seed}"
+    if (run_dir / "summary.json").exists():
+        return run_dir
+    if run_dir.exists():  # an interrupted run: start it again
+        shutil.rmtree(run_dir)
+    shown, marks = ARMS[arm]
+    cfg = load_config(TrainConfig, None, [
+        f"run_dir={str(run_dir)!r}", f"model={str(sft)!r}", f"tasks={str(train)!r}",
+        "warm_start=false", "actors=0", "local_desktops=2", f"seed={seed}", "minutes=0",
+        "restart=false", "eval_runs_per_task=0", "eval_warm_start=false",
+        "prefill_runs_per_task=0", "prefill_demos_from_turns=0", "progress_s=60",
+        f"learner.iterations={args.iterations}",
+        "learner.assemble.group_size=4", f"learner.assemble.groups_per_step={args.groups}",
+        f"learner.trainer.lr={args.lr}", f"learner.trainer.train_layers={args.train_layers}",
+        f"actor.episode.observation_type={shown!r}", f"actor.episode.marks_source={marks!r}",
+        f"actor.episode.max_steps={args.eval_steps}",
+        f"actor.episode.max_new_tokens={args.max_new_tokens}",
+    ])  # fmt: skip
+    log.info("%s seed %d: arpo train -> %s", arm, seed, run_dir)
+    t0 = time.monotonic()
+    TrainRun(cfg).run()
+    sm = json.loads((run_dir / "summary.json").read_text())
+    sm["wall_s"] = round(time.monotonic() - t0, 1)
+    (run_dir / "summary.json").write_text(json.dumps(sm, indent=2))
+    return run_dir
+
+
+def _rate(ev: dict[str, Any], pool: str) -> float:
+    return float(ev[pool]["success_rate"])
+
+
+def summarise(results: dict[str, Any]) -> dict[str, Any]:
+    """Per arm: the warm start's and each seed's success on train / held-out tasks, the
+    gains' means and 95 % t-intervals over seeds; per pair of arms the held-out difference."""
+    out: dict[str, Any] = {}
+    for arm, r in results["arms"].items():
+        warm = r.get("warm")
+        seeds = r.get("seeds", {})
+        if not warm:
+            continue
+        row: dict[str, Any] = {"warm": {p: _rate(warm, p) for p in ("train", "heldout")},
+                               "warm_parsed": warm["train"]["parsed_rate"], "seeds": {}}  # fmt: skip
+        for s, ev in seeds.items():
+            row["seeds"][s] = {p: _rate(ev, p) for p in ("train", "heldout")}
+            row["seeds"][s]["parsed"] = ev["train"]["parsed_rate"]
+            row["seeds"][s]["wall_s"] = ev.get("train_wall_s")
+        for p in ("train", "heldout"):
+            gains = [v[p] - row["warm"][p] for v in row["seeds"].values()]
+            if gains:
+                mean, lo, hi = t_interval(gains)
+                row[f"{p}_gain"] = {"mean": mean, "ci": [lo, hi]}
+        out[arm] = row
+    return out
+
+
+def _pct(x: float) -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:.0f} %"
+
+
+def report(results: dict[str, Any]) -> str:
+    st = results["settings"]
+    s = summarise(results)
+    lines = [
+        f"# Marks from the tree, from OCR, or the screenshot alone: LibreOffice Calc, "
+        f"{results.get('date', '')}",
+        "",
+        f"`{results['command']}` (commit {results.get('commit', '?')}): base `{st['base']}`"
+        + (f" ({st['reader_layers']} layers, the last {st['train_layers']} trained)"
+           if st["base"] == "reader" else "")
+        + f"; training tasks {', '.join(st['train'])}; held out {', '.join(st['heldout'])}. "
+        f"Warm start: `arpo sft` on the training tasks' oracle demonstrations (local "
+        f"desktops, at most {st['sft_epochs']} epochs, target NLL {st['sft_target_nll']}); "
+        f"ARPO: {st['iterations']} iterations of {st['groups']} groups of 4 on 2 local "
+        f"desktops, lr {st['lr']}. Success: greedy, one episode per task, at most "
+        f"{st['eval_steps']} turns.",
+        "",
+        "| arm | seed | train | held out | parsed turns |",
+        "|---|---|---:|---:|---:|",
+    ]  # fmt: skip
+    for arm, row in s.items():
+        lines.append(f"| {arm} | warm start | {_pct(row['warm']['train'])} | "
+                     f"{_pct(row['warm']['heldout'])} | {_pct(row['warm_parsed'])} |")  # fmt: skip
+        for seed, v in sorted(row["seeds"].items()):
+            lines.append(f"| {arm} | {seed} | {_pct(v['train'])} | {_pct(v['heldout'])} | "
+                         f"{_pct(v['parsed'])} |")  # fmt: skip
+    lines += ["", "| arm | seeds | train gain (95 % CI) | held-out gain (95 % CI) |",
+              "|---|---:|---|---|"]  # fmt: skip
+    for arm, row in s.items():
+        cells = []
+        for p in ("train", "heldout"):
+            g = row.get(f"{p}_gain")
+            cells.append("n/a" if not g else f"{100 * g['mean']:+.0f} points "
+                         f"({100 * g['ci'][0]:+.0f} to {100 * g['ci'][1]:+.0f})"
+                         if not math.isnan(g["ci"][0]) else f"{100 * g['mean']:+.0f} points")  # fmt: skip
+        lines.append(f"| {arm} | {len(row['seeds'])} | {cells[0]} | {cells[1]} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="runs/marks-local", help="Output folder.")
+    p.add_argument("--arms", default=",".join(ARMS), help="Comma-separated arms.")
+    p.add_argument("--seeds", default="1,2,3", help="Comma-separated seeds of the ARPO runs.")
+    p.add_argument("--train", default=TRAIN, help="Training task ids (local Calc tasks).")
+    p.add_argument("--heldout", default=HELDOUT, help="Held-out task ids (local Calc tasks).")
+    p.add_argument("--base", choices=("reader", "tiny"), default="reader", help="Base policy.")
+    p.add_argument("--reader-layers", type=int, default=30, help="--base reader: text layers.")
+    p.add_argument("--train-layers", type=int, default=12,
+                   help="Train only the decoder's last N layers (0: all), warm start and RL.")  # fmt: skip
+    p.add_argument("--sft-epochs", type=int, default=6, help="Warm-start epochs (at most).")
+    p.add_argument("--sft-target-nll", type=float, default=0.06, help="Warm-start target NLL.")
+    p.add_argument("--sft-lr", type=float, default=2e-4, help="Warm-start lr.")
+    p.add_argument("--lr", type=float, default=1e-5, help="ARPO learner lr.")
+    p.add_argument("--iterations", type=int, default=4, help="ARPO iterations per run.")
+    p.add_argument("--groups", type=int, default=2, help="Groups of 4 episodes per iteration.")
+    p.add_argument("--eval-steps", type=int, default=5, help="Turns per episode at most.")
+    p.add_argument("--max-new-tokens", type=int, default=96, help="Tokens per response.")
+    p.add_argument("--report-only", action="store_true", help="The report from results.json.")
+    p.add_argument("--save-as", default="", help="Also write benchmarks/results/<name>.md/.json.")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    res_path = out / "results.json"
+    results = json.loads(res_path.read_text()) if args.report_only else run(args, out, res_path)
+    text = report(results)
+    (out / "results.md").write_text(text)
+    print(text)
+    if args.save_as:
+        dest = ROOT / "benchmarks" / "results"
+        (dest / f"{args.save_as}.md").write_text(text)
+        keep = {**results, "summary": summarise(results)}
+        (dest / f"{args.save_as}.json").write_text(json.dumps(keep, indent=2) + "\n")
+    return 0
+
+
+def run(args: argparse.Namespace, out: Path, res_path: Path) -> dict[str, Any]:
+    import subprocess
+
+    train_ids = [t for t in args.train.split(",") if t]
+    held_ids = [t for t in args.heldout.split(",") if t]
+    if set(train_ids) & set(held_ids):
+        raise SystemExit(f"--train and --heldout share {sorted(set(train_ids) & set(held_ids))}")
+    arms = [a for a in args.arms.split(",") if a]
+    if bad := sorted(set(arms) - set(ARMS)):
+        raise SystemExit(f"--arms: unknown {bad}; choose from {', '.join(ARMS)}")
+    seeds = [int(x) for x in args.seeds.split(",") if x]
+    pools = {"train": out / "tasks" / "train", "heldout": out / "tasks" / "heldout"}
+    _copy(train_ids, pools["train"])
+    _copy(held_ids, pools["heldout"])
+    commit = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT,
+                            capture_output=True, text=True).stdout.strip()  # fmt: skip
+    results: dict[str, Any] = (
+        json.loads(res_path.read_text()) if res_path.exists() else {"arms": {}}
+    )
+    results.update(
+        command="python benchmarks/experiment_marks_local.py " + " ".join(sys.argv[1:]),
+        commit=commit,
+        date=time.strftime("%Y-%m-%d"),
+        settings={
+            **{
+                k: v
+                for k, v in vars(args).items()
+                if k not in ("report_only", "save_as", "train", "heldout")
+            },
+            "train": train_ids,
+            "heldout": held_ids,
+        },
+    )
+
+    def save() -> None:
+        res_path.write_text(json.dumps(results, indent=2))
+
+    base = _base(args, out)
+    for arm in arms:
+        r = results["arms"].setdefault(arm, {"seeds": {}})
+        sft = _warm_start(args, arm, base, pools["train"], out)
+        r["warm"] = _evaluate(args, arm, sft, pools, out / arm / "warm_eval")
+        save()
+        for seed in seeds:
+            run_dir = _train(args, arm, seed, sft, pools["train"], out)
+            ev = _evaluate(args, arm, final_checkpoint(run_dir) / "model", pools,
+                           run_dir / "eval")  # fmt: skip
+            sm = json.loads((run_dir / "summary.json").read_text())
+            r["seeds"][str(seed)] = {**ev, "train_wall_s": sm.get("wall_s"),
+                                     "accounting": sm.get("accounting")}  # fmt: skip
+            save()
+    return results
+
+
+if __name__ == "__main__":
+    sys.exit(main())
