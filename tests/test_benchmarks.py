@@ -110,3 +110,30 @@ def test_bench_reader_times_the_step_that_trains_only_the_last_layers() -> None:
                and line.count("|") == 4)  # fmt: skip
     full, last = (float(x) for x in row.strip("| ").split(" | ")[1:])
     assert last > 0 and full > 0
+
+
+@pytest.mark.slow  # two minutes of local desktops and the tiny model: make test-all
+def test_the_local_marks_experiment_runs_every_step_and_accounts_for_its_episodes(
+    tmp_path: Path,
+) -> None:
+    """`experiment_marks_local.py`, a dry run: the warm start records both training tasks'
+    demonstrations on local desktops, the ARPO run trains one iteration whose 4 episodes
+    are all accounted for, and the report has the warm start's row and the seed's."""
+    from test_desktop_atspi import require_atspi
+
+    require_atspi()
+    out = tmp_path / "marks"
+    p = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "experiment_marks_local.py"), "--out",
+         str(out), "--base", "tiny", "--arms", "tree", "--seeds", "1", "--train",
+         "calc-set-quantity,calc-header-cost", "--heldout", "calc-fix-food", "--iterations",
+         "1", "--groups", "1", "--sft-epochs", "1", "--train-layers", "0"],
+        capture_output=True, text=True, timeout=900, cwd=ROOT,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    sft = json.loads((out / "tree" / "sft" / "offline.json").read_text())
+    assert sft["summary"]["record_kept"] == 2, sft["summary"]
+    run = json.loads((out / "tree" / "runs" / "s1" / "summary.json").read_text())
+    acc = run["accounting"]
+    assert run["finished"] and acc["unaccounted"] == 0 and acc["trained"] == 4, acc
+    assert re.search(r"^\| tree \| warm start \| .*\n\| tree \| 1 \| ", p.stdout, re.M), p.stdout
