@@ -204,10 +204,6 @@ def test_config_errors_say_how_to_fix_them(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(bool(MISSING), reason=f"desktop programs missing: {MISSING} (make sysdeps)")
-# `arpo-envs up` (run in process here) leaves its detached servers' Popen objects behind, which
-# Python reports from Popen.__del__; `down` stops the servers by pid.
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-@pytest.mark.filterwarnings("ignore::ResourceWarning")
 def test_audit_on_real_local_desktops_fetches_calc_files_by_content(tmp_path: Path) -> None:
     import arpo_envs.tasks as suite
 

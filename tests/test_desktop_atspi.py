@@ -174,9 +174,6 @@ def test_without_atspi_the_tree_is_frames_and_no_bus_runs(tmp_path) -> None:
         stop_desk_proc(d.proc)
 
 
-# `up` starts the servers detached and keeps no Popen of them: their __del__ warns
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-@pytest.mark.filterwarnings("ignore::ResourceWarning")
 def test_arpo_envs_up_atspi_gives_every_desktop_its_bus(tmp_path) -> None:
     """`arpo-envs up --atspi` (what `arpo train` starts for a tree observation type): each
     desktop's processes are on that desktop's own session bus, and `down` leaves nothing."""

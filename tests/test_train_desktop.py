@@ -21,10 +21,6 @@ MISSING = [b for b in ("Xvfb", "openbox", "soffice", "mousepad", "xterm") if not
 
 
 @pytest.mark.slow
-# The desktop servers are detached processes that `arpo-envs up` starts and `down` stops by
-# pid; their Popen objects are dropped while they run, which Python reports as a
-# ResourceWarning from Popen.__del__.
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.skipif(bool(MISSING), reason=f"desktop programs missing: {MISSING} (make sysdeps)")
 def test_training_run_on_real_local_desktops(tmp_path: Path) -> None:
     import json
