@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from _runs import final_checkpoint
-from _stats import t_interval
+from _stats import strict_json, t_interval
 
 ROOT = Path(__file__).resolve().parent.parent
 log = logging.getLogger("experiment_marks_local")
@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         dest = ROOT / "benchmarks" / "results"
         (dest / f"{args.save_as}.md").write_text(text)
         keep = {**results, "summary": summarise(results)}
-        (dest / f"{args.save_as}.json").write_text(json.dumps(keep, indent=2) + "\n")
+        (dest / f"{args.save_as}.json").write_text(strict_json(keep))
     return 0
 
 

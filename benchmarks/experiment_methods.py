@@ -90,7 +90,7 @@ from typing import Any
 
 from _earlier import earlier_config
 from _runs import final_checkpoint
-from _stats import t_interval
+from _stats import strict_json, t_interval
 
 log = logging.getLogger("experiment")
 
@@ -946,7 +946,7 @@ def _transfer_json(name: str, results: dict[str, Any]) -> None:
     if not name:
         return
     dest = Path(__file__).resolve().parent / "results" / f"{name}.json"
-    dest.write_text(json.dumps(transfer_summary(results), indent=2) + "\n")
+    dest.write_text(strict_json(transfer_summary(results)))
     log.info("transfer summary -> %s", dest)
 
 
@@ -958,7 +958,7 @@ def _save_as(out: Path, name: str, results: dict[str, Any]) -> None:
     shutil.copyfile(out / "results.md", dest / f"{name}.md")
     shutil.copyfile(out / "curves.png", dest / f"{name}.png")
     keep = {**results, "contrasts": contrasts(results)}
-    (dest / f"{name}.json").write_text(json.dumps(keep, indent=2))
+    (dest / f"{name}.json").write_text(strict_json(keep))
     log.info("copied to %s/%s.{md,json,png}", dest, name)
 
 
