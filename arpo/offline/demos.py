@@ -6,8 +6,9 @@
     result = evaluate_greedy("runs/sft", tasks[:16])            # {"success_rate": ..., ...}
 
 Recording runs `arpo.actor.episode.run_episode`, the actor's own loop, against simulated
-desktop servers started in this process (real HTTP on loopback, the OSWorld protocol):
-reset + `sim_scene` setup, then per turn the screenshot, the turn's prompt ids from
+desktop servers started in this process (real HTTP on loopback, the OSWorld protocol), or
+with `LocalDesktops` against real local desktops started for the call (`run_on_desktops`):
+revert + the task's setup, then per turn the screenshot, the turn's prompt ids from
 `EpisodePrompt` with the model's processor, one response, parse, execute; at the end the
 task's checker. The response comes from `OraclePolicy` instead of a model: the oracle's
 next pyautogui step written as UI-TARS text by the scripted policy's conversion
