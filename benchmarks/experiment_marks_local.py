@@ -117,6 +117,7 @@ def _warm_start(args: argparse.Namespace, arm: str, base: Path, train: Path, out
 def _evaluate(args: argparse.Namespace, arm: str, model: Path, pools: dict[str, Path],
               out: Path) -> dict[str, Any]:  # fmt: skip
     """Greedy episodes on every task of each pool (cached in `out`)."""
+    from arpo.actor.episode import EpisodeConfig
     from arpo.env.task import load_task_pool
     from arpo.env.taskfiles import TaskFiles
     from arpo.offline.demos import LocalDesktops, evaluate_greedy
@@ -133,7 +134,8 @@ def _evaluate(args: argparse.Namespace, arm: str, model: Path, pools: dict[str, 
         res[name] = evaluate_greedy(
             model, tasks, max_steps=args.eval_steps, max_new_tokens=args.max_new_tokens,
             observation_type=shown, marks_source=marks,
-            local=LocalDesktops(2, files, atspi=arm == "tree"),
+            local=LocalDesktops(2, files, atspi=EpisodeConfig(observation_type=shown,
+                                marks_source=marks).needs_tree),  # type: ignore[arg-type]
         )  # fmt: skip
     res["wall_s"] = round(time.monotonic() - t0, 1)
     out.mkdir(parents=True, exist_ok=True)
