@@ -292,3 +292,26 @@ def test_getter_transport_failure_is_env_error(tmp_path):
         assert "EnvTransportError" in r.error
 
     asyncio.run(with_runner(body, tmp_path))
+
+
+def test_actions_of_one_response_are_paused_on_desktops_and_not_on_simulated_ones(tmp_path):
+    """`between_actions` waits `action_pause_s` times `sleep_scale`: the desktops the actor and
+    the bring-up drive get UI-TARS's 1 s, a simulated desktop (sleep_scale 0) none."""
+    import time
+
+    from arpo.actor.config import ActorConfig
+    from arpo.env.bringup import EnvSpec
+    from arpo.env.runner import DESKTOP_ACTION_PAUSE_S
+
+    async def body(env, peer):
+        t0 = time.perf_counter()
+        await env.runner.between_actions()
+        return time.perf_counter() - t0
+
+    assert asyncio.run(with_env(body, tmp_path, action_pause_s=0.3)) >= 0.3
+    assert asyncio.run(with_env(body, tmp_path, action_pause_s=30.0, sleep_scale=0.0)) < 5.0
+    assert DESKTOP_ACTION_PAUSE_S == 1.0
+    assert ActorConfig().runner.runner_config(reset_before_setup=True).action_pause_s == 1.0
+    desktop = EnvSpec("http://127.0.0.1:1", provider="desktop").runner_config()
+    assert desktop.action_pause_s == 1.0
+    assert EnvSpec("http://127.0.0.1:1", provider="sim").runner_config().sleep_scale == 0.0

@@ -206,6 +206,7 @@ BEYOND = [
     (ActorConfig, "spool_dir='/etc/hostname'", "spool_dir"),
     (ActorConfig, "runner.osworld_probe_timeout_s=-1", "runner.osworld_probe_timeout_s"),
     (ActorConfig, "runner.osworld_timeout_s=1e300", "runner.osworld_timeout_s"),
+    (ActorConfig, "runner.action_pause_s=-1", "runner.action_pause_s"),
     (EvalConfig, "runs_per_task=1000000000", "runs_per_task"),
     (EvalConfig, "temperature=-1", "temperature"),
     (EvalConfig, "grant_timeout_s=0", "grant_timeout_s"),

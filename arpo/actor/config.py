@@ -21,7 +21,7 @@ from arpo.config import (
 from arpo.env.bringup import fleet_problem, token_problem
 from arpo.env.environment import EnvironmentConfig
 from arpo.env.osworld.client import EvaluatorConfig, find_python
-from arpo.env.runner import RunnerConfig
+from arpo.env.runner import DESKTOP_ACTION_PAUSE_S, RunnerConfig
 from arpo.policy.engine import EngineConfig
 from arpo.record import ident_problem
 from arpo.transport import TransportConfig
@@ -67,6 +67,12 @@ class ActorRunnerConfig:
     cache_dir: str = option(
         "", "Local file cache for `download` steps and `cloud_file` getters ('': none)."
     )
+    action_pause_s: float = option(
+        DESKTOP_ACTION_PAUSE_S,
+        "Pause between two actions of one response, for the application to react (a dialog "
+        "opens, a focus moves; UI-TARS's own converter waits 1 s); 0: none. Simulated "
+        "desktops never wait.",
+    )
 
     def validate(self) -> None:
         if self.evaluator == "osworld" and find_python(self.osworld_python or None) is None:
@@ -94,6 +100,9 @@ class ActorRunnerConfig:
         )
         if problem := folder_problem(self.cache_dir):
             fail("cache_dir", problem)
+        check_seconds(
+            "action_pause_s", self.action_pause_s, "between a response's actions", zero="0: none"
+        )
 
     def runner_config(self, *, reset_before_setup: bool) -> RunnerConfig:
         """The RunnerConfig of an `envs` URL's runner."""
@@ -104,6 +113,7 @@ class ActorRunnerConfig:
             osworld_python=self.osworld_python or None,
             osworld_timeout_s=self.osworld_timeout_s,
             osworld_probe_timeout_s=self.osworld_probe_timeout_s,
+            action_pause_s=self.action_pause_s,
         )
 
     def evaluator_config(self, environments: int) -> EvaluatorConfig:

@@ -517,7 +517,9 @@ async def play(
             continue
         prompt.add_response(response)
         t0 = time.perf_counter()
-        for cmd in parsed.commands:
+        for i, cmd in enumerate(parsed.commands):
+            if i:
+                await env.runner.between_actions()
             await env.timed(env.runner.act(cmd))
             run.ended = cmd in (A.DONE, A.FAIL)
         timings["env"] += time.perf_counter() - t0

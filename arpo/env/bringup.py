@@ -32,7 +32,7 @@ from arpo.env.client import EnvClient
 from arpo.env.environment import Environment, EnvironmentConfig
 from arpo.env.osworld.client import OSWorldEvaluator
 from arpo.env.provider import FleetLink, FleetVMProvider, StaticProvider
-from arpo.env.runner import RunnerConfig
+from arpo.env.runner import DESKTOP_ACTION_PAUSE_S, RunnerConfig
 from arpo.env.taskfiles import FileSource
 from arpo.errors import ArpoError
 
@@ -227,7 +227,9 @@ class EnvSpec:
             return self.runner
         if self.provider == "sim":
             return RunnerConfig(reset_before_setup=True, sleep_scale=0.0, evaluator="own")
-        return RunnerConfig(reset_before_setup=self.provider == "desktop")
+        return RunnerConfig(
+            reset_before_setup=self.provider == "desktop", action_pause_s=DESKTOP_ACTION_PAUSE_S
+        )
 
     def environment(
         self,

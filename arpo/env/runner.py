@@ -60,6 +60,9 @@ from arpo.errors import EnvError, EnvHTTPError, EnvTimeout, FileCacheMiss, TaskE
 log = logging.getLogger(__name__)
 
 SPECIAL_ACTIONS = ("WAIT", "DONE", "FAIL")
+DESKTOP_ACTION_PAUSE_S = 1.0
+"""`RunnerConfig.action_pause_s` on real desktops and VMs: UI-TARS's own converter waits 1 s
+between the actions of one response."""
 EVALUATORS = ("own", "auto", "osworld")
 
 
@@ -82,6 +85,11 @@ class RunnerConfig:
     """Multiplies every `sleep` step (0 on a simulated desktop that needs no waiting)."""
     wait_seconds: float = 1.0
     """How long the WAIT action waits."""
+    action_pause_s: float = 0.0
+    """Pause between two actions of one response, times `sleep_scale` (`between_actions`). A
+    real application needs the time to react (a dialog opens, a focus moves): the actor and the
+    environment bring-up use `DESKTOP_ACTION_PAUSE_S` for desktops and VMs. A simulated
+    desktop reacts at once and needs none."""
     until_poll_s: float = 0.3
     """Interval between tries of an `execute` step with `until` (OSWorld: 0.3 s)."""
     until_timeout_s: float = 120.0
@@ -339,6 +347,12 @@ class TaskRunner:
         if action in ("DONE", "FAIL"):
             return None
         return await self.client.execute_pyautogui(action)
+
+    async def between_actions(self) -> None:
+        """The pause between two actions of one response (`RunnerConfig.action_pause_s` times
+        `sleep_scale`)."""
+        if pause := self.config.action_pause_s * self.config.sleep_scale:
+            await asyncio.sleep(pause)
 
     async def run(self, task: Task, actions: Sequence[str]) -> EvalResult:
         """Set up `task` (no revert: `Environment.run` reverts first), play `actions` (stopping

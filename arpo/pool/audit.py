@@ -93,7 +93,7 @@ from arpo.env.bringup import (
 )
 from arpo.env.environment import Environment
 from arpo.env.osworld.client import EvaluatorConfig, OSWorldEvaluator, find_python
-from arpo.env.runner import RunnerConfig
+from arpo.env.runner import DESKTOP_ACTION_PAUSE_S, RunnerConfig
 from arpo.env.task import PoolTask, Task, load_pool, pool_problem, task_domain, task_pool
 from arpo.env.taskfiles import BlobCache, FileSource, TaskFiles
 from arpo.errors import ArpoError, EnvError, ResetError
@@ -605,7 +605,7 @@ def run_audit(
     pool = load_pool(cfg.tasks, index)
     wanted = collections.Counter(task_pool(p.task) for p in pool)
     desktop_runner = RunnerConfig(
-        reset_before_setup=True, evaluator=cfg.evaluator,
+        reset_before_setup=True, evaluator=cfg.evaluator, action_pause_s=DESKTOP_ACTION_PAUSE_S,
         cache_dir=Path(cfg.cache_dir) if cfg.cache_dir else None,
     )  # fmt: skip
     static_runner = dataclasses.replace(desktop_runner, reset_before_setup=False)
