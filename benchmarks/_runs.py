@@ -14,3 +14,12 @@ def final_checkpoint(run_dir: Path) -> Path:
     if ckpt is None:
         raise SystemExit(f"{run_dir}: no checkpoint; see {run_dir / 'logs'}")
     return ckpt
+
+
+def model_to_evaluate(run_dir: Path, eval_dir: Path) -> Path | None:
+    """The final checkpoint's model folder, or None when `eval_dir` holds a finished
+    evaluation (`eval.json`): the evaluation is read back, and the run's checkpoints may have
+    been deleted to free the disk."""
+    if (eval_dir / "eval.json").exists():
+        return None
+    return final_checkpoint(run_dir) / "model"

@@ -47,7 +47,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _runs import final_checkpoint
+from _runs import model_to_evaluate
 from _stats import strict_json, t_interval
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -114,9 +114,10 @@ def _warm_start(args: argparse.Namespace, arm: str, base: Path, train: Path, out
     return sft
 
 
-def _evaluate(args: argparse.Namespace, arm: str, model: Path, pools: dict[str, Path],
+def _evaluate(args: argparse.Namespace, arm: str, model: Path | None, pools: dict[str, Path],
               out: Path) -> dict[str, Any]:  # fmt: skip
-    """Greedy episodes on every task of each pool (cached in `out`)."""
+    """Greedy episodes of `model` on every task of each pool (read back from `out` when they
+    have run: `model` may then be None)."""
     from arpo.actor.episode import EpisodeConfig
     from arpo.env.task import load_task_pool
     from arpo.env.taskfiles import TaskFiles
@@ -125,6 +126,7 @@ def _evaluate(args: argparse.Namespace, arm: str, model: Path, pools: dict[str, 
     done = out / "eval.json"
     if done.exists():
         return json.loads(done.read_text())
+    assert model is not None, f"{out}: nothing evaluated yet and no model given"
     shown, marks = ARMS[arm]
     res: dict[str, Any] = {}
     t0 = time.monotonic()
@@ -330,7 +332,7 @@ def run(args: argparse.Namespace, out: Path, res_path: Path) -> dict[str, Any]:
         save()
         for seed in seeds:
             run_dir = _train(args, arm, seed, sft, pools["train"], out)
-            ev = _evaluate(args, arm, final_checkpoint(run_dir) / "model", pools,
+            ev = _evaluate(args, arm, model_to_evaluate(run_dir, run_dir / "eval"), pools,
                            run_dir / "eval")  # fmt: skip
             sm = json.loads((run_dir / "summary.json").read_text())
             r["seeds"][str(seed)] = {**ev, "train_wall_s": sm.get("wall_s"),

@@ -89,7 +89,7 @@ from pathlib import Path
 from typing import Any
 
 from _earlier import earlier_config
-from _runs import final_checkpoint
+from _runs import model_to_evaluate
 from _stats import strict_json, t_interval
 
 log = logging.getLogger("experiment")
@@ -266,15 +266,18 @@ def setup(args: argparse.Namespace, out: Path) -> dict[str, Any]:
 # ---------------------------------------------------------------------------- evaluation
 
 
-def _eval(args: argparse.Namespace, policy: str, s: dict[str, Any], out: Path) -> dict:
-    """`arpo eval` on training + held-out tasks; success rates of each part."""
+def _eval(args: argparse.Namespace, policy: str | Path | None, s: dict[str, Any],
+          out: Path) -> dict:  # fmt: skip
+    """`arpo eval` of `policy` on training + held-out tasks (read back from `out` when it has
+    run: `policy` may then be None); success rates of each part."""
     from arpo.pool.evaluate import EvalConfig, run_eval
 
     done = out / "eval.json"
     if not done.exists():
+        assert policy is not None, f"{out}: nothing evaluated yet and no model given"
         run_eval(
             EvalConfig(
-                model=policy,
+                model=str(policy),
                 verify=False,
                 tasks=s["eval_pool"],
                 runs_per_task=args.eval_runs,
@@ -386,8 +389,7 @@ def _online(args, method: str, seed: int, s: dict[str, Any]) -> dict[str, Any]:
         summary.write_text(json.dumps(sm, indent=2))
     sm = json.loads(summary.read_text())
     rows = read_metrics(run_dir / "learner" / "metrics.jsonl")
-    ckpt = final_checkpoint(run_dir)
-    ev = _eval(args, str(ckpt / "model"), s, run_dir / "eval")
+    ev = _eval(args, model_to_evaluate(run_dir, run_dir / "eval"), s, run_dir / "eval")
     acc = sm.get("accounting", {})
     lr_min = _values(rows, "losses/seq_logratio_replay_min")
     lr_max = _values(rows, "losses/seq_logratio_replay_max")

@@ -137,3 +137,20 @@ def test_the_local_marks_experiment_runs_every_step_and_accounts_for_its_episode
     acc = run["accounting"]
     assert run["finished"] and acc["unaccounted"] == 0 and acc["trained"] == 4, acc
     assert re.search(r"^\| tree \| warm start \| .*\n\| tree \| 1 \| ", p.stdout, re.M), p.stdout
+
+
+def test_an_evaluated_run_needs_no_checkpoint_and_an_unevaluated_one_names_its_logs(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """The experiments read a finished evaluation back, so a run whose checkpoints were
+    deleted to free the disk is still reported; a run with neither stops, naming its logs."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from _runs import model_to_evaluate
+
+    run = tmp_path / "arpo-s1"
+    (run / "learner" / "checkpoints").mkdir(parents=True)
+    with pytest.raises(SystemExit, match=r"arpo-s1: no checkpoint; see .*logs"):
+        model_to_evaluate(run, run / "eval")
+    (run / "eval").mkdir()
+    (run / "eval" / "eval.json").write_text("{}")
+    assert model_to_evaluate(run, run / "eval") is None
