@@ -653,7 +653,8 @@ def report(out: Path, results: dict[str, Any]) -> str:
         "Cost, per seed: environment steps the run's trajectories took (a tree's shared "
         "turns once; the offline methods': their collection's), successes among the "
         "training episodes (at the rollout temperature), successes per 1000 environment "
-        "steps and per minute of the run's wall clock (learner and actors together):",
+        "steps and per minute of the run's wall clock (learner and actors together; "
+        "an offline method's is not recorded, `-`):",
         "",
         "| method | environment steps | training successes | per 1000 steps | per minute |",
         "|---|---|---|---|---|",
@@ -665,7 +666,8 @@ def report(out: Path, results: dict[str, Any]) -> str:
             continue
 
         def col(key: str, fmt: str, ps=ps) -> str:
-            return ", ".join(format(p.get(key, math.nan), fmt) for p in ps)
+            xs = [p.get(key, math.nan) for p in ps]
+            return ", ".join("-" if x is None or math.isnan(x) else format(x, fmt) for x in xs)
 
         lines.append(
             f"| {m} | {col('env_steps', '.0f')} | {col('train_successes', '.0f')} | "
