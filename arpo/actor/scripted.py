@@ -100,8 +100,9 @@ def oracle_to_actions(code: str, scroll_clicks: int = 5) -> list[A.Action]:
     `time.sleep(...)` between the calls (the local suite's oracles pause for LibreOffice)
     is dropped: UI-TARS has no timed pause (`wait()` is a turn of its own, 5 s). On a
     desktop the runner waits `RunnerConfig.action_pause_s` between the actions of one
-    response instead, for a demonstration and a policy's response alike. A demonstration recorded from such a line is
-    kept only where its checker still scores 1 (`arpo.offline.demos.record_demos`)."""
+    response instead, for a demonstration and a policy's response alike. A demonstration
+    recorded from such a line is kept only where its checker still scores 1
+    (`arpo.offline.demos.record_demos`)."""
     try:
         tree = ast.parse(code.strip())
     except SyntaxError as e:
