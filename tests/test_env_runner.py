@@ -315,3 +315,80 @@ def test_actions_of_one_response_are_paused_on_desktops_and_not_on_simulated_one
     desktop = EnvSpec("http://127.0.0.1:1", provider="desktop").runner_config()
     assert desktop.action_pause_s == 1.0
     assert EnvSpec("http://127.0.0.1:1", provider="sim").runner_config().sleep_scale == 0.0
+
+
+def test_the_episode_loop_pauses_between_the_actions_of_one_response(tmp_path):
+    """`play` waits `between_actions` between two actions of one response and not before the
+    first: a response of two clicks on a simulated desktop, timed at the runner's `act`."""
+    import time
+
+    import numpy as np
+    from arpo_envs.sim.server import SimConfig, running
+    from arpo_envs.sim.tasks import generate_tasks
+
+    from arpo import wire
+    from arpo.actor.episode import EpisodeConfig, run_episode
+    from arpo.actor.scripted import ByteTokenizer
+    from arpo.policy.engine import Completion
+    from arpo.record import Status
+
+    answers = [
+        "Thought: two clicks.\nAction: click(start_box='(10,10)')\n\nclick(start_box='(20,20)')",
+        "Thought: done.\nAction: finished()",
+    ]
+
+    class TwoActions:
+        tokenizer = ByteTokenizer()
+        min_pixels, max_pixels = 28 * 28 * 4, 28 * 28 * 64
+
+        def __init__(self) -> None:
+            self.turn = 0
+
+        async def generate(self, token_ids, images=(), params=None):
+            text = answers[min(self.turn, 1)]
+            self.turn += 1
+            ids = np.frombuffer(text.encode(), np.uint8).astype(np.int32)
+            return Completion(ids, np.full(len(ids), -0.1, np.float32), text, "stop", 0)
+
+    task = generate_tasks("click_button", 1, seed=1)[0]
+    grant = wire.Grant("g/0/1", task["id"], "g", 0, 0, json.dumps(task))
+
+    def acts(pause: float) -> list[tuple[float, str]]:
+        async def go():
+            async with running([SimConfig(port=0)]) as urls:
+                env = Environment(
+                    0,
+                    urls[0],
+                    RunnerConfig(
+                        reset_before_setup=True, evaluator="own",
+                        action_pause_s=pause, sleep_scale=1.0,
+                    ),
+                )  # fmt: skip
+                times: list[tuple[float, str]] = []
+                act = env.runner.act
+
+                async def timed_act(cmd):
+                    times.append((time.perf_counter(), cmd))
+                    return await act(cmd)
+
+                env.runner.act = timed_act
+                try:
+                    t0 = time.perf_counter()
+                    traj = await run_episode(
+                        env, grant, TwoActions(), EpisodeConfig(max_steps=3), actor_id="a"
+                    )
+                finally:
+                    await env.close()
+            assert traj is not None and traj.status == Status.OK, traj
+            assert traj.steps == 2
+            return [(t - t0, c) for t, c in times]
+
+        return asyncio.run(go())
+
+    paused = acts(0.6)
+    assert len(paused) == 3 and paused[2][1] == "DONE"
+    assert "pyautogui.click(" in paused[0][1] and "pyautogui.click(" in paused[1][1]
+    assert paused[0][1] != paused[1][1]  # the response's two clicks, in its order
+    assert paused[1][0] - paused[0][0] >= 0.6  # between the two clicks of one response
+    unpaused = acts(0.0)
+    assert unpaused[1][0] - unpaused[0][0] < 0.5
