@@ -50,6 +50,8 @@ from typing import Any
 from _runs import model_to_evaluate
 from _stats import strict_json, t_interval
 
+from arpo.actor.episode import A11Y_MAX_TOKENS
+
 ROOT = Path(__file__).resolve().parent.parent
 log = logging.getLogger("experiment_marks_local")
 
@@ -109,6 +111,7 @@ def _warm_start(args: argparse.Namespace, arm: str, base: Path, train: Path, out
         run(SFTConfig(model=str(base), out=str(sft), tasks=str(train), local_desktops=2,
                       observation_type=shown, marks_source=marks, max_steps=0,  # type: ignore[arg-type]
                       max_new_tokens=args.max_new_tokens, epochs=args.sft_epochs,
+                      a11y_max_tokens=args.a11y_max_tokens,
                       target_nll=args.sft_target_nll, lr=args.sft_lr, batch_size=4,
                       micro_batch=1, train_layers=args.train_layers))  # fmt: skip
     return sft
@@ -135,7 +138,7 @@ def _evaluate(args: argparse.Namespace, arm: str, model: Path | None, pools: dic
         tasks = load_task_pool(pool, files)
         res[name] = evaluate_greedy(
             model, tasks, max_steps=args.eval_steps, max_new_tokens=args.max_new_tokens,
-            observation_type=shown, marks_source=marks,
+            observation_type=shown, marks_source=marks, a11y_max_tokens=args.a11y_max_tokens,
             local=LocalDesktops(2, files, atspi=EpisodeConfig(observation_type=shown,
                                 marks_source=marks).needs_tree),  # type: ignore[arg-type]
         )  # fmt: skip
@@ -168,6 +171,7 @@ def _train(args: argparse.Namespace, arm: str, seed: int, sft: Path, train: Path
         f"actor.episode.observation_type={shown!r}", f"actor.episode.marks_source={marks!r}",
         f"actor.episode.max_steps={args.eval_steps}",
         f"actor.episode.max_new_tokens={args.max_new_tokens}",
+        f"actor.episode.a11y_max_tokens={args.a11y_max_tokens}",
     ])  # fmt: skip
     log.info("%s seed %d: arpo train -> %s", arm, seed, run_dir)
     t0 = time.monotonic()
@@ -225,7 +229,8 @@ def report(results: dict[str, Any]) -> str:
         f"desktops, at most {st['sft_epochs']} epochs, target NLL {st['sft_target_nll']}); "
         f"ARPO: {st['iterations']} iterations of {st['groups']} groups of 4 on 2 local "
         f"desktops, lr {st['lr']}. Success: greedy, one episode per task, at most "
-        f"{st['eval_steps']} turns.",
+        f"{st['eval_steps']} turns. Each turn's table is cut to "
+        f"{st.get('a11y_max_tokens', A11Y_MAX_TOKENS)} tokens.",
         "",
         "| arm | seed | train | held out | parsed turns |",
         "|---|---|---:|---:|---:|",
@@ -268,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--groups", type=int, default=2, help="Groups of 4 episodes per iteration.")
     p.add_argument("--eval-steps", type=int, default=5, help="Turns per episode at most.")
     p.add_argument("--max-new-tokens", type=int, default=96, help="Tokens per response.")
+    p.add_argument("--a11y-max-tokens", type=int, default=A11Y_MAX_TOKENS,
+                   help="Tokens each turn's table is cut to (warm start, RL and evaluation).")  # fmt: skip
     p.add_argument("--report-only", action="store_true", help="The report from results.json.")
     p.add_argument("--save-as", default="", help="Also write benchmarks/results/<name>.md/.json.")
     args = p.parse_args(argv)

@@ -359,10 +359,29 @@ def test_arpo_train_refuses_a_warm_start_made_for_another_observation_type(tmp_p
         None,
         [f"run_dir={str(tmp_path / 'run')!r}", "actor.episode.observation_type='som'"],
     )
-    with pytest.raises(ArpoError, match="observation_type"):
+    with pytest.raises(ArpoError, match="observation_type is 'som', the warm start's 'screenshot'"):
         TrainRun(cfg).policy()
     same = load_config(TrainConfig, None, [f"run_dir={str(tmp_path / 'run')!r}"])
     assert TrainRun(same).policy() == str(sft)
+    # The table budget and the context window are part of the prompt too (a warm start
+    # saved before they were recorded had the defaults).
+    for field, value in (("a11y_max_tokens", 640), ("history_images", 3)):
+        other = load_config(
+            TrainConfig,
+            None,
+            [f"run_dir={str(tmp_path / 'run')!r}", f"actor.episode.{field}={value}"],
+        )
+        with pytest.raises(ArpoError, match=rf"{field} is {value}, the warm start's"):
+            TrainRun(other).policy()
+    (sft / "offline.json").write_text(
+        _json.dumps({"sft": {"observation_type": "screenshot", "a11y_max_tokens": 640}})
+    )
+    cut = load_config(
+        TrainConfig,
+        None,
+        [f"run_dir={str(tmp_path / 'run')!r}", "actor.episode.a11y_max_tokens=640"],
+    )
+    assert TrainRun(cut).policy() == str(sft)
 
 
 def test_arpo_train_builds_the_tiny_model_with_its_image_budget(tmp_path):
@@ -391,3 +410,25 @@ def test_arpo_train_builds_the_tiny_model_with_its_image_budget(tmp_path):
         run().policy()
     with pytest.raises(ConfigError, match="tiny_max_pixels"):
         load_config(TrainConfig, None, ["model='/some/model'", "tiny_max_pixels=200704"])
+
+
+def test_oracle_demonstrations_cut_their_tables_as_the_actors_do(processor):
+    """`record_demos` cuts each prompt's table to `a11y_max_tokens` (the actors'
+    episode.a11y_max_tokens), so a warm start learns on the tables RL will show; a bound
+    the actors refuse is refused here, naming the field."""
+    from arpo.offline.demos import record_demos
+
+    tasks = generate_tasks("click_sequence", 1, seed=11)
+    tok = processor.tokenizer
+    cut, _ = record_demos(tasks, processor, n_envs=1, observation_type="a11y_tree",
+                          a11y_max_tokens=24)  # fmt: skip
+    whole, _ = record_demos(tasks, processor, n_envs=1, observation_type="a11y_tree")
+    assert len(cut) == len(whole) == 1 and cut[0].checker_score == 1.0
+    short = tok.decode(cut[0].turns[0].prompt_ids.tolist())
+    full = tok.decode(whole[0].turns[0].prompt_ids.tolist())
+    assert a11y.ELLIPSIS.strip() in short and a11y.ELLIPSIS.strip() not in full
+    assert len(cut[0].turns[0].prompt_ids) < len(whole[0].turns[0].prompt_ids)
+    with pytest.raises(ConfigError, match="a11y_max_tokens"):
+        record_demos(tasks, processor, n_envs=1, a11y_max_tokens=0)
+    with pytest.raises(ConfigError, match="history_images"):
+        record_demos(tasks, processor, n_envs=1, history_images=0)

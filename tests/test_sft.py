@@ -197,6 +197,8 @@ def test_arpo_sft_stops_at_the_target_nll(tiny: Path, tmp_path: Path, capsys) ->
         ("marks_source=ocr", "marks_source"),  # the screenshot shows no marks
         ("local_desktops=1", "local_desktops"),  # no task pool: local tasks come from one
         ("local_desktops=-1", "local_desktops"),
+        ("a11y_max_tokens=0", "a11y_max_tokens"),  # the actors' bounds
+        ("history_images=0", "history_images"),
     ],
 )
 def test_sft_config_errors_name_the_field(override: str, field: str) -> None:
@@ -296,7 +298,7 @@ def test_a_warm_start_on_tree_marks_is_not_reused_for_a_run_on_ocr_marks(tmp_pat
     )
     cfg = load_config(TrainConfig, None, [f"run_dir={str(tmp_path / 'run')!r}",
                       "actor.episode.observation_type=som", "actor.episode.marks_source=ocr"])  # fmt: skip
-    with pytest.raises(ArpoError, match=r"marks: tree.*marks: ocr"):
+    with pytest.raises(ArpoError, match=r"marks_source is 'ocr', the warm start's 'tree'"):
         TrainRun(cfg).policy()
 
 

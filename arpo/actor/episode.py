@@ -70,6 +70,13 @@ from arpo.record import MARKS_SOURCES, OBSERVATION_TYPES, Branch, Status, Trajec
 log = logging.getLogger("arpo.actor.episode")
 
 
+A11Y_MAX_TOKENS = 1280
+"""`EpisodeConfig.a11y_max_tokens`'s default (`arpo sft` records and evaluates with it too)."""
+HISTORY_IMAGES = 15
+"""`EpisodeConfig.history_images`'s default (the reference's: every screenshot of a 15-step
+episode kept)."""
+
+
 class EpisodePolicy(Protocol):
     async def generate(
         self, token_ids: Any, images: Sequence[Any] = (), params: SamplingParams | None = None
@@ -110,7 +117,7 @@ class EpisodeConfig:
         OcrConfig(), "How marks are read from pixels when marks_source is 'ocr' or 'auto'."
     )
     a11y_max_tokens: int = option(
-        1280,
+        A11Y_MAX_TOKENS,
         "Tokens (the policy's tokenizer's) each turn's table is cut to, '[...]' marking the "
         "cut (OSWorld's a11y_tree_max_tokens, 10,000 there for 128k-context models). The "
         "learner trains a whole episode as one sequence, so the default keeps 15 turns of "
@@ -118,7 +125,7 @@ class EpisodeConfig:
         "positions; the simulated desktop's tables are 150-1,020 tokens (1..MAX_A11Y_TOKENS).",
     )
     history_images: int = option(
-        15,
+        HISTORY_IMAGES,
         "Observations (screenshots and / or tables) kept in the model's context; older "
         "turns keep their responses (1..MAX_STEPS_LIMIT).",
     )

@@ -262,6 +262,26 @@ async def _run(
                             environment=environment)  # fmt: skip
 
 
+def shown_episode(
+    observation_type: str,
+    marks_source: str,
+    a11y_max_tokens: int | None,
+    history_images: int | None,
+    **episode: Any,
+) -> EpisodeConfig:
+    """The greedy episode settings of `record_demos` and `evaluate_greedy`: what the policy
+    is shown (None: the actors' default) plus `episode`'s fields, validated, so a bad value
+    fails here naming the field instead of deep in an episode."""
+    shown: dict[str, Any] = {"observation_type": observation_type, "marks_source": marks_source}
+    if a11y_max_tokens is not None:
+        shown["a11y_max_tokens"] = a11y_max_tokens
+    if history_images is not None:
+        shown["history_images"] = history_images
+    cfg = EpisodeConfig(temperature=0.0, **shown, **episode)
+    cfg.validate()
+    return cfg
+
+
 def record_demos(
     tasks: Sequence[dict[str, Any]],
     model: str | Path | Any,
@@ -271,13 +291,17 @@ def record_demos(
     max_new_tokens: int = 0,
     observation_type: str = "screenshot",
     marks_source: str = "tree",
+    a11y_max_tokens: int | None = None,
+    history_images: int | None = None,
     local: LocalDesktops | None = None,
 ) -> tuple[list[Trajectory], dict[str, Any]]:
     """Record one oracle demonstration per task (see the module docstring), each turn's
     prompt showing `observation_type` (`EpisodeConfig.observation_type`; with `som` the
     oracle's clicks name the mark that holds them, marks made by `marks_source`,
-    `EpisodeConfig.marks_source`), on `n_envs` simulated desktops, or with `local` on local
-    desktops started for it (`LocalDesktops`: the pool's tasks are local ones).
+    `EpisodeConfig.marks_source`; tables cut to `a11y_max_tokens`, at most `history_images`
+    observations in the context: the actors' episode settings, theirs by default), on
+    `n_envs` simulated desktops, or with `local` on local desktops started for it
+    (`LocalDesktops`: the pool's tasks are local ones).
 
     `model` is a model folder (its processor is loaded) or a loaded `AutoProcessor`.
     `max_steps` is the episode's step budget (0: fitted to each task, `step_budget`);
@@ -315,8 +339,8 @@ def record_demos(
             continue
         usable.append(t)
     policy = OraclePolicy(processor)
-    cfg = EpisodeConfig(max_steps=max_steps, temperature=0.0, observation_type=observation_type,
-                        marks_source=marks_source)  # fmt: skip
+    cfg = shown_episode(observation_type, marks_source, a11y_max_tokens, history_images,
+                        max_steps=max_steps)  # fmt: skip
     trajs = asyncio.run(_run(usable, policy, cfg, n_envs, local, actor_id="oracle-demos"))
     kept: list[Trajectory] = []
     longest = 0
@@ -386,21 +410,22 @@ def evaluate_greedy(
     device: str = "cpu",
     observation_type: str = "screenshot",
     marks_source: str = "tree",
+    a11y_max_tokens: int | None = None,
+    history_images: int | None = None,
     local: LocalDesktops | None = None,
 ) -> dict[str, float]:
     """Greedy episodes of the model on every task (the real engine, parser and checker),
-    showing it `observation_type` (with `som`, marks made by `marks_source`); on `n_envs`
-    simulated desktops, or with `local` on local desktops started for it.
+    showing it `observation_type` (with `som`, marks made by `marks_source`; tables and
+    context bounded as in `record_demos`); on `n_envs` simulated desktops, or with `local`
+    on local desktops started for it.
 
     Returns success_rate (checker score 1 among ok episodes), score_mean, parsed_rate (of
     all turns), steps_mean, episodes, not_ok."""
     from arpo.policy.engine import EngineConfig
     from arpo.policy.engine_hf import HFEngine
 
-    cfg = EpisodeConfig(
-        max_steps=max_steps, temperature=0.0, max_new_tokens=max_new_tokens,
-        observation_type=observation_type, marks_source=marks_source,  # type: ignore[arg-type]
-    )  # fmt: skip
+    cfg = shown_episode(observation_type, marks_source, a11y_max_tokens, history_images,
+                        max_steps=max_steps, max_new_tokens=max_new_tokens)  # fmt: skip
 
     async def go() -> list[Trajectory | None]:
         engine = HFEngine(

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
+from arpo.actor.episode import A11Y_MAX_TOKENS, HISTORY_IMAGES, EpisodeConfig
 from arpo.config import fail, option, to_dict, validate
 from arpo.env.bringup import MAX_LOCAL_ENVS
 from arpo.offline.data import read_trajectories, write_trajectories
@@ -105,6 +106,16 @@ class SFTConfig:
         "evaluation (the actors' episode.marks_source: a warm start for OCR marks learns on "
         "OCR tables).",
     )
+    a11y_max_tokens: int = option(
+        A11Y_MAX_TOKENS,
+        "Tokens each prompt's table is cut to, when recording and evaluating (the actors' "
+        "episode.a11y_max_tokens: a warm start learns on the tables RL will show it).",
+    )
+    history_images: int = option(
+        HISTORY_IMAGES,
+        "Observations kept in each prompt's context, when recording and evaluating (the "
+        "actors' episode.history_images).",
+    )
     dtype: Literal["float32", "bfloat16"] = option("float32", "Parameter dtype.")
     device: str = option("cpu", "Torch device.")
     lr: float = option(1e-3, "AdamW learning rate (high: the tiny model starts from random).")
@@ -156,7 +167,15 @@ class SFTConfig:
         if self.marks_source != "tree" and self.observation_type != "som":
             fail("marks_source", f"is {self.marks_source!r} but only observation_type='som' "
                  "shows marks: give observation_type=som, or leave marks_source at 'tree'")  # fmt: skip
+        self.shown().validate()  # the table budget and the context window, as the actors check them
         # The optimizer fields are checked by OfflineConfig.validate.
+
+    def shown(self) -> EpisodeConfig:
+        """What each recorded and evaluated prompt shows, as the actors' episode settings."""
+        return EpisodeConfig(
+            observation_type=self.observation_type, marks_source=self.marks_source,
+            a11y_max_tokens=self.a11y_max_tokens, history_images=self.history_images,
+        )  # fmt: skip
 
     def offline_config(self) -> OfflineConfig:
         """The `rft` trainer configuration these settings make."""
@@ -185,7 +204,6 @@ def run(cfg: SFTConfig) -> dict[str, Any]:
     """Record (or read) the demonstrations, fine-tune, save; returns a summary."""
     from pathlib import Path
 
-    from arpo.actor.episode import EpisodeConfig
     from arpo.env.taskfiles import TaskFiles
     from arpo.offline.demos import LocalDesktops
 
@@ -193,7 +211,7 @@ def run(cfg: SFTConfig) -> dict[str, Any]:
     tasks: list[dict[str, Any]] = []
     report: dict[str, Any] = {}
     files = TaskFiles()
-    shown = EpisodeConfig(observation_type=cfg.observation_type, marks_source=cfg.marks_source)
+    shown = cfg.shown()
     local = (
         LocalDesktops(cfg.local_desktops, files, atspi=shown.needs_tree)
         if cfg.local_desktops
@@ -213,6 +231,8 @@ def run(cfg: SFTConfig) -> dict[str, Any]:
             max_new_tokens=cfg.max_new_tokens,
             observation_type=cfg.observation_type,
             marks_source=cfg.marks_source,
+            a11y_max_tokens=cfg.a11y_max_tokens,
+            history_images=cfg.history_images,
             local=local,
         )
         write_trajectories(Path(cfg.out) / "demos", demos)
@@ -237,7 +257,8 @@ def run(cfg: SFTConfig) -> dict[str, Any]:
         tasks = tasks or task_pool(cfg, files)
         res = evaluate_greedy(
             cfg.out, tasks[: cfg.eval_tasks], n_envs=cfg.n_envs, max_steps=cfg.max_steps,
-            observation_type=cfg.observation_type, marks_source=cfg.marks_source, local=local,
+            observation_type=cfg.observation_type, marks_source=cfg.marks_source,
+            a11y_max_tokens=cfg.a11y_max_tokens, history_images=cfg.history_images, local=local,
         )  # fmt: skip
         summary.update({f"eval_{k}": v for k, v in res.items()})
     return summary

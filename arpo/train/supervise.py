@@ -281,17 +281,23 @@ class TrainRun:
         if not cfg.warm_start:
             return str(tiny)
         sft_dir = self.run_dir / ("sft" if cfg.base == "tiny" else f"sft-{tiny.name}")
-        shown = cfg.actor.episode.observation_type
-        marks = cfg.actor.episode.marks_source
+        ep = cfg.actor.episode
+        shown = ep.observation_type
         if (sft_dir / "config.json").exists():
             made = _warm_start_observation(sft_dir)
-            if made != (shown, marks if shown == "som" else "tree"):
+            wanted = {
+                "observation_type": shown,
+                "marks_source": ep.marks_source if shown == "som" else "tree",
+                "a11y_max_tokens": ep.a11y_max_tokens,
+                "history_images": ep.history_images,
+            }
+            if differ := [k for k, v in wanted.items() if made[k] != v]:
                 raise ArpoError(
-                    f"{sft_dir} is a warm start on {made[0]!r} prompts (marks: {made[1]}), and "
-                    f"this run shows the policy {shown!r} (marks: {marks}; actor.episode."
-                    "observation_type, marks_source): give another run_dir, or remove that "
-                    "folder to warm-start again"
-                )
+                    f"{sft_dir} is a warm start on other prompts than this run shows the policy: "
+                    + ", ".join(f"actor.episode.{k} is {wanted[k]!r}, the warm start's "
+                                f"{made[k]!r}" for k in differ)
+                    + "; give another run_dir, or remove that folder to warm-start again"
+                )  # fmt: skip
         else:
             from arpo.offline.sft import SFTConfig
             from arpo.offline.sft import run as run_sft
@@ -312,7 +318,9 @@ class TrainRun:
                     max_steps=cfg.actor.episode.max_steps,
                     max_new_tokens=cfg.actor.episode.max_new_tokens,
                     observation_type=shown,
-                    marks_source=cfg.actor.episode.marks_source,
+                    marks_source=ep.marks_source,
+                    a11y_max_tokens=ep.a11y_max_tokens,
+                    history_images=ep.history_images,
                     lr=cfg.sft_lr or (1e-3 if cfg.base == "tiny" else READER_SFT_LR),
                     # The weights the learner trains, and no others.
                     train_layers=cfg.learner.trainer.train_layers,
@@ -1120,16 +1128,22 @@ def _tiny_max_pixels(model: Path) -> int:
     return int(pixel_bounds(AutoProcessor.from_pretrained(str(model)))[1])
 
 
-def _warm_start_observation(sft_dir: Path) -> tuple[str, str]:
-    """The observation type and marks source the warm start in `sft_dir` was trained on
-    (`arpo sft`'s saved config; 'screenshot' and 'tree' for one saved before the fields
-    existed)."""
+def _warm_start_observation(sft_dir: Path) -> dict[str, Any]:
+    """What the prompts of the warm start in `sft_dir` showed (`arpo sft`'s saved config:
+    observation_type, marks_source, a11y_max_tokens, history_images; each field's default
+    for one saved before the field existed)."""
+    from arpo.offline.sft import SFTConfig
+
     try:
         info = json.loads((sft_dir / "offline.json").read_text())
     except (OSError, ValueError):
-        return "screenshot", "tree"
+        info = {}
     sft = info.get("sft") or {}
-    return str(sft.get("observation_type", "screenshot")), str(sft.get("marks_source", "tree"))
+    default = SFTConfig()
+    return {
+        k: sft.get(k, getattr(default, k))
+        for k in ("observation_type", "marks_source", "a11y_max_tokens", "history_images")
+    }
 
 
 def _local_suite() -> Path:
