@@ -466,7 +466,9 @@ def _offline(args, seed: int, s: dict[str, Any], budget: int, algos: list[str]) 
     out: dict[str, dict[str, Any]] = {}
     for algo in algos:
         adir = base / algo
-        if not (adir / "model" / "config.json").exists():
+        # A method evaluated before needs no model: its folder may have been pruned.
+        evaluated = (adir / "eval" / "eval.json").exists()
+        if not evaluated and not (adir / "model" / "config.json").exists():
             log.info("offline %s seed %d -> %s", algo, seed, adir)
             run_offline(
                 OfflineConfig(
@@ -481,7 +483,7 @@ def _offline(args, seed: int, s: dict[str, Any], budget: int, algos: list[str]) 
                     train_layers=args.train_layers,
                 )
             )
-        ev = _eval(args, str(adir / "model"), s, adir / "eval")
+        ev = _eval(args, None if evaluated else str(adir / "model"), s, adir / "eval")
         out[algo] = {"eval": ev, "episodes": episodes, "successes": successes}
     return out
 

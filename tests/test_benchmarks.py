@@ -154,3 +154,34 @@ def test_an_evaluated_run_needs_no_checkpoint_and_an_unevaluated_one_names_its_l
     (run / "eval").mkdir()
     (run / "eval" / "eval.json").write_text("{}")
     assert model_to_evaluate(run, run / "eval") is None
+
+
+def test_an_evaluated_offline_method_is_reported_without_its_model(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """`experiment_methods`' offline arms read a finished evaluation back: a seed whose
+    model folder was deleted to free the disk is reported, not trained again."""
+    import argparse
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import experiment_methods as em
+
+    base = tmp_path / "runs" / "offline-s1"
+    (base / "collect").mkdir(parents=True)
+    (base / "collect" / "outcomes.json").write_text(
+        json.dumps(
+            {"tasks": {"t1": {"runs": 4, "successes": 3}, "t2": {"runs": 4, "successes": 1}}}
+        )
+    )
+    (base / "rft" / "eval").mkdir(parents=True)
+    (base / "rft" / "eval" / "eval.json").write_text(json.dumps({
+        "tasks": {"t1": {"runs": 2, "successes": 2}, "t2": {"runs": 2, "successes": 1},
+                  "h1": {"runs": 2, "successes": 1}},
+        "overall": {"parse_failure_rate": 0.25},
+    }))  # fmt: skip
+    s = {"model": str(tmp_path / "no-such-model"), "train": ["t1", "t2"], "heldout": ["h1"]}
+    args = argparse.Namespace(out=str(tmp_path), eval_runs=2)
+    got = em._offline(args, 1, s, 8, ["rft"])["rft"]
+    assert got["episodes"] == 8 and got["successes"] == 4
+    assert got["eval"] == {"train": 0.75, "heldout": 0.5, "parse_failure_rate": 0.25}
+    assert not (base / "rft" / "model").exists()  # nothing was trained
