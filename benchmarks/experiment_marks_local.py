@@ -29,6 +29,14 @@ under a small random vision encoder, or the tiny random model):
    iterations of `--groups` groups of 4 episodes, on 2 local desktops, no simulated
    ones), then the final checkpoint evaluated as in 2.
 
+Cost with the reader (2 cores, measured 2026-11-29 on the tree arm): the 6 training
+demonstrations are 3 to 4 turns of 4,612 to 6,034 tokens in all (first turn 1,825 to 1,839,
+later ones 1,339: the table cut at 1,280 tokens holds Calc's 23 menu rows and cells A1 to
+about F5, empty cells included as OSWorld's filter keeps them); recording them, 12 scoring
+passes and 2 optimizer steps took 6 minutes. A tighter `--a11y-max-tokens` (512) would cut
+off the data rows the tasks name. Estimated, not measured: about 20 minutes of warm start
+per arm and 25 per seed, 4 to 5 hours for 3 arms x 3 seeds.
+
 Steps whose output exists are skipped, so an interrupted run continues (delete a run's
 folder to redo it). Nothing else should run on the machine. The report (`--save-as`:
 `benchmarks/results/<name>.md` / `.json`) gives every arm and seed, the mean gain over the
