@@ -33,7 +33,10 @@ Cost with the reader (2 cores, measured 2026-11-29 on the tree arm): the 6 train
 demonstrations are 3 to 4 turns of 4,612 to 6,034 tokens in all (first turn 1,825 to 1,839,
 later ones 1,339: the table cut at 1,280 tokens holds Calc's 23 menu rows and cells A1 to
 about F5, empty cells included as OSWorld's filter keeps them); recording them, 12 scoring
-passes and 2 optimizer steps took 6 minutes. A tighter `--a11y-max-tokens` (512) would cut
+passes and 2 optimizer steps took 6 minutes (`arpo sft model=runs/marks-local/base/reader-30
+out=/tmp/probe tasks=runs/marks-local/tasks/train local_desktops=2 observation_type=som
+max_steps=0 max_new_tokens=96 epochs=1 max_optimizer_steps=2 lr=2e-4 batch_size=4
+micro_batch=1 train_layers=12`, after a first run of this script made the two folders). A tighter `--a11y-max-tokens` (512) would cut
 off the data rows the tasks name. Estimated, not measured: about 20 minutes of warm start
 per arm and 25 per seed, 4 to 5 hours for 3 arms x 3 seeds.
 

@@ -75,6 +75,9 @@ A11Y_MAX_TOKENS = 1280
 HISTORY_IMAGES = 15
 """`EpisodeConfig.history_images`'s default (the reference's: every screenshot of a 15-step
 episode kept)."""
+PROMPT_FIELDS = ("observation_type", "marks_source", "a11y_max_tokens", "history_images")
+"""The `EpisodeConfig` fields that decide what a prompt shows: a warm start recorded with
+other values learned on prompts the run never shows (`arpo train` compares them)."""
 
 
 class EpisodePolicy(Protocol):

@@ -38,7 +38,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from arpo import store_item, wire
-from arpo.actor.episode import MAX_STEPS, EpisodeConfig, run_episode, step_budget
+from arpo.actor.episode import (
+    A11Y_MAX_TOKENS,
+    HISTORY_IMAGES,
+    MAX_STEPS,
+    EpisodeConfig,
+    run_episode,
+    step_budget,
+)
 from arpo.actor.scripted import by_mark, oracle_to_actions, turn_frame
 from arpo.env.environment import Environment, EnvironmentConfig
 from arpo.env.runner import RunnerConfig
@@ -262,22 +269,10 @@ async def _run(
                             environment=environment)  # fmt: skip
 
 
-def shown_episode(
-    observation_type: str,
-    marks_source: str,
-    a11y_max_tokens: int | None,
-    history_images: int | None,
-    **episode: Any,
-) -> EpisodeConfig:
-    """The greedy episode settings of `record_demos` and `evaluate_greedy`: what the policy
-    is shown (None: the actors' default) plus `episode`'s fields, validated, so a bad value
-    fails here naming the field instead of deep in an episode."""
-    shown: dict[str, Any] = {"observation_type": observation_type, "marks_source": marks_source}
-    if a11y_max_tokens is not None:
-        shown["a11y_max_tokens"] = a11y_max_tokens
-    if history_images is not None:
-        shown["history_images"] = history_images
-    cfg = EpisodeConfig(temperature=0.0, **shown, **episode)
+def _greedy_episode(**fields: Any) -> EpisodeConfig:
+    """The greedy episode settings of `record_demos` and `evaluate_greedy`, validated, so a
+    bad value fails here naming the field instead of deep in an episode."""
+    cfg = EpisodeConfig(temperature=0.0, **fields)
     cfg.validate()
     return cfg
 
@@ -291,15 +286,15 @@ def record_demos(
     max_new_tokens: int = 0,
     observation_type: str = "screenshot",
     marks_source: str = "tree",
-    a11y_max_tokens: int | None = None,
-    history_images: int | None = None,
+    a11y_max_tokens: int = A11Y_MAX_TOKENS,
+    history_images: int = HISTORY_IMAGES,
     local: LocalDesktops | None = None,
 ) -> tuple[list[Trajectory], dict[str, Any]]:
     """Record one oracle demonstration per task (see the module docstring), each turn's
     prompt showing `observation_type` (`EpisodeConfig.observation_type`; with `som` the
     oracle's clicks name the mark that holds them, marks made by `marks_source`,
     `EpisodeConfig.marks_source`; tables cut to `a11y_max_tokens`, at most `history_images`
-    observations in the context: the actors' episode settings, theirs by default), on
+    observations in the context: the actors' episode settings and their defaults), on
     `n_envs` simulated desktops, or with `local` on local desktops started for it
     (`LocalDesktops`: the pool's tasks are local ones).
 
@@ -339,8 +334,10 @@ def record_demos(
             continue
         usable.append(t)
     policy = OraclePolicy(processor)
-    cfg = shown_episode(observation_type, marks_source, a11y_max_tokens, history_images,
-                        max_steps=max_steps)  # fmt: skip
+    cfg = _greedy_episode(
+        max_steps=max_steps, observation_type=observation_type, marks_source=marks_source,
+        a11y_max_tokens=a11y_max_tokens, history_images=history_images,
+    )  # fmt: skip
     trajs = asyncio.run(_run(usable, policy, cfg, n_envs, local, actor_id="oracle-demos"))
     kept: list[Trajectory] = []
     longest = 0
@@ -410,8 +407,8 @@ def evaluate_greedy(
     device: str = "cpu",
     observation_type: str = "screenshot",
     marks_source: str = "tree",
-    a11y_max_tokens: int | None = None,
-    history_images: int | None = None,
+    a11y_max_tokens: int = A11Y_MAX_TOKENS,
+    history_images: int = HISTORY_IMAGES,
     local: LocalDesktops | None = None,
 ) -> dict[str, float]:
     """Greedy episodes of the model on every task (the real engine, parser and checker),
@@ -424,8 +421,11 @@ def evaluate_greedy(
     from arpo.policy.engine import EngineConfig
     from arpo.policy.engine_hf import HFEngine
 
-    cfg = shown_episode(observation_type, marks_source, a11y_max_tokens, history_images,
-                        max_steps=max_steps, max_new_tokens=max_new_tokens)  # fmt: skip
+    cfg = _greedy_episode(
+        max_steps=max_steps, max_new_tokens=max_new_tokens, observation_type=observation_type,
+        marks_source=marks_source, a11y_max_tokens=a11y_max_tokens,
+        history_images=history_images,
+    )  # fmt: skip
 
     async def go() -> list[Trajectory | None]:
         engine = HFEngine(

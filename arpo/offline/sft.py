@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from arpo.actor.episode import A11Y_MAX_TOKENS, HISTORY_IMAGES, EpisodeConfig
+from arpo.actor.episode import A11Y_MAX_TOKENS, HISTORY_IMAGES, PROMPT_FIELDS, EpisodeConfig
 from arpo.config import fail, option, to_dict, validate
 from arpo.env.bringup import MAX_LOCAL_ENVS
 from arpo.offline.data import read_trajectories, write_trajectories
@@ -164,18 +164,14 @@ class SFTConfig:
             fail("max_optimizer_steps", "must be >= 0 (0: no limit)")
         if self.target_nll < 0:
             fail("target_nll", "must be >= 0 (0: no target, run all epochs)")
-        if self.marks_source != "tree" and self.observation_type != "som":
-            fail("marks_source", f"is {self.marks_source!r} but only observation_type='som' "
-                 "shows marks: give observation_type=som, or leave marks_source at 'tree'")  # fmt: skip
-        self.shown().validate()  # the table budget and the context window, as the actors check them
+        # What the prompts show (marks only with som, the table budget, the context window),
+        # checked as the actors check it.
+        self.shown().validate()
         # The optimizer fields are checked by OfflineConfig.validate.
 
     def shown(self) -> EpisodeConfig:
         """What each recorded and evaluated prompt shows, as the actors' episode settings."""
-        return EpisodeConfig(
-            observation_type=self.observation_type, marks_source=self.marks_source,
-            a11y_max_tokens=self.a11y_max_tokens, history_images=self.history_images,
-        )  # fmt: skip
+        return EpisodeConfig(**{k: getattr(self, k) for k in PROMPT_FIELDS})
 
     def offline_config(self) -> OfflineConfig:
         """The `rft` trainer configuration these settings make."""

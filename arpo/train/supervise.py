@@ -19,6 +19,7 @@ from typing import Any
 
 from arpo_envs.procs import free_port
 
+from arpo.actor.episode import PROMPT_FIELDS
 from arpo.config import to_toml, validate
 from arpo.env.bringup import DESKTOP_POOL, Bringup, EnvSpec
 from arpo.errors import EXIT_STALLED, ArpoError, RunStalled
@@ -285,12 +286,7 @@ class TrainRun:
         shown = ep.observation_type
         if (sft_dir / "config.json").exists():
             made = _warm_start_observation(sft_dir)
-            wanted = {
-                "observation_type": shown,
-                "marks_source": ep.marks_source if shown == "som" else "tree",
-                "a11y_max_tokens": ep.a11y_max_tokens,
-                "history_images": ep.history_images,
-            }
+            wanted = {k: getattr(ep, k) for k in PROMPT_FIELDS}
             if differ := [k for k, v in wanted.items() if made[k] != v]:
                 raise ArpoError(
                     f"{sft_dir} is a warm start on other prompts than this run shows the policy: "
@@ -1140,10 +1136,7 @@ def _warm_start_observation(sft_dir: Path) -> dict[str, Any]:
         info = {}
     sft = info.get("sft") or {}
     default = SFTConfig()
-    return {
-        k: sft.get(k, getattr(default, k))
-        for k in ("observation_type", "marks_source", "a11y_max_tokens", "history_images")
-    }
+    return {k: sft.get(k, getattr(default, k)) for k in PROMPT_FIELDS}
 
 
 def _local_suite() -> Path:
