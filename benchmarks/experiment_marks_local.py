@@ -41,7 +41,11 @@ off the data rows the tasks name. Estimated, not measured: about 20 minutes of w
 per arm and 25 per seed, 4 to 5 hours for 3 arms x 3 seeds.
 
 Steps whose output exists are skipped, so an interrupted run continues (delete a run's
-folder to redo it). Nothing else should run on the machine. The report (`--save-as`:
+folder to redo it). Nothing else should run on the machine. An arm takes about 1.5 hours,
+so the arms can run in different sessions, on different machines: `--resume-from
+benchmarks/results/<name>.json` takes every arm finished there (its warm start and every
+seed asked for) as it is, with the commit and date it ran at, and refuses a file made with
+other settings, naming each one; `--arms` then names the arms still to run. The report (`--save-as`:
 `benchmarks/results/<name>.md` / `.json`) gives every arm and seed, the mean gain over the
 warm start with its 95 % t-interval over seeds, and the share of turns that parsed.
 """
@@ -207,7 +211,8 @@ def summarise(results: dict[str, Any]) -> dict[str, Any]:
         if not warm:
             continue
         row: dict[str, Any] = {"warm": {p: _rate(warm, p) for p in ("train", "heldout")},
-                               "warm_parsed": warm["train"]["parsed_rate"], "seeds": {}}  # fmt: skip
+                               "warm_parsed": warm["train"]["parsed_rate"], "seeds": {},
+                               "ran": f"{r.get('commit', '?')}, {r.get('date', '?')}"}  # fmt: skip
         for s, ev in seeds.items():
             row["seeds"][s] = {p: _rate(ev, p) for p in ("train", "heldout")}
             row["seeds"][s]["parsed"] = ev["train"]["parsed_rate"]
@@ -252,8 +257,8 @@ def report(results: dict[str, Any]) -> str:
         for seed, v in sorted(row["seeds"].items()):
             lines.append(f"| {arm} | {seed} | {_pct(v['train'])} | {_pct(v['heldout'])} | "
                          f"{_pct(v['parsed'])} |")  # fmt: skip
-    lines += ["", "| arm | seeds | train gain (95 % CI) | held-out gain (95 % CI) |",
-              "|---|---:|---|---|"]  # fmt: skip
+    lines += ["", "| arm | seeds | train gain (95 % CI) | held-out gain (95 % CI) | ran at |",
+              "|---|---:|---|---|---|"]  # fmt: skip
     for arm, row in s.items():
         cells = []
         for p in ("train", "heldout"):
@@ -261,8 +266,30 @@ def report(results: dict[str, Any]) -> str:
             cells.append("n/a" if not g else f"{100 * g['mean']:+.0f} points "
                          f"({100 * g['ci'][0]:+.0f} to {100 * g['ci'][1]:+.0f})"
                          if not math.isnan(g["ci"][0]) else f"{100 * g['mean']:+.0f} points")  # fmt: skip
-        lines.append(f"| {arm} | {len(row['seeds'])} | {cells[0]} | {cells[1]} |")
+        lines.append(f"| {arm} | {len(row['seeds'])} | {cells[0]} | {cells[1]} | {row['ran']} |")
     return "\n".join(lines) + "\n"
+
+
+_NOT_SETTINGS = ("report_only", "save_as", "resume_from", "train", "heldout", "arms", "seeds",
+                 "out")  # fmt: skip
+"""Arguments that say what to run or where, not how: a resumed arm need not share them."""
+
+
+def finished_arms(path: Path, settings: dict[str, Any], seeds: list[int]) -> dict[str, Any]:
+    """The arms of the results file `path` that have their warm start and every seed in
+    `seeds`; SystemExit when the file was made with settings other than `settings` (each
+    differing one named), since its arms would not compare with the ones run now."""
+    if not path.is_file():
+        raise SystemExit(f"--resume-from {path}: no such file")
+    old = json.loads(path.read_text())
+    theirs = old.get("settings", {})
+    diff = [f"{k}: {theirs.get(k)!r} there, {v!r} now" for k, v in settings.items()
+            if k not in _NOT_SETTINGS and theirs.get(k) != v]  # fmt: skip
+    if diff:
+        raise SystemExit(f"--resume-from {path} was made with other settings: "
+                         + "; ".join(diff) + ". Run with its settings, or without it.")  # fmt: skip
+    return {arm: r for arm, r in old.get("arms", {}).items()
+            if r.get("warm") and all(str(s) in r.get("seeds", {}) for s in seeds)}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -286,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=96, help="Tokens per response.")
     p.add_argument("--a11y-max-tokens", type=int, default=A11Y_MAX_TOKENS,
                    help="Tokens each turn's table is cut to (warm start, RL and evaluation).")  # fmt: skip
+    p.add_argument("--resume-from", default="",
+                   help="A results file (--save-as's .json) whose finished arms are kept.")  # fmt: skip
     p.add_argument("--report-only", action="store_true", help="The report from results.json.")
     p.add_argument("--save-as", default="", help="Also write benchmarks/results/<name>.md/.json.")
     args = p.parse_args(argv)
@@ -324,19 +353,19 @@ def run(args: argparse.Namespace, out: Path, res_path: Path) -> dict[str, Any]:
     results: dict[str, Any] = (
         json.loads(res_path.read_text()) if res_path.exists() else {"arms": {}}
     )
+    settings = {
+        **{k: v for k, v in vars(args).items() if k not in _NOT_SETTINGS},
+        "train": train_ids,
+        "heldout": held_ids,
+    }
+    if args.resume_from:
+        for arm, r in finished_arms(Path(args.resume_from), settings, seeds).items():
+            results["arms"][arm] = r
     results.update(
         command="python benchmarks/experiment_marks_local.py " + " ".join(sys.argv[1:]),
         commit=commit,
         date=time.strftime("%Y-%m-%d"),
-        settings={
-            **{
-                k: v
-                for k, v in vars(args).items()
-                if k not in ("report_only", "save_as", "train", "heldout")
-            },
-            "train": train_ids,
-            "heldout": held_ids,
-        },
+        settings=settings,
     )
 
     def save() -> None:
@@ -345,6 +374,10 @@ def run(args: argparse.Namespace, out: Path, res_path: Path) -> dict[str, Any]:
     base = _base(args, out)
     for arm in arms:
         r = results["arms"].setdefault(arm, {"seeds": {}})
+        if r.get("warm") and all(str(s) in r["seeds"] for s in seeds):
+            log.info("%s: finished (commit %s), kept as it is", arm, r.get("commit", "?"))
+            continue
+        r.update(commit=commit, date=time.strftime("%Y-%m-%d"))
         sft = _warm_start(args, arm, base, pools["train"], out)
         r["warm"] = _evaluate(args, arm, sft, pools, out / arm / "warm_eval")
         save()

@@ -185,3 +185,33 @@ def test_an_evaluated_offline_method_is_reported_without_its_model(
     assert got["episodes"] == 8 and got["successes"] == 4
     assert got["eval"] == {"train": 0.75, "heldout": 0.5, "parse_failure_rate": 0.25}
     assert not (base / "rft" / "model").exists()  # nothing was trained
+
+
+def test_the_local_marks_experiment_resumes_finished_arms_only_with_the_same_settings(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """`experiment_marks_local --resume-from`: an arm with its warm start and every seed is
+    kept with the commit it ran at, one missing a seed is not, and a file made with another
+    setting is refused, naming that setting."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import experiment_marks_local as ml
+
+    ev = {"train": {"success_rate": 0.5, "parsed_rate": 1.0},
+          "heldout": {"success_rate": 0.0, "parsed_rate": 1.0}}  # fmt: skip
+    settings = {"base": "reader", "reader_layers": 30, "iterations": 4, "train": ["a", "b"],
+                "heldout": ["c"]}  # fmt: skip
+    saved = tmp_path / "marks.json"
+    saved.write_text(json.dumps({"settings": {**settings, "seeds": "1,2"}, "arms": {
+        "tree": {"commit": "abc1234", "date": "2026-12-07", "warm": ev,
+                 "seeds": {"1": ev, "2": ev}},
+        "ocr": {"warm": ev, "seeds": {"1": ev}},
+    }}))  # fmt: skip
+    kept = ml.finished_arms(saved, settings, [1, 2])
+    assert list(kept) == ["tree"] and kept["tree"]["commit"] == "abc1234"
+    assert "abc1234, 2026-12-07" in ml.report({"command": "x", "settings": {
+        **settings, "train_layers": 12, "sft_epochs": 6, "sft_target_nll": 0.06, "groups": 2,
+        "lr": 1e-5, "eval_steps": 5}, "arms": kept})  # fmt: skip
+    with pytest.raises(SystemExit, match=r"iterations: 4 there, 2 now"):
+        ml.finished_arms(saved, {**settings, "iterations": 2}, [1, 2])
+    with pytest.raises(SystemExit, match="no such file"):
+        ml.finished_arms(tmp_path / "none.json", settings, [1])
