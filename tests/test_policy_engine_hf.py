@@ -391,3 +391,32 @@ def test_prefix_cache_in_a_batch_of_hits_and_misses_and_within_its_budget(tiny_d
             return len(engine._prefixes)
 
     assert asyncio.run(small()) < 4
+
+
+def test_a_response_stops_on_every_end_token_the_generation_config_names(tiny_dir, tmp_path):
+    """A model folder whose generation config names a second end token (the reader names
+    SmolLM2's <|im_end|> beside <end_of_utterance>) stops there too, as transformers'
+    `generate` would: greedy decoding's third token, named an end, ends the response."""
+    import shutil
+
+    from transformers import GenerationConfig
+
+    _, ids, images = prompt(tiny_dir, 1)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
+
+    async def sample(folder):
+        async with make_engine(EngineConfig(kind="hf", model=str(folder))) as engine:
+            return await engine.generate(ids, images, greedy)
+
+    free = asyncio.run(sample(tiny_dir))
+    assert len(free.token_ids) == 8 and free.finish_reason == "length"
+    third = int(free.token_ids[2])
+    folder = tmp_path / "two-ends"
+    shutil.copytree(tiny_dir, folder)
+    gen = GenerationConfig.from_pretrained(folder)
+    gen.eos_token_id = [gen.eos_token_id if isinstance(gen.eos_token_id, int)
+                        else gen.eos_token_id[0], third]  # fmt: skip
+    gen.save_pretrained(folder)
+    stopped = asyncio.run(sample(folder))
+    assert stopped.token_ids.tolist() == free.token_ids[:3].tolist()
+    assert stopped.finish_reason == "stop"

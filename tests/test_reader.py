@@ -10,6 +10,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 
 from arpo.errors import ConfigError  # noqa: E402
+from arpo.policy.family import family_for_processor, stop_ids  # noqa: E402
 from arpo.policy.reader import (  # noqa: E402
     GGUF_NAME,
     INSTALL_HINT,
@@ -66,7 +67,9 @@ def test_config_and_tokens(built):
         == tok.convert_ids_to_tokens(config.text_config.eos_token_id)
     )
     gen = model.generation_config
-    assert (gen.eos_token_id, gen.pad_token_id) == (ids[0], 0)
+    eou, im_end = ids[0], tok.convert_tokens_to_ids("<|im_end|>")
+    assert stop_ids(family_for_processor(processor), tok, gen) == (eou, im_end)
+    assert (gen.eos_token_id, gen.pad_token_id) == ([eou, im_end], 0)
     assert processor.image_seq_len == 16 and processor.image_processor.do_image_splitting is False
     # the added tokens are never split, and ordinary text tokenizes as SmolLM2's does
     text = "<|im_start|>User:<fake_token_around_image><global-img><image><fake_token_around_image>"

@@ -59,7 +59,7 @@ import numpy as np
 
 from arpo.errors import EngineError
 from arpo.policy.engine import Engine, EngineConfig, SamplingParams, process_logits, to_pil
-from arpo.policy.family import check_folder, load_model
+from arpo.policy.family import check_folder, load_model, stop_ids
 from arpo.policy.prompt import forbidden_token_ids
 
 
@@ -163,7 +163,7 @@ class HFEngine(Engine):
         self.model.eval()
         self._tokenizer = self.processor.tokenizer
         self._forbidden = torch.tensor(forbidden_token_ids(self._tokenizer), dtype=torch.long)
-        self._stop_default = (self.family.chat(self._tokenizer).end,)
+        self._stop_default = stop_ids(self.family, self._tokenizer, self.model.generation_config)
         self.image_token_id = int(self.model.config.image_token_id)
         cfg = self.model.config
         self._hidden = int(getattr(cfg, "text_config", cfg).hidden_size)

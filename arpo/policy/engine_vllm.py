@@ -41,7 +41,7 @@ from arpo.policy.engine import (
     SamplingParams,
     to_pil,
 )
-from arpo.policy.family import family_for_config
+from arpo.policy.family import family_for_config, stop_ids
 from arpo.policy.prompt import FORBIDDEN_LOGIT_BIAS, forbidden_token_ids
 
 
@@ -68,6 +68,16 @@ def save_state_dict(state: Mapping[str, Any], folder: Path) -> Path:
         seen.add(tensors[k].data_ptr())
     save_file(tensors, str(folder / "model.safetensors"))
     return folder
+
+
+def _generation_config(folder: str) -> Any:
+    """The folder's generation config, or None where it has none."""
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(folder)
+    except OSError:
+        return None
 
 
 def to_vllm_sampling(params: SamplingParams, forbidden: Sequence[int] = ()) -> Any:
@@ -123,7 +133,9 @@ class VLLMEngine(Engine):
             self._family = family_for_config(AutoConfig.from_pretrained(self.config.model))
         except ValueError as e:
             raise EngineError(str(e)) from None
-        self._stop_default = (self._family.chat(self._tokenizer).end,)
+        self._stop_default = stop_ids(
+            self._family, self._tokenizer, _generation_config(self.config.model)
+        )
         self._forbidden = forbidden_token_ids(self._tokenizer)
         self._ensure_async()
 

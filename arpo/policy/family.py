@@ -374,6 +374,19 @@ FAMILIES: dict[str, Family] = {
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(t for f in FAMILIES.values() for t in f.model_types)
 
 
+def stop_ids(family: Family, tokenizer: Any, generation_config: Any = None) -> tuple[int, ...]:
+    """The tokens a response stops on: the family's end-of-message token, then every other
+    end token the model's generation config names (`eos_token_id`, one id or a list), as
+    transformers' `generate` and vLLM stop on them too. The reader names two: SmolVLM's
+    <end_of_utterance> and the <|im_end|> its pre-trained decoder ends ChatML turns with."""
+    ids = [family.chat(tokenizer).end]
+    eos = getattr(generation_config, "eos_token_id", None)
+    for i in [eos] if isinstance(eos, int) else list(eos or ()):
+        if int(i) not in ids:
+            ids.append(int(i))
+    return tuple(ids)
+
+
 def family_for_model_type(model_type: str) -> Family:
     """The family of a config's `model_type`; ValueError naming the supported ones."""
     for f in FAMILIES.values():

@@ -276,9 +276,12 @@ def build_reader(
         torch.manual_seed(seed)
         model = SmolVLMForConditionalGeneration(config).to(torch.float32).eval()
     _copy_text_weights(llama, model, added, tokenizer)
+    # Both ends stop a response (arpo.policy.family.stop_ids): <end_of_utterance>'s row is a
+    # copy of <|im_end|>'s (END_TWIN), so with the embeddings frozen (train_layers) their
+    # logits stay equal and greedy decoding may pick <|im_end|>.
     model.generation_config = GenerationConfig(
         bos_token_id=text["bos_token_id"],
-        eos_token_id=text["eos_token_id"],
+        eos_token_id=[text["eos_token_id"], tokenizer.convert_tokens_to_ids("<|im_end|>")],
         pad_token_id=text["pad_token_id"],
     )
     processor = smolvlm_processor(tokenizer, edge, image_seq_len(edge))
