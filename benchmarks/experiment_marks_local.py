@@ -37,8 +37,20 @@ passes and 2 optimizer steps took 6 minutes (`arpo sft model=runs/marks-local/ba
 out=/tmp/probe tasks=runs/marks-local/tasks/train local_desktops=2 observation_type=som
 max_steps=0 max_new_tokens=96 epochs=1 max_optimizer_steps=2 lr=2e-4 batch_size=4
 micro_batch=1 train_layers=12`, after a first run of this script made the two folders). A tighter `--a11y-max-tokens` (512) would cut
-off the data rows the tasks name. Estimated, not measured: about 20 minutes of warm start
-per arm and 25 per seed, 4 to 5 hours for 3 arms x 3 seeds.
+off the data rows the tasks name. Measured 2026-12-07 on the tree arm (this script's
+defaults, alone on 2 cores): the warm start took 23.5 minutes (recording 1 minute, scoring 1,
+6 epochs of 2 optimizer steps about 3.3 minutes each with the epoch's NLL pass; NLL 2.07 ->
+0.066, the target 0.06 not reached), its greedy evaluation on the 9 tasks 5.7 minutes. A
+seed's ARPO run had not finished its first iteration after 4 minutes (32 episodes of 3 to 5
+turns at the reader's ~13 tokens/s); about 25 minutes a seed is still an estimate. So an
+arm is about 2 hours: run one arm per session with `--resume-from`.
+
+What that warm start does (same run): every turn parses (25 % before 55f3d0d, when greedy
+decoding ended responses on <|im_end|>, which no engine stopped on), but it solves 0 of its
+6 training tasks and 0 of the 3 held out: it types the cell and the function its
+demonstrations used most ("B7", "MAX") instead of the instruction's. An ARPO run from it
+samples no success, and this script pre-fills no replay, so the seeds would measure
+nothing; a warm start that solves its own training tasks comes first.
 
 Steps whose output exists are skipped, so an interrupted run continues (delete a run's
 folder to redo it). Nothing else should run on the machine. An arm takes about 1.5 hours,
