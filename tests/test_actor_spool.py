@@ -80,3 +80,32 @@ def test_a_renamed_file_is_moved_aside_not_resent_forever(
     assert again.frames("someone-else") is None
     assert (tmp_path / "bad" / "someone-else.traj").exists()
     assert "someone-else" not in again.ids()
+
+
+def test_a_kill_between_the_file_and_its_ledger_line_loses_no_ledger_entry(
+    tmp_path: Path, png_pool: list[bytes]
+) -> None:
+    """`put` writes the file, then the ledger line: a trajectory killed in between is
+    sent on restart, so the ledger must name it or a run's accounting never sees it."""
+    from arpo.actor.spool import LEDGER, read_ledger, read_spool, write_frames
+
+    spool = Spool(tmp_path)
+    first, second, third = (_traj(i, png_pool) for i in (4, 5, 6))
+    spool.put(first)
+    write_frames(tmp_path / f"{second.trajectory_id}.traj", wire.encode(second))  # no line
+    write_frames(tmp_path / f"{third.trajectory_id}.traj", wire.encode(third))
+    with open(tmp_path / LEDGER, "a") as f:  # its line torn by the kill
+        f.write(f"{third.trajectory_id}\tok\tta")
+    # Read without opening (the run's report): every file is named, with its status.
+    seen = read_spool(tmp_path).finished
+    assert seen[second.trajectory_id] == (second.status.value, second.task_id)
+    assert seen[third.trajectory_id] == (third.status.value, third.task_id)
+    # Opened again (the actor restarted): the ledger itself is mended, and a later put's
+    # line does not run on from the torn one.
+    again = Spool(tmp_path)
+    fourth = _traj(7, png_pool)
+    again.put(fourth)
+    ledger = read_ledger(tmp_path)
+    assert set(ledger) == {t.trajectory_id for t in (first, second, third, fourth)}
+    assert ledger[third.trajectory_id] == (third.status.value, third.task_id)
+    assert (tmp_path / LEDGER).read_text().count("\n") == 4

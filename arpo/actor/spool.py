@@ -11,7 +11,9 @@ b"ARPOSPL1", the frame count (u32), each frame's length (u64), then the frames. 
 it back runs the wire decoder, so a damaged file is detected; it is moved to `bad/`
 and logged, never sent. Left-over `<id>.traj.tmp` files (a crash while writing) are
 deleted on open: their trajectory was not yet reported as spooled, so nothing
-acknowledged is lost. A trajectory the learner refuses for good (`arpo.wire.Refuse`) is
+acknowledged is lost. The ledger (`finished.log`) gets its line after the file: on open a
+torn last line is cut and a spooled file without a line gets one, read from the file.
+A trajectory the learner refuses for good (`arpo.wire.Refuse`) is
 moved to `refused/` with its reason, never sent again.
 
 The spool owns only what it writes: it opens a folder that has its marker file
@@ -83,7 +85,7 @@ def read_ledger(folder: str | Path) -> dict[str, tuple[str, str]]:
     out: dict[str, tuple[str, str]] = {}
     if not path.exists():
         return out
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for line in path.read_text(encoding="utf-8").split("\n")[:-1]:  # [-1]: "" or torn
         parts = line.split("\t")
         if len(parts) == 3:
             out[parts[0]] = (parts[1], parts[2])
@@ -102,13 +104,34 @@ class SpoolContents:
     """Ids set aside in `refused/`: refused for good by the learner."""
 
 
+def _ledger_entry(path: Path) -> tuple[str, str] | None:
+    """(status, task id) of the spool file at `path`, read from its record; None when the
+    file is damaged (the spool moves it to bad/ when it next opens)."""
+    try:
+        msg = wire.decode(read_frames(path))
+    except (OSError, WireError) as e:
+        log.warning("spool: %s cannot be read for the ledger: %s", path.name, e)
+        return None
+    if not isinstance(msg, Trajectory):
+        return None
+    return msg.status.value, msg.task_id
+
+
 def read_spool(folder: str | Path) -> SpoolContents:
     """The ledger, the pending and the refused trajectories of the spool in `folder` (the
-    files `Spool.put` and `Spool.set_aside` write); empty for a folder that is not there."""
+    files `Spool.put` and `Spool.set_aside` write); empty for a folder that is not there.
+    A spooled trajectory whose ledger line a crash kept from being written (`put` writes
+    the file first) is read from its file, so `finished` names every trajectory put."""
     folder = Path(folder)
+    finished = read_ledger(folder)
+    pending = {p.name[: -len(SUFFIX)] for p in folder.glob("*" + SUFFIX)}
+    for tid in sorted(pending - set(finished)):
+        entry = _ledger_entry(folder / (tid + SUFFIX))
+        if entry is not None:
+            finished[tid] = entry
     return SpoolContents(
-        finished=read_ledger(folder),
-        pending={p.name[: -len(SUFFIX)] for p in folder.glob("*" + SUFFIX)},
+        finished=finished,
+        pending=pending,
         refused={p.name[: -len(SUFFIX)] for p in (folder / REFUSED).glob("*" + SUFFIX)},
     )
 
@@ -153,6 +176,35 @@ class Spool:
         files = sorted(self.folder.glob("*" + SUFFIX), key=lambda p: (p.stat().st_mtime, p.name))
         for p in files:
             self._sizes[p.name[: -len(SUFFIX)]] = p.stat().st_size
+        self._mend_ledger()
+
+    def _mend_ledger(self) -> None:
+        """After a crash: cut a torn last ledger line (a later append would run on from it
+        and spoil both lines), then write the line of every spooled trajectory that has
+        none (`put` writes the file, then its line: a kill between the two left the
+        trajectory to be sent on restart with no ledger line, so a run's accounting never
+        saw it)."""
+        path = self.folder / LEDGER
+        if path.exists():
+            data = path.read_bytes()
+            if data and not data.endswith(b"\n"):
+                keep = data.rfind(b"\n") + 1
+                log.warning("spool: cutting a torn ledger line %r", data[keep:][:200])
+                with open(path, "r+b") as f:
+                    f.truncate(keep)
+                    os.fsync(f.fileno())
+        known = read_ledger(self.folder)
+        lines = []
+        for tid in [t for t in self._sizes if t not in known]:
+            entry = _ledger_entry(self._path(tid))
+            if entry is not None:
+                lines.append(f"{tid}\t{entry[0]}\t{entry[1]}\n")
+        if lines:
+            log.warning("spool: %d spooled trajectories had no ledger line; written", len(lines))
+            with open(path, "a", encoding="utf-8") as f:
+                f.write("".join(lines))
+                f.flush()
+                os.fsync(f.fileno())
 
     def _claim(self) -> None:
         """Make sure the folder is this spool's: it has the marker, or is empty, or holds
