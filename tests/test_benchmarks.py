@@ -18,7 +18,9 @@ ROOT = Path(__file__).resolve().parent.parent
     [
         ("bench_wire.py", ["--quick"], "decode is"),
         ("bench_store.py", ["--quick", "--stores", "arpo,dict-ref"], "| sampled traj/s (1w+1r) |"),
-        ("bench_learner.py", ["--quick"], "| micro-batch | traj/iter |"),
+        pytest.param(  # 17 s: make test-all
+            "bench_learner.py", ["--quick"], "| micro-batch | traj/iter |", marks=pytest.mark.slow
+        ),
     ],
 )
 def test_benchmark_quick_mode_runs(script: str, args: list[str], expect: str) -> None:

@@ -44,6 +44,7 @@ def _run_processes(marker: str) -> list[int]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_the_actors_stop_first_and_no_log_holds_an_error(tmp_path: Path, caplog) -> None:
     model = build_tiny_model(tmp_path / "tiny", seed=0)

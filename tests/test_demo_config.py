@@ -25,6 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 MISSING = [b for b in ("Xvfb", "openbox", "soffice", "mousepad", "xterm") if not shutil.which(b)]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(bool(MISSING), reason=f"desktop programs missing: {MISSING} (make sysdeps)")
 def test_the_demo_configuration_sets_up_every_task_and_trains(tmp_path: Path) -> None:
     model = build_tiny_model(tmp_path / "tiny", seed=0)

@@ -260,6 +260,7 @@ def test_no_episode_starts_with_weights_older_than_its_grant(tmp_path, tiny_dir,
     assert waits and int(waits.group(1)) >= 3, log_text[-3000:]
 
 
+@pytest.mark.slow
 def test_a_slow_learner_trains_trajectories_up_to_the_staleness_bound(
     tmp_path, tiny_dir, sim_tasks_file
 ):

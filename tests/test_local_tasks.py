@@ -249,6 +249,7 @@ def _check_noop(url: str, tasks: list[Task]) -> None:
     assert not solved, f"doing nothing scored 1 or did not check: {solved}"
 
 
+@pytest.mark.slow
 def test_oracles_solve_a_subset_on_the_desktop(desktop_url):
     tasks = [t for t in suite() if t.id in SUBSET]
     assert len(tasks) == len(SUBSET)

@@ -130,6 +130,9 @@ def test_a_folder_of_another_family_is_refused_naming_its_model_type(tmp_path):
 # differs most: its chat, image block and positions), `make test-all` runs Qwen3-VL's too.
 # Qwen2.5-VL's: tests/test_sft.py, tests/test_demo_config.py, tests/test_policy_engine_vllm.py.
 HEAVY = [pytest.param("qwen3_vl", marks=pytest.mark.slow), "smolvlm"]
+# vLLM against the learner per family (40 s each) runs in `make test-all`; the default run
+# holds Qwen2.5-VL's (tests/test_policy_engine_vllm.py).
+VLLM_FAMILIES = [pytest.param(n, marks=pytest.mark.slow) for n in ("qwen3_vl", "smolvlm")]
 
 
 @pytest.mark.parametrize("name", HEAVY)
@@ -223,7 +226,7 @@ def _vllm_episode(folder, proc):
 @pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.mark.filterwarnings("ignore::ResourceWarning")
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-@pytest.mark.parametrize("name", HEAVY)
+@pytest.mark.parametrize("name", VLLM_FAMILIES)
 def test_vllm_behaviour_logprobs_equal_the_learners(name, tmp_path):
     """vLLM's CPU build serves the family from the same folder; the token prompt's image
     blocks go as vLLM's placeholders (`Family.placeholder_prompt`) and the log-probs of what

@@ -170,7 +170,9 @@ def teacher_forced(model, ids, images, out_ids, params: SamplingParams) -> np.nd
     return lp.gather(1, torch.as_tensor(out_ids, dtype=torch.long)[:, None])[:, 0].numpy()
 
 
-@pytest.fixture(params=["vllm", "openai"])
+# The OpenAI-compatible server (a vLLM server started for the module, 50 s) runs in
+# `make test-all`; the default run compares the in-process engine.
+@pytest.fixture(params=["vllm", pytest.param("openai", marks=pytest.mark.slow)])
 def engine(request):
     return request.getfixturevalue("vllm_engine" if request.param == "vllm" else "http")
 

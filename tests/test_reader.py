@@ -33,20 +33,28 @@ def _wheel_or_skip():
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    _wheel_or_skip()
-    from transformers import AutoModelForImageTextToText, AutoProcessor
-
-    folder = build_reader(tmp_path_factory.mktemp("reader") / "m", layers=LAYERS, seed=0, edge=256)
-    model = AutoModelForImageTextToText.from_pretrained(folder).eval()
-    processor = AutoProcessor.from_pretrained(folder)
-    return folder, model, processor
-
-
-@pytest.fixture(scope="module")
 def smollm2():
     _wheel_or_skip()
     return load_smollm2()
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory, smollm2):
+    """The reader built by `build_reader`, which gets a copy of the module's loaded SmolLM2
+    (the GGUF is dequantised once here, 20 s, not twice)."""
+    import copy
+
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from arpo.policy import reader as reader_module
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(reader_module, "load_smollm2", lambda dtype=None: copy.deepcopy(smollm2))
+        out = tmp_path_factory.mktemp("reader") / "m"
+        folder = build_reader(out, layers=LAYERS, seed=0, edge=256)
+    model = AutoModelForImageTextToText.from_pretrained(folder).eval()
+    processor = AutoProcessor.from_pretrained(folder)
+    return folder, model, processor
 
 
 def test_config_and_tokens(built):

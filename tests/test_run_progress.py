@@ -94,6 +94,7 @@ def test_a_task_whose_setup_always_fails_leaves_the_run_and_training_finishes(
     assert any(line.endswith("\tfresh") for line in trained.splitlines())  # the others trained
 
 
+@pytest.mark.slow
 def test_a_pool_nobody_can_set_up_stops_the_run_with_exit_3_naming_its_tasks(
     tmp_path: Path, tiny: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -111,6 +112,7 @@ def test_a_pool_nobody_can_set_up_stops_the_run_with_exit_3_naming_its_tasks(
     assert summary["iterations"] == 0 and "eval" not in summary
 
 
+@pytest.mark.slow
 def test_the_learner_stops_after_stall_s_when_no_episode_arrives(
     tmp_path: Path, tiny: Path
 ) -> None:
@@ -177,6 +179,7 @@ def _checker_raises(root: Path, n: int) -> list[str]:
     return ids
 
 
+@pytest.mark.slow
 def test_tasks_whose_checker_raises_leave_the_run_and_the_stop_names_them(
     tmp_path: Path, tiny: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -302,6 +302,7 @@ def test_a_warm_start_on_tree_marks_is_not_reused_for_a_run_on_ocr_marks(tmp_pat
         TrainRun(cfg).policy()
 
 
+@pytest.mark.slow
 def test_arpo_sft_records_local_tasks_on_a_real_desktop_and_shows_calcs_tree(
     tiny: Path, processor, tmp_path: Path, capsys, caplog
 ) -> None:

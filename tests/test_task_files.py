@@ -90,6 +90,7 @@ def test_a_pool_names_its_files_by_content_and_refuses_paths_that_escape(
         assert "relative path" in str(e.value) or "leads out" in str(e.value)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not _can_hide_folders(), reason="needs unshare --mount (root)")
 def test_an_actor_that_cannot_see_the_task_folder_trains_on_upload_tasks(tmp_path: Path) -> None:
     tasks = tmp_path / "tasks"

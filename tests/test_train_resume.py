@@ -39,6 +39,7 @@ def _train(config: Path, out: Path, *extra: str) -> subprocess.Popen:
         return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
 
 
+@pytest.mark.slow
 def test_a_run_whose_driver_was_killed_is_resumed_and_accounts_for_everything(
     tmp_path: Path,
 ) -> None:

@@ -74,6 +74,7 @@ def test_a_signal_evaluates_the_last_checkpoint_and_exits_non_zero(
     assert (run / "eval" / "eval.md").exists()
 
 
+@pytest.mark.slow
 def test_a_second_signal_stops_everything_at_once(tmp_path: Path, tiny: Path) -> None:
     proc, run = _start(tmp_path, tiny)
     _wait_for_iterations(proc, run, 1)
@@ -165,6 +166,7 @@ def _train(tmp_path: Path, model: Path, *more: str) -> subprocess.Popen:
     )  # fmt: skip
 
 
+@pytest.mark.slow
 def test_a_signal_during_the_warm_start_evaluation_stops_its_actor_and_says_so(
     tmp_path: Path, tiny: Path
 ) -> None:
@@ -202,6 +204,7 @@ def test_a_signal_during_the_warm_start_evaluation_stops_its_actor_and_says_so(
         _kill_left(seen)
 
 
+@pytest.mark.slow
 def test_a_signal_during_a_hanging_preflight_stops_it_at_once(tmp_path: Path, tiny: Path) -> None:
     """The preflight's setup of a task hangs (a 10-minute sleep step, waited as on a real
     desktop: the task runs on an environment server of `env_urls`): SIGTERM stops the run

@@ -28,6 +28,7 @@ def test_the_learner_command_is_torchrun_only_with_more_than_one_rank() -> None:
         assert arg in nodes, nodes
 
 
+@pytest.mark.slow
 def test_a_run_with_two_learner_ranks_trains_and_accounts_for_everything(
     tmp_path: Path,
 ) -> None:

@@ -144,6 +144,7 @@ def test_the_transformers_engine_never_emits_a_favoured_image_pad_and_the_learne
 
 
 # vLLM and its dependencies warn about their own deprecated calls and leave a ZeroMQ context.
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::FutureWarning")
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @pytest.mark.filterwarnings("ignore::UserWarning")

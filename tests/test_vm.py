@@ -365,6 +365,7 @@ def test_a_vm_replaced_before_the_check_makes_the_episode_env_error(fleet: Fleet
     assert (again.status, again.score) == ("ok", 1.0), again
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_oracles_pass_on_a_vm_and_a_killed_qemu_is_replaced(
     fleet: FleetConfig, tmp_path: Path
@@ -433,6 +434,7 @@ def test_oracles_pass_on_a_vm_and_a_killed_qemu_is_replaced(
     )
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_task_whose_setup_always_fails_is_quarantined(fleet: FleetConfig, tmp_path: Path) -> None:
     tasks = _os_tasks(tmp_path, 1)
