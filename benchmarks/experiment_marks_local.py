@@ -27,7 +27,9 @@ under a small random vision encoder, or the tiny random model):
    training run holds;
 3. **per seed**: `arpo train` on the training tasks (ARPO: replay on, `--iterations`
    iterations of `--groups` groups of 4 episodes, on 2 local desktops, no simulated
-   ones), then the final checkpoint evaluated as in 2.
+   ones; the replay buffers start with the warm start's demonstrations, `arpo train`'s
+   default for tasks of 3 turns or more, which every task here is), then the final
+   checkpoint evaluated as in 2.
 
 Cost with the reader (2 cores, measured 2026-11-29 on the tree arm): the 6 training
 demonstrations are 3 to 4 turns of 4,612 to 6,034 tokens in all (first turn 1,825 to 1,839,
@@ -53,7 +55,9 @@ samples no success, and this script pre-fills no replay, so the seeds would meas
 nothing; a warm start that solves its own training tasks comes first.
 
 Steps whose output exists are skipped, so an interrupted run continues (delete a run's
-folder to redo it). Nothing else should run on the machine. An arm takes about 1.5 hours,
+folder to redo it); an `--out` folder whose results were made with other settings is
+refused, naming each one, since its warm starts and seeds would be kept as they are.
+`--seeds=` runs only the warm starts and their evaluation. Nothing else should run on the machine. An arm takes about 1.5 hours,
 so the arms can run in different sessions, on different machines: `--resume-from
 benchmarks/results/<name>.json` takes every arm finished there (its warm start and every
 seed asked for) as it is, with the commit and date it ran at, and refuses a file made with
@@ -139,7 +143,7 @@ def _warm_start(args: argparse.Namespace, arm: str, base: Path, train: Path, out
                       observation_type=shown, marks_source=marks, max_steps=0,  # type: ignore[arg-type]
                       max_new_tokens=args.max_new_tokens, epochs=args.sft_epochs,
                       a11y_max_tokens=args.a11y_max_tokens,
-                      target_nll=args.sft_target_nll, lr=args.sft_lr, batch_size=4,
+                      target_nll=args.sft_target_nll, lr=args.sft_lr, batch_size=args.sft_batch,
                       micro_batch=1, train_layers=args.train_layers))  # fmt: skip
     return sft
 
@@ -191,7 +195,7 @@ def _train(args: argparse.Namespace, arm: str, seed: int, sft: Path, train: Path
         f"run_dir={str(run_dir)!r}", f"model={str(sft)!r}", f"tasks={str(train)!r}",
         "warm_start=false", "actors=0", "local_desktops=2", f"seed={seed}", "minutes=0",
         "restart=false", "eval_runs_per_task=0", "eval_warm_start=false",
-        "prefill_runs_per_task=0", "prefill_demos_from_turns=0", "progress_s=60",
+        "prefill_runs_per_task=0", "progress_s=60",
         f"learner.iterations={args.iterations}",
         "learner.assemble.group_size=4", f"learner.assemble.groups_per_step={args.groups}",
         f"learner.trainer.lr={args.lr}", f"learner.trainer.train_layers={args.train_layers}",
@@ -254,7 +258,8 @@ def report(results: dict[str, Any]) -> str:
            if st["base"] == "reader" else "")
         + f"; training tasks {', '.join(st['train'])}; held out {', '.join(st['heldout'])}. "
         f"Warm start: `arpo sft` on the training tasks' oracle demonstrations (local "
-        f"desktops, at most {st['sft_epochs']} epochs, target NLL {st['sft_target_nll']}); "
+        f"desktops, at most {st['sft_epochs']} epochs of {st.get('sft_batch', 4)} "
+        f"demonstrations a step, target NLL {st['sft_target_nll']}); "
         f"ARPO: {st['iterations']} iterations of {st['groups']} groups of 4 on 2 local "
         f"desktops, lr {st['lr']}. Success: greedy, one episode per task, at most "
         f"{st['eval_steps']} turns. Each turn's table is cut to "
@@ -287,6 +292,14 @@ _NOT_SETTINGS = ("report_only", "save_as", "resume_from", "train", "heldout", "a
 """Arguments that say what to run or where, not how: a resumed arm need not share them."""
 
 
+def _other_settings(old: dict[str, Any], settings: dict[str, Any]) -> str:
+    """Each setting of `settings` that the results `old` were made with otherwise, named
+    ("iterations: 4 there, 2 now"); '' when they agree."""
+    theirs = old.get("settings", {})
+    return "; ".join(f"{k}: {theirs.get(k)!r} there, {v!r} now" for k, v in settings.items()
+                     if k not in _NOT_SETTINGS and theirs.get(k) != v)  # fmt: skip
+
+
 def finished_arms(path: Path, settings: dict[str, Any], seeds: list[int]) -> dict[str, Any]:
     """The arms of the results file `path` that have their warm start and every seed in
     `seeds`; SystemExit when the file was made with settings other than `settings` (each
@@ -294,17 +307,14 @@ def finished_arms(path: Path, settings: dict[str, Any], seeds: list[int]) -> dic
     if not path.is_file():
         raise SystemExit(f"--resume-from {path}: no such file")
     old = json.loads(path.read_text())
-    theirs = old.get("settings", {})
-    diff = [f"{k}: {theirs.get(k)!r} there, {v!r} now" for k, v in settings.items()
-            if k not in _NOT_SETTINGS and theirs.get(k) != v]  # fmt: skip
-    if diff:
-        raise SystemExit(f"--resume-from {path} was made with other settings: "
-                         + "; ".join(diff) + ". Run with its settings, or without it.")  # fmt: skip
+    if diff := _other_settings(old, settings):
+        raise SystemExit(f"--resume-from {path} was made with other settings: {diff}. "
+                         "Run with its settings, or without it.")  # fmt: skip
     return {arm: r for arm, r in old.get("arms", {}).items()
             if r.get("warm") and all(str(s) in r.get("seeds", {}) for s in seeds)}  # fmt: skip
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default="runs/marks-local", help="Output folder.")
     p.add_argument("--arms", default=",".join(ARMS), help="Comma-separated arms.")
@@ -318,6 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sft-epochs", type=int, default=6, help="Warm-start epochs (at most).")
     p.add_argument("--sft-target-nll", type=float, default=0.06, help="Warm-start target NLL.")
     p.add_argument("--sft-lr", type=float, default=2e-4, help="Warm-start lr.")
+    p.add_argument("--sft-batch", type=int, default=1,
+                   help="Warm-start demonstrations per optimizer step.")  # fmt: skip
     p.add_argument("--lr", type=float, default=1e-5, help="ARPO learner lr.")
     p.add_argument("--iterations", type=int, default=4, help="ARPO iterations per run.")
     p.add_argument("--groups", type=int, default=2, help="Groups of 4 episodes per iteration.")
@@ -329,7 +341,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="A results file (--save-as's .json) whose finished arms are kept.")  # fmt: skip
     p.add_argument("--report-only", action="store_true", help="The report from results.json.")
     p.add_argument("--save-as", default="", help="Also write benchmarks/results/<name>.md/.json.")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -370,6 +386,10 @@ def run(args: argparse.Namespace, out: Path, res_path: Path) -> dict[str, Any]:
         "train": train_ids,
         "heldout": held_ids,
     }
+    if results["arms"] and (diff := _other_settings(results, settings)):
+        raise SystemExit(f"{out} holds a run made with other settings ({diff}): its warm "
+                         "starts and seeds would be kept as they are. Give another --out, "
+                         "or run with its settings.")  # fmt: skip
     if args.resume_from:
         for arm, r in finished_arms(Path(args.resume_from), settings, seeds).items():
             results["arms"][arm] = r
@@ -383,14 +403,13 @@ def run(args: argparse.Namespace, out: Path, res_path: Path) -> dict[str, Any]:
     def save() -> None:
         res_path.write_text(json.dumps(results, indent=2))
 
-    base = _base(args, out)
     for arm in arms:
         r = results["arms"].setdefault(arm, {"seeds": {}})
         if r.get("warm") and all(str(s) in r["seeds"] for s in seeds):
             log.info("%s: finished (commit %s), kept as it is", arm, r.get("commit", "?"))
             continue
         r.update(commit=commit, date=time.strftime("%Y-%m-%d"))
-        sft = _warm_start(args, arm, base, pools["train"], out)
+        sft = _warm_start(args, arm, _base(args, out), pools["train"], out)
         r["warm"] = _evaluate(args, arm, sft, pools, out / arm / "warm_eval")
         save()
         for seed in seeds:

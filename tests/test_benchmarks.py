@@ -217,3 +217,32 @@ def test_the_local_marks_experiment_resumes_finished_arms_only_with_the_same_set
         ml.finished_arms(saved, {**settings, "iterations": 2}, [1, 2])
     with pytest.raises(SystemExit, match="no such file"):
         ml.finished_arms(tmp_path / "none.json", settings, [1])
+
+
+def test_the_local_marks_experiment_refuses_a_run_folder_made_with_other_settings(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """A run folder's results made with another warm-start setting are not taken as
+    finished: the script stops before any step, naming the setting, where it would have
+    kept the old warm start as it was."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import experiment_marks_local as ml
+
+    out = tmp_path / "marks"
+    out.mkdir()
+    args = ["--out", str(out), "--arms", "tree", "--seeds="]
+    settings = {k: v for k, v in vars(ml.parse_args(args)).items()
+                if k not in ml._NOT_SETTINGS}  # fmt: skip
+    ev = {"train": {"success_rate": 0.0, "parsed_rate": 1.0},
+          "heldout": {"success_rate": 0.0, "parsed_rate": 1.0}}  # fmt: skip
+    old = {"settings": {**settings, "sft_batch": 4, "train": ml.TRAIN.split(","),
+                        "heldout": ml.HELDOUT.split(",")},
+           "arms": {"tree": {"warm": ev, "seeds": {}}}}  # fmt: skip
+    (out / "results.json").write_text(json.dumps(old))
+    with pytest.raises(SystemExit, match=r"other settings \(sft_batch: 4 there, 1 now\)"):
+        ml.main(args)
+    assert not (out / "base").exists()
+    (out / "results.json").write_text(json.dumps({**old, "settings": {**old["settings"],
+                                                                     "sft_batch": 1}}))  # fmt: skip
+    assert ml.main(args) == 0  # the same settings: the finished arm is kept, nothing runs
+    assert not (out / "base").exists()
