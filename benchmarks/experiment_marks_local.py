@@ -38,31 +38,31 @@ about F5, empty cells included as OSWorld's filter keeps them); recording them, 
 passes and 2 optimizer steps took 6 minutes (`arpo sft model=runs/marks-local/base/reader-30
 out=/tmp/probe tasks=runs/marks-local/tasks/train local_desktops=2 observation_type=som
 max_steps=0 max_new_tokens=96 epochs=1 max_optimizer_steps=2 lr=2e-4 batch_size=4
-micro_batch=1 train_layers=12`, after a first run of this script made the two folders). A tighter `--a11y-max-tokens` (512) would cut
-off the data rows the tasks name. Measured 2026-12-07 on the tree arm (this script's
-defaults, alone on 2 cores): the warm start took 23.5 minutes (recording 1 minute, scoring 1,
-6 epochs of 2 optimizer steps about 3.3 minutes each with the epoch's NLL pass; NLL 2.07 ->
-0.066, the target 0.06 not reached), its greedy evaluation on the 9 tasks 5.7 minutes. A
-seed's ARPO run had not finished its first iteration after 4 minutes (32 episodes of 3 to 5
-turns at the reader's ~13 tokens/s); about 25 minutes a seed is still an estimate. So an
-arm is about 2 hours: run one arm per session with `--resume-from`.
+micro_batch=1 train_layers=12`, after a first run of this script made the two folders). A
+tighter `--a11y-max-tokens` (512) would cut off the data rows the tasks name.
 
-What that warm start does (same run): every turn parses (25 % before 55f3d0d, when greedy
-decoding ended responses on <|im_end|>, which no engine stopped on), but it solves 0 of its
-6 training tasks and 0 of the 3 held out: it types the cell and the function its
-demonstrations used most ("B7", "MAX") instead of the instruction's. An ARPO run from it
-samples no success, and this script pre-fills no replay, so the seeds would measure
-nothing; a warm start that solves its own training tasks comes first.
+Measured 2026-12-07 on the tree arm, alone on 2 cores:
+- With 4 demonstrations an optimizer step (12 steps in 6 epochs, 23.5 minutes; NLL 2.07 ->
+  0.066) the warm start solved 0 of its 6 training tasks and 0 of the 3 held out, every turn
+  parsed: it typed the cell and the function its demonstrations used most ("B7", "MAX")
+  instead of the instruction's. The mean NLL hides those few tokens.
+- With one a step (this script's default: 48 steps in 8 epochs, 32 minutes with recording
+  and scoring; NLL 2.07 -> 0.035, the target 0.02 not reached) it solves **4 of 6 training
+  tasks and 0 of 3 held out**, every turn parsed. Its greedy evaluation on the 9 tasks took
+  6 minutes.
+- A seed's ARPO run (32 episodes of 3 to 5 turns at the reader's ~13 tokens/s, then its
+  evaluation) is estimated at 30 minutes, not yet measured: an arm is about 2.5 hours, so
+  run one arm per session with `--resume-from`, or `--seeds=` for the warm starts alone.
 
 Steps whose output exists are skipped, so an interrupted run continues (delete a run's
 folder to redo it); an `--out` folder whose results were made with other settings is
 refused, naming each one, since its warm starts and seeds would be kept as they are.
-`--seeds=` runs only the warm starts and their evaluation. Nothing else should run on the machine. An arm takes about 1.5 hours,
-so the arms can run in different sessions, on different machines: `--resume-from
+`--seeds=` runs only the warm starts and their evaluation. Nothing else should run on the
+machine. The arms can run in different sessions, on different machines: `--resume-from
 benchmarks/results/<name>.json` takes every arm finished there (its warm start and every
 seed asked for) as it is, with the commit and date it ran at, and refuses a file made with
-other settings, naming each one; `--arms` then names the arms still to run. The report (`--save-as`:
-`benchmarks/results/<name>.md` / `.json`) gives every arm and seed, the mean gain over the
+other settings, naming each one; `--arms` then names the arms still to run. The report
+(`--save-as`: `benchmarks/results/<name>.md` / `.json`) gives every arm and seed, the mean gain over the
 warm start with its 95 % t-interval over seeds, and the share of turns that parsed.
 """
 
@@ -325,8 +325,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reader-layers", type=int, default=30, help="--base reader: text layers.")
     p.add_argument("--train-layers", type=int, default=12,
                    help="Train only the decoder's last N layers (0: all), warm start and RL.")  # fmt: skip
-    p.add_argument("--sft-epochs", type=int, default=6, help="Warm-start epochs (at most).")
-    p.add_argument("--sft-target-nll", type=float, default=0.06, help="Warm-start target NLL.")
+    p.add_argument("--sft-epochs", type=int, default=8, help="Warm-start epochs (at most).")
+    p.add_argument("--sft-target-nll", type=float, default=0.02, help="Warm-start target NLL.")
     p.add_argument("--sft-lr", type=float, default=2e-4, help="Warm-start lr.")
     p.add_argument("--sft-batch", type=int, default=1,
                    help="Warm-start demonstrations per optimizer step.")  # fmt: skip

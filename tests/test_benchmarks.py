@@ -119,8 +119,9 @@ def test_the_local_marks_experiment_runs_every_step_and_accounts_for_its_episode
     tmp_path: Path,
 ) -> None:
     """`experiment_marks_local.py`, a dry run: the warm start records both training tasks'
-    demonstrations on local desktops, the ARPO run trains one iteration whose 4 episodes
-    are all accounted for, and the report has the warm start's row and the seed's."""
+    demonstrations on local desktops, the ARPO run (its replay started with them) trains
+    one iteration whose 4 episodes are all accounted for, and the report has the warm
+    start's row and the seed's."""
     from test_desktop_atspi import require_atspi
 
     require_atspi()
@@ -137,7 +138,12 @@ def test_the_local_marks_experiment_runs_every_step_and_accounts_for_its_episode
     assert sft["summary"]["record_kept"] == 2, sft["summary"]
     run = json.loads((out / "tree" / "runs" / "s1" / "summary.json").read_text())
     acc = run["accounting"]
-    assert run["finished"] and acc["unaccounted"] == 0 and acc["trained"] == 4, acc
+    # The group's 4 episodes: each trained, or replaced by a replayed demonstration (the
+    # replay buffers start with them).
+    replaced = acc["dropped_by_reason"].get("replaced", 0)
+    assert run["finished"] and acc["unaccounted"] == 0, acc
+    assert acc["trained"] + replaced == 4 and acc["trained"] >= 1, acc
+    assert (out / "tree" / "runs" / "s1" / "prefill-replay").is_dir()
     assert re.search(r"^\| tree \| warm start \| .*\n\| tree \| 1 \| ", p.stdout, re.M), p.stdout
 
 
