@@ -186,9 +186,10 @@ def _train(args: argparse.Namespace, arm: str, seed: int, sft: Path, train: Path
     from arpo.train import TrainConfig, TrainRun
 
     run_dir = out / arm / "runs" / f"s{seed}"
-    if (run_dir / "summary.json").exists():
+    done = run_dir / "summary.json"
+    if done.exists() and json.loads(done.read_text()).get("finished"):
         return run_dir
-    if run_dir.exists():  # an interrupted run: start it again
+    if run_dir.exists():  # an interrupted or stopped run: start it again
         shutil.rmtree(run_dir)
     shown, marks = ARMS[arm]
     cfg = load_config(TrainConfig, None, [
@@ -246,6 +247,10 @@ def _pct(x: float) -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:.0f} %"
 
 
+def _per_step(n: int) -> str:
+    return "one demonstration a step" if n == 1 else f"{n} demonstrations a step"
+
+
 def report(results: dict[str, Any]) -> str:
     st = results["settings"]
     s = summarise(results)
@@ -258,8 +263,8 @@ def report(results: dict[str, Any]) -> str:
            if st["base"] == "reader" else "")
         + f"; training tasks {', '.join(st['train'])}; held out {', '.join(st['heldout'])}. "
         f"Warm start: `arpo sft` on the training tasks' oracle demonstrations (local "
-        f"desktops, at most {st['sft_epochs']} epochs of {st.get('sft_batch', 4)} "
-        f"demonstrations a step, target NLL {st['sft_target_nll']}); "
+        f"desktops, at most {st['sft_epochs']} epochs of {_per_step(st.get('sft_batch', 4))}, "
+        f"target NLL {st['sft_target_nll']}); "
         f"ARPO: {st['iterations']} iterations of {st['groups']} groups of 4 on 2 local "
         f"desktops, lr {st['lr']}. Success: greedy, one episode per task, at most "
         f"{st['eval_steps']} turns. Each turn's table is cut to "

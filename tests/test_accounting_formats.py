@@ -157,3 +157,26 @@ def test_account_finds_every_trajectory_where_its_writer_put_it(
     assert (out["in_store"], out["in_spool"], out["refused"]) == (1, 1, 1)
     assert out["in_journal"] == 1
     assert out["unaccounted"] == 1 and out["unaccounted_ids"] == ["lost"]
+
+
+def test_a_run_stopped_before_its_first_checkpoint_has_its_acknowledged_trajectories_in_the_journal(
+    tmp_path: Path, png_pool
+) -> None:
+    """No checkpoint yet: a resumed learner replays the whole journal, so what the learner
+    acknowledged and journaled is accounted for, where it counted as unaccounted before
+    (a Calc run stopped in its second iteration: 22 of 30)."""
+    run = tmp_path / "run"
+    spool = Spool(run / "spool" / "actor-0")
+    for tid in ("trained", "journaled", "pending", "lost"):
+        spool.put(_traj(tid, png_pool))
+    for tid in ("trained", "journaled", "lost"):
+        spool.remove(tid)
+    (run / "learner").mkdir()
+    (run / "learner" / TRAINED_LOG).write_text(trained_log_lines(1, [("trained", False)], []))
+    journal = Journal(run / "learner" / "journal")
+    for tid in ("trained", "journaled"):
+        journal.append(wire.encode(_traj(tid, png_pool)))
+    journal.close()
+    out = account(run, None)
+    assert (out["trained"], out["in_journal"], out["in_spool"]) == (1, 2, 1)
+    assert out["unaccounted_ids"] == ["lost"]

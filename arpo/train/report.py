@@ -34,7 +34,8 @@ def account(run_dir: Path, checkpoint: Path | None) -> dict[str, Any]:
     Finished (the actors' spool ledgers, by status) against: trained (the learner's
     `trained.log`, as of the final checkpoint), dropped by the learner with a reason
     (stale, replaced by a replayed success, invalid, ...), still in the store (the final
-    checkpoint's snapshot) or in the journal after it, still in an actor's spool (never
+    checkpoint's snapshot) or in the journal after it (the whole journal when there is no
+    checkpoint yet: a resumed learner replays it whole), still in an actor's spool (never
     acknowledged), or kept aside there as refused for good by the learner. Each is read by
     the reader its writer's module keeps beside it. The spool of an actor on a Ray node is
     the driver's copy (`arpo.train.cluster`: its ledger, and its pending ids in `PENDING`);
@@ -78,6 +79,10 @@ def account(run_dir: Path, checkpoint: Path | None) -> dict[str, Any]:
         in_store = ck.stored_trajectory_ids()
         if ck.journal_segment is not None:
             in_journal = journal_trajectory_ids(run_dir / "learner" / "journal", ck.journal_segment)
+    elif (run_dir / "learner" / "journal").is_dir():
+        # No checkpoint yet (a run stopped before its first): a resumed learner replays the
+        # whole journal, so all of it is still the run's.
+        in_journal = journal_trajectory_ids(run_dir / "learner" / "journal", 0)
     ok = {tid for tid, (status, _) in finished.items() if status == "ok"}
     learner_has = set(trained) | set(dropped) | in_store | in_journal
     lost_with_node = on_lost_nodes - learner_has
