@@ -50,9 +50,13 @@ Measured 2026-12-07 on the tree arm, alone on 2 cores:
   and scoring; NLL 2.07 -> 0.035, the target 0.02 not reached) it solves **4 of 6 training
   tasks and 0 of 3 held out**, every turn parsed. Its greedy evaluation on the 9 tasks took
   6 minutes.
-- A seed's ARPO run (32 episodes of 3 to 5 turns at the reader's ~13 tokens/s, then its
-  evaluation) is estimated at 30 minutes, not yet measured: an arm is about 2.5 hours, so
-  run one arm per session with `--resume-from`, or `--seeds=` for the warm starts alone.
+- The OCR arm's warm start took 25 minutes and solves 5 of 6 (0 of 3 held out); the
+  screenshot arm's (no table) 3.3 minutes, 5 of 6 (0 of 3).
+- A seed's ARPO run: 10 minutes for the screenshot arm (then 2.6 minutes of evaluation);
+  for the tree arm its first iteration took 15 minutes (8 episodes of 3 to 4 turns at the
+  reader's ~13 tokens/s, the learner's step beside them), so a seed is about an hour and
+  an arm of 3 seeds about 3.5 hours: run one arm per session with `--resume-from`, or
+  `--seeds=` for the warm starts alone.
 
 Steps whose output exists are skipped, so an interrupted run continues (delete a run's
 folder to redo it); an `--out` folder whose results were made with other settings is
