@@ -183,6 +183,18 @@ def _evaluate(args: argparse.Namespace, arm: str, model: Path | None, pools: dic
     return res
 
 
+def finished_run(run_dir: Path) -> bool:
+    """True when `run_dir` holds a run that finished (its summary says so), which is kept;
+    otherwise a run that was interrupted or stopped (no summary, or `finished: false`) is
+    removed, so that the seed runs again from its start."""
+    done = run_dir / "summary.json"
+    if done.exists() and json.loads(done.read_text()).get("finished"):
+        return True
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    return False
+
+
 def _train(args: argparse.Namespace, arm: str, seed: int, sft: Path, train: Path,
            out: Path) -> Path:  # fmt: skip
     """`arpo train` (ARPO) from the warm start on the training tasks; its run folder."""
@@ -190,11 +202,8 @@ def _train(args: argparse.Namespace, arm: str, seed: int, sft: Path, train: Path
     from arpo.train import TrainConfig, TrainRun
 
     run_dir = out / arm / "runs" / f"s{seed}"
-    done = run_dir / "summary.json"
-    if done.exists() and json.loads(done.read_text()).get("finished"):
+    if finished_run(run_dir):
         return run_dir
-    if run_dir.exists():  # an interrupted or stopped run: start it again
-        shutil.rmtree(run_dir)
     shown, marks = ARMS[arm]
     cfg = load_config(TrainConfig, None, [
         f"run_dir={str(run_dir)!r}", f"model={str(sft)!r}", f"tasks={str(train)!r}",

@@ -252,3 +252,21 @@ def test_the_local_marks_experiment_refuses_a_run_folder_made_with_other_setting
                                                                      "sft_batch": 1}}))  # fmt: skip
     assert ml.main(args) == 0  # the same settings: the finished arm is kept, nothing runs
     assert not (out / "base").exists()
+
+
+def test_the_local_marks_experiment_runs_a_stopped_seed_again(tmp_path: Path, monkeypatch) -> None:
+    """A seed's run folder is kept only when its summary says it finished; a run stopped
+    (`finished: false`, as `arpo train` writes on SIGTERM) or interrupted before its
+    summary is removed so that the seed runs again, where it was once taken as done."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import experiment_marks_local as ml
+
+    done, stopped, torn = tmp_path / "s1", tmp_path / "s2", tmp_path / "s3"
+    for d in (done, stopped, torn):
+        (d / "learner").mkdir(parents=True)
+    (done / "summary.json").write_text(json.dumps({"finished": True, "iterations": 4}))
+    (stopped / "summary.json").write_text(json.dumps({"finished": False, "signal": 15}))
+    assert ml.finished_run(done) and (done / "learner").is_dir()
+    assert not ml.finished_run(stopped) and not stopped.exists()
+    assert not ml.finished_run(torn) and not torn.exists()
+    assert not ml.finished_run(tmp_path / "s4")  # never started

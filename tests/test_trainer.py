@@ -224,6 +224,46 @@ def test_fused_proximal_pass_gives_the_same_step(base_trainer):
     assert (scored[True], scored[False]) == (3, 6)  # the first mini-batch needs no pass
 
 
+def test_flat_groups_are_not_forwarded_and_the_update_is_the_same(base_trainer):
+    """A group whose episodes all succeeded has advantage 0 on every token: with
+    `skip_flat` its 4 trajectories are not forwarded, yet both optimizer steps get the
+    gradients of the full batch (the second mini-batch, all flat, a zero gradient on the
+    same parameters, so AdamW still steps), and the loss is the same."""
+    batch = make_samples(base_trainer, [1, 0, 0, 1], seed=3, shift=0.2)
+    batch += make_samples(base_trainer, [1, 1, 1, 1], seed=4, shift=0.2)
+    assert all(s.advantage == 0 for s in batch[4:]) and batch[0].advantage > 0
+    out, rows, grads, steps = {}, {}, {}, {}
+    for skip in (True, False):
+        t = fresh_trainer(base_trainer, micro_batch=2, optimizer_steps=2, skip_flat=skip)
+        forwarded: list[int] = []
+        logprobs = t._logprobs
+        t._logprobs = lambda model, seqs, *a, _l=logprobs, _f=forwarded, **kw: (
+            _f.append(len(seqs)) or _l(model, seqs, *a, **kw)
+        )
+        seen: list[dict[str, torch.Tensor]] = []
+        t.optimizer.register_step_pre_hook(
+            lambda opt, args, kwargs, _seen=seen, _t=t: _seen.append(
+                {k: v.grad.detach().clone() for k, v in _t.base_model.named_parameters()
+                 if v.grad is not None}
+            )
+        )  # fmt: skip
+        out[skip], rows[skip], grads[skip] = t.step(batch), sum(forwarded), seen
+        steps[skip] = t.optimizer_steps_done
+    assert steps == {True: 2, False: 2}
+    assert out[True]["data/flat_skipped"] == 4 and out[False]["data/flat_skipped"] == 0
+    # Skipped: the first mini-batch's 4 rows, then one zero-scaled pass of 1 row. Not
+    # skipped: the second mini-batch's proximal pass (4 rows), then all 8 with gradient.
+    assert (rows[True], rows[False]) == (5, 12)
+    for g1, g0 in zip(grads[True], grads[False], strict=True):
+        assert g1.keys() == g0.keys() and g1
+        for k in g0:
+            scale = float(g0[k].abs().max()) + 1e-12
+            torch.testing.assert_close(g1[k], g0[k], rtol=1e-3, atol=1e-4 * scale)
+    assert any(float(g.abs().max()) > 0 for g in grads[True][0].values())
+    assert all(float(g.abs().max()) == 0 for g in grads[True][1].values())
+    assert out[True]["losses/loss"] == pytest.approx(out[False]["losses/loss"], abs=1e-6)
+
+
 def test_replayed_success_gets_its_importance_weight_and_advantage(base_trainer, tmp_path):
     """Four failed fresh episodes + one stored success (behaviour log-probs 0.5 above the
     current policy's, i.e. an older policy liked it more): the assembler replaces one fresh

@@ -43,6 +43,7 @@ def test_two_rank_fsdp2_step_equals_the_single_process_step(tmp_path):
     assert mb["losses/loss"] == pytest.approx(ma["losses/loss"], abs=1e-6)
     for k in ("losses/grad_norm", "data/tokens", "data/loss_tokens"):
         assert mb[k] == pytest.approx(ma[k], rel=1e-5), (k, ma[k], mb[k])
+    assert ma["data/flat_skipped"] == mb["data/flat_skipped"] == 3
     assert ma["losses/weight_fresh_mean"] == pytest.approx(np.exp(0.3), rel=1e-3)  # mu 0.3 below
     assert a["optim_keys"] == b["optim_keys"]
     assert a["state"].keys() == b["state"].keys()

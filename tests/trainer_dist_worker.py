@@ -31,7 +31,8 @@ from arpo.synthetic import (
     with_logprobs,
 )
 
-REWARDS = [1.0, 0.0, 0.0, 0.0, 0.0, 1.0]
+# The third group is flat (advantage 0): skipped, on one rank all of its mini-batch share.
+REWARDS = [1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0]
 
 
 def make_samples(maker: Trainer) -> list[Sample]:
@@ -53,7 +54,7 @@ def make_samples(maker: Trainer) -> list[Sample]:
         traj = with_logprobs(traj, lp.numpy() - 0.3)
         out.append(Sample(store_item.to_item(traj), traj.task_id, traj.trajectory_id, r, r, 0, 0.0,
                           i == 5, i // 3))  # fmt: skip
-    for g in (0, 1):
+    for g in range(len(REWARDS) // 3):
         adv = advantages(REWARDS[3 * g : 3 * g + 3])
         for k in range(3):
             out[3 * g + k].advantage = float(adv[k])

@@ -115,6 +115,8 @@ DATA: dict[str, str] = {
     "data/groups": "Groups trained on this iteration.",
     "data/tokens": "Tokens of the trained sequences (prompts and responses).",
     "data/loss_tokens": "Tokens the loss covers (sampled response tokens).",
+    "data/flat_skipped": "Trajectories of the step whose advantage was 0 on every token, "
+    "left out of the forward and backward passes (trainer.skip_flat; the update is the same).",
     "data/dropped_stale": "Trajectories dropped because they were too stale.",
     "data/dropped_status": "Trajectories kept out of training by their status (env_error, ...).",
     "data/dropped_invalid": "Trajectories the model cannot be trained on (e.g. a sampled "

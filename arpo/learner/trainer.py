@@ -21,7 +21,11 @@ A step (the reference's 1 PPO epoch, 2 optimizer steps per iteration):
    steps. Each micro-batch's loss (`arpo.learner.loss.arpo_loss`) is scaled by its
    share of the mini-batch (trajectories with a loss token for `seq-mean-token-mean`,
    tokens for `token-mean`), so the accumulated gradient equals the gradient of the
-   mini-batch's loss computed in one piece.
+   mini-batch's loss computed in one piece. Trajectories whose advantage is 0 on every
+   token (`skip_flat`, on unless a KL term needs a reference model) are not forwarded:
+   their loss and gradient are exactly 0 and they still count in that share, so the
+   update is unchanged; a mini-batch left empty runs one pass scaled by 0 so that AdamW
+   steps exactly as it would have.
 
 Defaults are the reference settings: AdamW lr 1e-6 constant, weight decay 0.01,
 betas (0.9, 0.999), grad clip 1.0, 1 epoch, 2 optimizer steps per iteration,
@@ -99,6 +103,15 @@ class TrainerConfig:
         "scores the full softmax, so a nucleus could not be scored exactly.",
     )
     entropy: bool = option(True, "Log the policy's entropy over the response tokens.")
+    skip_flat: bool = option(
+        True,
+        "Leave trajectories whose advantage is 0 on every token (a group whose episodes "
+        "all scored the same) out of the forward and backward passes: their loss and "
+        "gradient are exactly 0, and they still count in the mean over trajectories (or "
+        "tokens), so the update is the same; the policy's entropy and the ratio metrics "
+        "then cover the trained trajectories only. Off when a reference model is loaded "
+        "(the KL term has a gradient at any advantage).",
+    )
     fuse_proximal: bool = option(
         True,
         "Take the first mini-batch's proximal log-probs from its own forward pass (the "
@@ -210,6 +223,22 @@ def _chunks(seq: Sequence[int], n: int) -> list[list[int]]:
         end = start + k + (1 if i < r else 0)
         out.append(list(seq[start:end]))
         start = end
+    return out
+
+
+def _flat(samples: Sequence[Any], mine: list[int], seqs: dict[int, Any], on: bool) -> set[int]:
+    """The indices in `mine` whose advantage is 0 on every token they train (`skip_flat`):
+    with no KL term their loss and gradient are exactly 0."""
+    if not on:
+        return set()
+    out = set()
+    for i in mine:
+        tok = _token_advantages(samples[i], seqs[i])
+        if tok is None:
+            if samples[i].advantage == 0.0:
+                out.add(i)
+        elif bool(torch.all(torch.isnan(tok) | (tok == 0))):
+            out.add(i)
     return out
 
 
@@ -384,7 +413,8 @@ class Trainer:
         # The first mini-batch trains on the weights before the step: its forward pass with
         # gradient gives its proximal log-probs (detached), so only the others need a pass.
         first = set(plans[0]) if cfg.fuse_proximal and plans else set()
-        rest = [i for i in mine if i not in first]
+        flat = _flat(samples, mine, seqs, cfg.skip_flat and self.ref_model is None)
+        rest = [i for i in mine if i not in first and i not in flat]
         prox = dict(zip(rest, self.proximal([seqs[i] for i in rest], dummy=dummy), strict=True))
         ref = None
         if self.ref_model is not None:
@@ -408,9 +438,12 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             count = (lambda i: float(trained.get(i, 0) > 0)) if seq_mean else (
                 lambda i: float(trained.get(i, 0)))  # fmt: skip
-            denom = D.global_count(sum(count(i) for i in plan), info)
-            micros = self._micro(plan)
-            n_micro = D.max_count(len(micros), info)
+            denom = D.global_count(sum(count(i) for i in plan), info)  # flat ones count
+            micros = self._micro([i for i in plan if i not in flat])
+            # At least one pass: a mini-batch that is all flat runs one pass scaled by 0,
+            # so every parameter the step trains has a (zero) gradient and AdamW steps as
+            # it would have on the full mini-batch (its moments and weight decay move).
+            n_micro = max(1, D.max_count(len(micros), info))
             for k in range(n_micro):
                 real = k < len(micros)
                 part_idx = micros[k] if real else [mine[0] if mine else 0]
@@ -477,10 +510,11 @@ class Trainer:
             t_opt += time.perf_counter() - t1
         times["time/forward_backward_s"] = t_fb
         times["time/optimizer_s"] = t_opt
+        scored = [i for i in mine if i in prox]  # the flat ones were not forwarded
         drift = behaviour_drift(
-            [prox[i] for i in mine],
-            [seqs[i].behaviour_logp for i in mine],
-            [samples[i].is_replay for i in mine],
+            [prox[i] for i in scored],
+            [seqs[i].behaviour_logp for i in scored],
+            [samples[i].is_replay for i in scored],
             cfg.loss.w_max,
         )
 
@@ -507,6 +541,7 @@ class Trainer:
         out["losses/lr"] = float(np.mean(lrs))
         out["data/tokens"] = D.global_count(sum(len(seqs[i].input_ids) for i in mine), info)
         out["data/loss_tokens"] = D.global_count(sum(len(seqs[i].targets) for i in mine), info)
+        out["data/flat_skipped"] = D.global_count(len(flat), info)
         out.update(drift)  # this rank's share (rank 0's under torchrun)
         out.update(times)
         return out
