@@ -213,6 +213,9 @@ def _train(args: argparse.Namespace, arm: str, seed: int, sft: Path, train: Path
         f"learner.iterations={args.iterations}",
         "learner.assemble.group_size=4", f"learner.assemble.groups_per_step={args.groups}",
         f"learner.trainer.lr={args.lr}", f"learner.trainer.train_layers={args.train_layers}",
+        # The same gradients; a 5-turn Calc trajectory with the tree is ~7k tokens, and its
+        # activations without it took the learner past 18 GB (killed by the OOM killer).
+        "learner.trainer.gradient_checkpointing=true",
         f"actor.episode.observation_type={shown!r}", f"actor.episode.marks_source={marks!r}",
         f"actor.episode.max_steps={args.eval_steps}",
         f"actor.episode.max_new_tokens={args.max_new_tokens}",
