@@ -226,20 +226,13 @@ def _chunks(seq: Sequence[int], n: int) -> list[list[int]]:
     return out
 
 
-def _flat(samples: Sequence[Any], mine: list[int], seqs: dict[int, Any], on: bool) -> set[int]:
-    """The indices in `mine` whose advantage is 0 on every token they train (`skip_flat`):
-    with no KL term their loss and gradient are exactly 0."""
-    if not on:
-        return set()
-    out = set()
-    for i in mine:
-        tok = _token_advantages(samples[i], seqs[i])
-        if tok is None:
-            if samples[i].advantage == 0.0:
-                out.add(i)
-        elif bool(torch.all(torch.isnan(tok) | (tok == 0))):
-            out.add(i)
-    return out
+def _flat(samples: Sequence[Any], tok_adv: dict[int, torch.Tensor | None]) -> set[int]:
+    """The indices of `tok_adv` (a sample's per-token advantages, None: one for all) whose
+    advantage is 0 on every token they train (`skip_flat`): with no KL term their loss and
+    gradient are exactly 0."""
+    return {i for i, tok in tok_adv.items()
+            if (samples[i].advantage == 0.0 if tok is None
+                else bool(torch.all(torch.isnan(tok) | (tok == 0))))}  # fmt: skip
 
 
 def _token_advantages(sample: Any, seq: Any) -> torch.Tensor | None:
@@ -413,7 +406,8 @@ class Trainer:
         # The first mini-batch trains on the weights before the step: its forward pass with
         # gradient gives its proximal log-probs (detached), so only the others need a pass.
         first = set(plans[0]) if cfg.fuse_proximal and plans else set()
-        flat = _flat(samples, mine, seqs, cfg.skip_flat and self.ref_model is None)
+        tok_adv = {i: _token_advantages(samples[i], seqs[i]) for i in mine}
+        flat = _flat(samples, tok_adv) if cfg.skip_flat and self.ref_model is None else set()
         rest = [i for i in mine if i not in first and i not in flat]
         prox = dict(zip(rest, self.proximal([seqs[i] for i in rest], dummy=dummy), strict=True))
         ref = None
@@ -424,7 +418,6 @@ class Trainer:
 
         adv = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
         replay = torch.tensor([s.is_replay for s in samples], dtype=torch.bool)
-        tok_adv = {i: _token_advantages(samples[i], seqs[i]) for i in mine}
         trained = {i: len(seqs[i].targets) if tok_adv[i] is None
                    else int((~torch.isnan(tok_adv[i])).sum()) for i in mine}  # fmt: skip
         acc: dict[str, list[tuple[float, float]]] = {}
