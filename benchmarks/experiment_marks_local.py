@@ -53,10 +53,11 @@ Measured 2026-12-07 on the tree arm, alone on 2 cores:
 - The OCR arm's warm start took 25 minutes and solves 5 of 6 (0 of 3 held out); the
   screenshot arm's (no table) 3.3 minutes, 5 of 6 (0 of 3).
 - A seed's ARPO run: 10 minutes for the screenshot arm (then 2.6 minutes of evaluation);
-  for the tree arm its first iteration took 15 minutes (8 episodes of 3 to 4 turns at the
-  reader's ~13 tokens/s, the learner's step beside them), so a seed is about an hour and
-  an arm of 3 seeds about 3.5 hours: run one arm per session with `--resume-from`, or
-  `--seeds=` for the warm starts alone.
+  for the tree arm 59 and 54 minutes (seeds 1 and 2: 8 episodes an iteration of 3 to 4
+  turns at the reader's ~13 tokens/s, the learner's steps of 408 to 1,099 s beside them;
+  its peak 7.9 GB), then 5 minutes of evaluation, so an arm of 3 seeds is about 3 hours
+  15 minutes: run one arm per session with `--resume-from`, or `--seeds=` for the warm
+  starts alone.
 
 Steps whose output exists are skipped, so an interrupted run continues (delete a run's
 folder to redo it); an `--out` folder whose results were made with other settings is
