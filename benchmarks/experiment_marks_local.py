@@ -59,8 +59,9 @@ Measured 2026-12-07 on the tree arm, alone on 2 cores:
   15 minutes: run one arm per session with `--resume-from`, or `--seeds=` for the warm
   starts alone.
 
-Steps whose output exists are skipped, so an interrupted run continues (delete a run's
-folder to redo it); an `--out` folder whose results were made with other settings is
+Steps whose output exists are skipped, and so is a seed already in the results file, so an
+interrupted run continues (delete a run's folder and its seed in `results.json` to redo
+it); an `--out` folder whose results were made with other settings is
 refused, naming each one, since its warm starts and seeds would be kept as they are.
 `--seeds=` runs only the warm starts and their evaluation. Nothing else should run on the
 machine. The arms can run in different sessions, on different machines: `--resume-from
@@ -435,6 +436,10 @@ def run(args: argparse.Namespace, out: Path, res_path: Path) -> dict[str, Any]:
         r["warm"] = _evaluate(args, arm, sft, pools, out / arm / "warm_eval")
         save()
         for seed in seeds:
+            if str(seed) in r["seeds"]:
+                log.info("%s seed %d: in the results (commit %s), kept as it is", arm, seed,
+                         r.get("commit", "?"))  # fmt: skip
+                continue
             run_dir = _train(args, arm, seed, sft, pools["train"], out)
             ev = _evaluate(args, arm, model_to_evaluate(run_dir, run_dir / "eval"), pools,
                            run_dir / "eval")  # fmt: skip

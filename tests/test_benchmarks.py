@@ -270,3 +270,41 @@ def test_the_local_marks_experiment_runs_a_stopped_seed_again(tmp_path: Path, mo
     assert not ml.finished_run(stopped) and not stopped.exists()
     assert not ml.finished_run(torn) and not torn.exists()
     assert not ml.finished_run(tmp_path / "s4")  # never started
+
+
+def test_the_local_marks_experiment_runs_only_the_seeds_its_results_lack(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """An arm whose results hold its warm start and seed 1 runs seed 2 only, and keeps seed
+    1's figures, where a seed whose run folder was gone once trained again from its start."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import experiment_marks_local as ml
+
+    out = tmp_path / "marks"
+    out.mkdir()
+    args = ["--out", str(out), "--arms", "tree", "--seeds", "1,2"]
+    settings = {k: v for k, v in vars(ml.parse_args(args)).items()
+                if k not in ml._NOT_SETTINGS}  # fmt: skip
+    ev = {"train": {"success_rate": 0.5, "parsed_rate": 1.0},
+          "heldout": {"success_rate": 0.0, "parsed_rate": 1.0}}  # fmt: skip
+    (out / "results.json").write_text(json.dumps({
+        "settings": {**settings, "train": ml.TRAIN.split(","), "heldout": ml.HELDOUT.split(",")},
+        "arms": {"tree": {"warm": ev, "seeds": {"1": {**ev, "train_wall_s": 3544.0}}}}}))  # fmt: skip
+    trained: list[int] = []
+
+    def train(_a, _arm, seed, _sft, _train, out_):  # type: ignore[no-untyped-def]
+        run_dir = out_ / "tree" / "runs" / f"s{seed}"
+        run_dir.mkdir(parents=True)
+        (run_dir / "summary.json").write_text(json.dumps({"finished": True, "wall_s": 9.0}))
+        trained.append(seed)
+        return run_dir
+
+    monkeypatch.setattr(ml, "_base", lambda _a, o: o / "base")
+    monkeypatch.setattr(ml, "_warm_start", lambda *_: out / "tree" / "sft")
+    monkeypatch.setattr(ml, "_evaluate", lambda *_: ev)
+    monkeypatch.setattr(ml, "_train", train)
+    monkeypatch.setattr(ml, "model_to_evaluate", lambda run_dir, _e: run_dir)
+    assert ml.main(args) == 0
+    assert trained == [2]
+    seeds = json.loads((out / "results.json").read_text())["arms"]["tree"]["seeds"]
+    assert seeds["1"]["train_wall_s"] == 3544.0 and seeds["2"]["train_wall_s"] == 9.0
