@@ -56,9 +56,10 @@ Measured 2026-12-07 on the tree arm, alone on 2 cores:
   for the tree arm 59 and 54 minutes (seeds 1 and 2: 8 episodes an iteration of 3 to 4
   turns at the reader's ~13 tokens/s, the learner's steps of 408 to 1,099 s beside them;
   its peak 7.9 GB), for the OCR arm 33, 38 and 31 minutes (shorter tables; its learner's
-  peak 9.2 GB), each then 5 minutes of evaluation: an arm of 3 seeds is about 3 hours 15
-  minutes for the tree, 1 hour 55 minutes for OCR. Run one arm per session with
-  `--resume-from`, or `--seeds=` for the warm starts alone.
+  peak 9.2 GB; the peaks are VmHWM sampled from `/proc` by hand), each then 5 minutes of
+  evaluation: an arm of 3 seeds is about 3 hours 15 minutes for the tree, 1 hour 55
+  minutes for OCR. Run one arm per session with `--resume-from`, or `--seeds=` for the
+  warm starts alone.
 
 Steps whose output exists are skipped, and so is a seed already in the results file, so an
 interrupted run continues (delete a run's folder and its seed in `results.json` to redo
@@ -438,8 +439,7 @@ def run(args: argparse.Namespace, out: Path, res_path: Path) -> dict[str, Any]:
         save()
         for seed in seeds:
             if str(seed) in r["seeds"]:
-                log.info("%s seed %d: in the results (commit %s), kept as it is", arm, seed,
-                         r.get("commit", "?"))  # fmt: skip
+                log.info("%s seed %d: in the results, kept as it is", arm, seed)
                 continue
             run_dir = _train(args, arm, seed, sft, pools["train"], out)
             ev = _evaluate(args, arm, model_to_evaluate(run_dir, run_dir / "eval"), pools,
