@@ -63,7 +63,10 @@ Measured 2026-12-07 on the tree arm, alone on 2 cores:
 
 Steps whose output exists are skipped, and so is a seed already in the results file, so an
 interrupted run continues (delete a run's folder and its seed in `results.json` to redo
-it); an `--out` folder whose results were made with other settings is
+it). A seed records its commit and the warm start it started from (commit and success),
+and its gain is over that one: when an arm's warm-start folder is gone (another machine),
+its warm start is made again at the current commit for the seeds still to run, and the
+report then shows each warm start. An `--out` folder whose results were made with other settings is
 refused, naming each one, since its warm starts and seeds would be kept as they are.
 `--seeds=` runs only the warm starts and their evaluation. Nothing else should run on the
 machine. The arms can run in different sessions, on different machines: `--resume-from
@@ -238,27 +241,51 @@ def _rate(ev: dict[str, Any], pool: str) -> float:
     return float(ev[pool]["success_rate"])
 
 
+def _warm_of(r: dict[str, Any], commit: str | None) -> dict[str, Any] | None:
+    """The arm `r`'s warm start as a seed records it: its commit, success rates and share of
+    parsed turns."""
+    if not r.get("warm"):
+        return None
+    return {"commit": commit, **{p: _rate(r["warm"], p) for p in ("train", "heldout")},
+            "parsed": r["warm"]["train"]["parsed_rate"]}  # fmt: skip
+
+
 def summarise(results: dict[str, Any]) -> dict[str, Any]:
     """Per arm: the warm start's and each seed's success on train / held-out tasks, the
-    gains' means and 95 % t-intervals over seeds; per pair of arms the held-out difference."""
+    gains' means and 95 % t-intervals over seeds. A seed's gain is over the warm start it
+    started from (`warm_start`, recorded with it: the arm's warm start is made again when
+    its folder is gone, and the new one's evaluation may differ)."""
     out: dict[str, Any] = {}
     for arm, r in results["arms"].items():
         warm = r.get("warm")
         seeds = r.get("seeds", {})
         if not warm:
             continue
-        row: dict[str, Any] = {"warm": {p: _rate(warm, p) for p in ("train", "heldout")},
+        current = _warm_of(r, r.get("warm_commit", r.get("commit")))
+        assert current is not None
+        row: dict[str, Any] = {"warm": {p: current[p] for p in ("train", "heldout")},
                                "warm_parsed": warm["train"]["parsed_rate"], "seeds": {},
-                               "ran": f"{r.get('commit', '?')}, {r.get('date', '?')}"}  # fmt: skip
+                               "warm_starts": [current]}  # fmt: skip
+        ran: dict[str, list[str]] = {}
         for s, ev in seeds.items():
+            w = ev.get("warm_start") or current
+            if all(w["commit"] != x["commit"] for x in row["warm_starts"]):
+                row["warm_starts"].insert(0, w)
             row["seeds"][s] = {p: _rate(ev, p) for p in ("train", "heldout")}
-            row["seeds"][s]["parsed"] = ev["train"]["parsed_rate"]
-            row["seeds"][s]["wall_s"] = ev.get("train_wall_s")
+            row["seeds"][s].update(parsed=ev["train"]["parsed_rate"],
+                                   wall_s=ev.get("train_wall_s"), warm_commit=w["commit"],
+                                   gain={p: _rate(ev, p) - w[p] for p in ("train", "heldout")})  # fmt: skip
+            ran.setdefault(ev.get("commit") or r.get("commit", "?"), []).append(s)
         for p in ("train", "heldout"):
-            gains = [v[p] - row["warm"][p] for v in row["seeds"].values()]
+            gains = [v["gain"][p] for v in row["seeds"].values()]
             if gains:
                 mean, lo, hi = t_interval(gains)
                 row[f"{p}_gain"] = {"mean": mean, "ci": [lo, hi]}
+        if len(ran) > 1:
+            row["ran"] = "; ".join(f"{c} (seed{'s' if len(v) > 1 else ''} {', '.join(sorted(v))})"
+                                   for c, v in ran.items()) + f", {r.get('date', '?')}"  # fmt: skip
+        else:
+            row["ran"] = f"{next(iter(ran), r.get('commit', '?'))}, {r.get('date', '?')}"
         out[arm] = row
     return out
 
@@ -294,10 +321,15 @@ def report(results: dict[str, Any]) -> str:
         "|---|---|---:|---:|---:|",
     ]  # fmt: skip
     for arm, row in s.items():
-        lines.append(f"| {arm} | warm start | {_pct(row['warm']['train'])} | "
-                     f"{_pct(row['warm']['heldout'])} | {_pct(row['warm_parsed'])} |")  # fmt: skip
+        several = len(row["warm_starts"]) > 1
+        for w in row["warm_starts"]:
+            label = f"warm start ({w['commit']})" if several else "warm start"
+            parsed = _pct(w.get("parsed", row["warm_parsed"]))
+            lines.append(f"| {arm} | {label} | {_pct(w['train'])} | {_pct(w['heldout'])} | "
+                         f"{parsed} |")  # fmt: skip
         for seed, v in sorted(row["seeds"].items()):
-            lines.append(f"| {arm} | {seed} | {_pct(v['train'])} | {_pct(v['heldout'])} | "
+            label = f"{seed} (from {v['warm_commit']})" if several else seed
+            lines.append(f"| {arm} | {label} | {_pct(v['train'])} | {_pct(v['heldout'])} | "
                          f"{_pct(v['parsed'])} |")  # fmt: skip
     lines += ["", "| arm | seeds | train gain (95 % CI) | held-out gain (95 % CI) | ran at |",
               "|---|---:|---|---|---|"]  # fmt: skip
@@ -433,9 +465,17 @@ def run(args: argparse.Namespace, out: Path, res_path: Path) -> dict[str, Any]:
         if r.get("warm") and all(str(s) in r["seeds"] for s in seeds):
             log.info("%s: finished (commit %s), kept as it is", arm, r.get("commit", "?"))
             continue
+        # The seeds already recorded keep their commit and the warm start they started
+        # from: when the warm start's folder is gone it is made again below, at this commit.
+        prior = r.get("warm_commit", r.get("commit"))
+        for ev in r["seeds"].values():
+            ev.setdefault("commit", r.get("commit"))
+            ev.setdefault("warm_start", _warm_of(r, prior))
         r.update(commit=commit, date=time.strftime("%Y-%m-%d"))
+        fresh = not (out / arm / "warm_eval" / "eval.json").exists()
         sft = _warm_start(args, arm, _base(args, out), pools["train"], out)
         r["warm"] = _evaluate(args, arm, sft, pools, out / arm / "warm_eval")
+        r["warm_commit"] = commit if fresh or not prior else prior
         save()
         for seed in seeds:
             if str(seed) in r["seeds"]:
@@ -446,7 +486,8 @@ def run(args: argparse.Namespace, out: Path, res_path: Path) -> dict[str, Any]:
                            run_dir / "eval")  # fmt: skip
             sm = json.loads((run_dir / "summary.json").read_text())
             r["seeds"][str(seed)] = {**ev, "train_wall_s": sm.get("wall_s"),
-                                     "accounting": sm.get("accounting")}  # fmt: skip
+                                     "accounting": sm.get("accounting"), "commit": commit,
+                                     "warm_start": _warm_of(r, r["warm_commit"])}  # fmt: skip
             save()
     return results
 

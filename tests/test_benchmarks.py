@@ -308,3 +308,65 @@ def test_the_local_marks_experiment_runs_only_the_seeds_its_results_lack(
     assert trained == [2]
     seeds = json.loads((out / "results.json").read_text())["arms"]["tree"]["seeds"]
     assert seeds["1"]["train_wall_s"] == 3544.0 and seeds["2"]["train_wall_s"] == 9.0
+
+
+def test_the_local_marks_experiment_scores_each_seed_against_its_own_warm_start(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """An arm whose warm-start folder is gone makes its warm start again for the seed still
+    to run: the seeds already recorded keep their commit and the warm start they started
+    from, each seed's gain is over its own warm start, and the report shows both warm
+    starts, where the old seeds' gains were once taken over the new warm start."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import experiment_marks_local as ml
+
+    out = tmp_path / "marks"
+    out.mkdir()
+    args = ["--out", str(out), "--arms", "tree", "--seeds", "1,2"]
+    settings = {k: v for k, v in vars(ml.parse_args(args)).items()
+                if k not in ml._NOT_SETTINGS}  # fmt: skip
+
+    def ev(train: float) -> dict:
+        return {"train": {"success_rate": train, "parsed_rate": 1.0},
+                "heldout": {"success_rate": 0.0, "parsed_rate": 1.0}}  # fmt: skip
+
+    (out / "results.json").write_text(json.dumps({
+        "settings": {**settings, "train": ml.TRAIN.split(","), "heldout": ml.HELDOUT.split(",")},
+        "arms": {"tree": {"commit": "abc1234", "date": "2026-12-07", "warm": ev(0.5),
+                          "seeds": {"1": {**ev(0.5), "train_wall_s": 1.0}}}}}))  # fmt: skip
+
+    def train(_a, _arm, seed, _sft, _train, out_):  # type: ignore[no-untyped-def]
+        run_dir = out_ / "tree" / "runs" / f"s{seed}"
+        run_dir.mkdir(parents=True)
+        (run_dir / "summary.json").write_text(json.dumps({"finished": True, "wall_s": 9.0}))
+        return run_dir
+
+    def evaluate(_a, _arm, _model, _pools, where):  # type: ignore[no-untyped-def]
+        # The warm start made again solves one task more; seed 2 one more than that.
+        return ev(2 / 3) if where.name == "warm_eval" else ev(5 / 6)
+
+    monkeypatch.setattr(ml, "_base", lambda _a, o: o / "base")
+    monkeypatch.setattr(ml, "_warm_start", lambda *_: out / "tree" / "sft")
+    monkeypatch.setattr(ml, "_evaluate", evaluate)
+    monkeypatch.setattr(ml, "_train", train)
+    monkeypatch.setattr(ml, "model_to_evaluate", lambda run_dir, _e: run_dir)
+    assert ml.main(args) == 0
+    res = json.loads((out / "results.json").read_text())
+    tree = res["arms"]["tree"]
+    now = tree["commit"]
+    assert now != "abc1234" and tree["warm_commit"] == now
+    assert tree["seeds"]["1"]["commit"] == "abc1234"
+    assert tree["seeds"]["1"]["warm_start"]["commit"] == "abc1234"
+    assert tree["seeds"]["1"]["warm_start"]["train"] == 0.5
+    assert tree["seeds"]["2"]["commit"] == now
+    assert tree["seeds"]["2"]["warm_start"] == {"commit": now, "train": 2 / 3, "heldout": 0.0,
+                                                "parsed": 1.0}  # fmt: skip
+    row = ml.summarise(res)["tree"]
+    assert row["seeds"]["1"]["gain"]["train"] == 0.0
+    assert row["seeds"]["2"]["gain"]["train"] == pytest.approx(1 / 6)
+    assert row["train_gain"]["mean"] == pytest.approx(1 / 12)
+    text = ml.report(res)
+    assert "| tree | warm start (abc1234) | 50 % |" in text
+    assert f"| tree | warm start ({now}) | 67 % |" in text
+    assert f"| tree | 2 (from {now}) | 83 % |" in text
+    assert f"abc1234 (seed 1); {now} (seed 2)" in text
