@@ -53,13 +53,13 @@ Measured 2026-12-07 on the tree arm, alone on 2 cores:
 - The OCR arm's warm start took 25 minutes and solves 5 of 6 (0 of 3 held out); the
   screenshot arm's (no table) 3.3 minutes, 5 of 6 (0 of 3).
 - A seed's ARPO run: 10 minutes for the screenshot arm (then 2.6 minutes of evaluation);
-  for the tree arm 59 and 54 minutes (seeds 1 and 2: 8 episodes an iteration of 3 to 4
-  turns at the reader's ~13 tokens/s, the learner's steps of 408 to 1,099 s beside them;
-  its peak 7.9 GB), for the OCR arm 33, 38 and 31 minutes (shorter tables; its learner's
-  peak 9.2 GB; the peaks are VmHWM sampled from `/proc` by hand), each then 5 minutes of
-  evaluation: an arm of 3 seeds is about 3 hours 15 minutes for the tree, 1 hour 55
-  minutes for OCR. Run one arm per session with `--resume-from`, or `--seeds=` for the
-  warm starts alone.
+  for the tree arm 59, 54 and 42 minutes (seeds 1, 2, 3: 8 episodes an iteration of 3 to
+  4 turns at the reader's ~13 tokens/s, the learner's steps of 408 to 1,099 s beside them;
+  its peak 7.9 GB; seed 3's warm start, made again, 25 minutes), for the OCR arm 33, 38
+  and 31 minutes (shorter tables; its learner's peak 9.2 GB; the peaks are VmHWM sampled
+  from `/proc` by hand), each then 5 minutes of evaluation: an arm of 3 seeds is about 3
+  hours for the tree, 1 hour 55 minutes for OCR. Run one arm per session with
+  `--resume-from`, or `--seeds=` for the warm starts alone.
 
 Steps whose output exists are skipped, and so is a seed already in the results file, so an
 interrupted run continues (delete a run's folder and its seed in `results.json` to redo
