@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import dataclasses
 import io
 import json
 import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -177,8 +179,12 @@ def test_status_and_down_read_their_own_kind_of_state_file(tmp_path: Path) -> No
     for kind, mod, path in (("desktop", desktops, desk_state), ("vm", vms, vm_state)):
         st = mod.status(path)
         assert (st.kind, st.running, st.stale, st.envs) == (kind, False, False, ())
+    # A VM fleet whose process is gone and whose pid now names a process that is not a
+    # fleet (alive here, where pid 99 once ran another process and the status asked it
+    # for the fleet's report): the fleet is stale, and `down` leaves that process alone.
+    other = subprocess.Popen(["sleep", "60"], start_new_session=True)
     vm_state.parent.mkdir()
-    fr.save(vm_state, EXAMPLES[2])  # a VM fleet whose process (pid 99) is long gone
+    fr.save(vm_state, dataclasses.replace(EXAMPLES[2], pid=other.pid))
     fr.save(desk_state, EXAMPLES[1])
     assert oct(vm_state.stat().st_mode & 0o777) == "0o600"
     assert vms.status(vm_state).stale and [e.state for e in vms.status(vm_state).envs] == [
@@ -188,8 +194,14 @@ def test_status_and_down_read_their_own_kind_of_state_file(tmp_path: Path) -> No
     assert vms.read_state(desk_state) is None  # `down` of a VM fleet then sweeps by folder
     with pytest.raises(ValueError, match="not a VM fleet's state file"):
         vms.down(tmp_path, announce=lambda s: None)  # never the folder above a fleet's
-    done = vms.down(vm_state, announce=lambda s: None)
-    assert not vm_state.parent.exists() and any("removed" in line for line in done), done
+    try:
+        done = vms.down(vm_state, announce=lambda s: None)
+        assert not vm_state.parent.exists() and any("removed" in line for line in done), done
+        assert not any(str(other.pid) in line for line in done), done
+        assert other.poll() is None  # not signalled: it is not the fleet
+    finally:
+        other.kill()
+        other.wait()
     assert tmp_path.exists()
 
 

@@ -138,7 +138,7 @@ def status(state_file: Path | None = None) -> FleetStatus:
     st = read_state(path)
     if st is None:
         return FleetStatus("vm", str(path), running=False, stale=False, envs=())
-    if not alive(st.pid):
+    if not _is_fleet(st.pid):
         envs = tuple(EnvStatus(v.name, v.url, "gone", v.qemu_pid) for v in (*st.vms, *st.clones))
         return FleetStatus("vm", str(path), running=False, stale=True, envs=envs)
     req = urllib.request.Request(
@@ -174,7 +174,7 @@ def down(
 
     st = read_state(state_file)
     pid = st.pid if st else 0
-    if pid and alive(pid):
+    if pid and _is_fleet(pid):
         kill_all([pid], signal.SIGTERM)
         if wait_gone([pid], grace_s):
             kill_all([pid])
@@ -200,6 +200,15 @@ def down(
         shutil.rmtree(folder, ignore_errors=True)
         did(f"removed {folder}")
     return done
+
+
+def _is_fleet(pid: int) -> bool:
+    """True when `pid` runs and is a fleet's process (`python -m arpo_envs.vm.control`,
+    `arpo-envs vm up`). A state file outlives its fleet (SIGKILL, a reboot), and its pid may
+    then belong to another process, which is neither asked for the fleet's report nor
+    signalled by `down`."""
+    cmd = _cmdline(pid)
+    return alive(pid) and ("arpo_envs" in cmd or "arpo-envs" in cmd)
 
 
 def _cmdline(pid: int) -> str:
