@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -272,11 +273,9 @@ def test_the_local_marks_experiment_runs_a_stopped_seed_again(tmp_path: Path, mo
     assert not ml.finished_run(tmp_path / "s4")  # never started
 
 
-def test_the_local_marks_experiment_runs_only_the_seeds_its_results_lack(
-    tmp_path: Path, monkeypatch
-) -> None:
-    """An arm whose results hold its warm start and seed 1 runs seed 2 only, and keeps seed
-    1's figures, where a seed whose run folder was gone once trained again from its start."""
+def _marks_run_folder(tmp_path: Path, monkeypatch) -> tuple[Any, Path, list[str], dict]:
+    """(the marks script's module, an empty `--out` folder, the arguments of a tree run of
+    seeds 1 and 2 there, their settings as the results file keeps them)."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import experiment_marks_local as ml
 
@@ -285,6 +284,15 @@ def test_the_local_marks_experiment_runs_only_the_seeds_its_results_lack(
     args = ["--out", str(out), "--arms", "tree", "--seeds", "1,2"]
     settings = {k: v for k, v in vars(ml.parse_args(args)).items()
                 if k not in ml._NOT_SETTINGS}  # fmt: skip
+    return ml, out, args, settings
+
+
+def test_the_local_marks_experiment_runs_only_the_seeds_its_results_lack(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """An arm whose results hold its warm start and seed 1 runs seed 2 only, and keeps seed
+    1's figures, where a seed whose run folder was gone once trained again from its start."""
+    ml, out, args, settings = _marks_run_folder(tmp_path, monkeypatch)
     ev = {"train": {"success_rate": 0.5, "parsed_rate": 1.0},
           "heldout": {"success_rate": 0.0, "parsed_rate": 1.0}}  # fmt: skip
     (out / "results.json").write_text(json.dumps({
@@ -317,14 +325,7 @@ def test_the_local_marks_experiment_scores_each_seed_against_its_own_warm_start(
     to run: the seeds already recorded keep their commit and the warm start they started
     from, each seed's gain is over its own warm start, and the report shows both warm
     starts, where the old seeds' gains were once taken over the new warm start."""
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    import experiment_marks_local as ml
-
-    out = tmp_path / "marks"
-    out.mkdir()
-    args = ["--out", str(out), "--arms", "tree", "--seeds", "1,2"]
-    settings = {k: v for k, v in vars(ml.parse_args(args)).items()
-                if k not in ml._NOT_SETTINGS}  # fmt: skip
+    ml, out, args, settings = _marks_run_folder(tmp_path, monkeypatch)
 
     def ev(train: float) -> dict:
         return {"train": {"success_rate": train, "parsed_rate": 1.0},
