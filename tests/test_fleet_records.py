@@ -432,3 +432,36 @@ def test_the_control_apps_own_refusals_are_failure_records(control: Any) -> None
             await fleet.stop()
 
     asyncio.run(main())
+
+
+def test_a_second_fleet_is_refused_only_while_the_first_ones_process_runs(tmp_path: Path) -> None:
+    """`up` refuses a folder whose state file names a running fleet process, and starts
+    where that pid now names another process (a state file outlives its fleet), where it
+    was once refused with a pid that was no fleet's."""
+    import dataclasses as dc
+    import sys
+    import time
+
+    from arpo_envs.vm import fleet as vms
+    from arpo_envs.vm.supervisor import FleetConfig
+
+    cfg = FleetConfig(dir=str(tmp_path / "f"))
+    cfg.state_file.parent.mkdir(parents=True)
+    other = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    # a process whose command line names the fleet's module, as `arpo_envs.vm.control` does
+    fleet = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "arpo_envs"],
+                             start_new_session=True)  # fmt: skip
+    try:
+        fr.save(cfg.state_file, dc.replace(EXAMPLES[2], pid=other.pid))
+        vms._refuse_second(cfg)  # not a fleet: nothing refused
+        fr.save(cfg.state_file, dc.replace(EXAMPLES[2], pid=fleet.pid))
+        # the child's command line in /proc can lag its start by a moment
+        deadline = time.monotonic() + 10
+        while "arpo_envs" not in vms._cmdline(fleet.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with pytest.raises(RuntimeError, match=rf"a fleet already runs .*pid {fleet.pid}"):
+            vms._refuse_second(cfg)
+    finally:
+        for p in (other, fleet):
+            p.kill()
+            p.wait()

@@ -73,7 +73,7 @@ def read_state(state_file: Path | None = None) -> VMFleetState | None:
 
 def _refuse_second(config: FleetConfig) -> None:
     old = read_state(config.state_file)
-    if old and alive(old.pid):
+    if old and _is_fleet(old.pid):
         raise RuntimeError(
             f"a fleet already runs from {config.folder} (pid {old.pid}); "
             "`arpo-envs vm down` first, or give another --dir"
